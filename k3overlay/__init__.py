@@ -1,0 +1,15 @@
+"""vllm-k3-overlay: keep a patch series and overlay files on a pinned vLLM release.
+
+Modules, one concept each:
+  errors    exit codes and the one-line errors a user sees
+  git       project-agnostic git verbs over GitPython
+  project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
+  mirror    a local git mirror of vLLM release sdists, one tagged commit per release
+  source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)
+  series    the patch series: read, check headers, apply with a 3-way fallback, classify
+  manifest  the overlay manifest: drift against recorded upstream blobs, laying files, 3-way merge
+  verify    byte-compile touched files and resolve imports of touched modules
+  report    the result as human text, JSON, JUnit XML and markdown
+  job       the apply job wiring the above together
+  export    regenerate patches/ and the manifest from a maintainer's work branch
+"""

@@ -1,0 +1,61 @@
+"""Command line of ``apply.py``: parse, run the job, print the report, exit with its code."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from . import errors, progress
+from .job import Options, run_apply
+from .project import Project
+from .report import Report, write_human, write_json
+
+EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout, 3 patch conflict,
+4 overlay drift, 5 verification failed, 6 vLLM source unreachable"""
+
+
+def parser(project: Project) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="apply.py", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Apply the Kimi-K3 patch series and overlay onto a vLLM checkout.")
+    p.add_argument("--vllm-ref", metavar="REF",
+                   help="vLLM tag, branch or sha to patch (default: the pinned base in overlay.json)")
+    p.add_argument("--vllm-repo", metavar="PATH_OR_URL",
+                   help="vLLM git repository (default: $VLLM_REPO, else a local mirror of "
+                        "release sdists under ~/.cache/vllm-k3-overlay)")
+    p.add_argument("--workdir", type=Path, metavar="DIR",
+                   help=f"patched checkout (default: {project.default_workdir.relative_to(project.root)})")
+    p.add_argument("--branch", metavar="NAME",
+                   help=f"work branch (default: {project.default_branch})")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="do everything in a temporary worktree; leave the checkout as it was")
+    p.add_argument("--allow-drift", action="store_true",
+                   help="lay overlay files even where upstream changed the file since the base")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    project = Project()
+    args = parser(project).parse_args(argv)
+    progress.quiet = args.quiet
+    opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
+                   branch=args.branch, check=args.check, allow_drift=args.allow_drift)
+    try:
+        report = run_apply(project, opts)
+    except errors.OverlayError as err:
+        report = Report(project.version, "", args.vllm_ref or "", error=str(err),
+                        error_code=err.exit_code)
+        if args.json:
+            write_json(report, args.json)
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return err.exit_code
+    if args.json:
+        write_json(report, args.json)
+    # Wide when piped, so CI logs keep one line per patch or file.
+    write_human(report, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+    return report.exit_code

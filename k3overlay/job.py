@@ -1,0 +1,150 @@
+"""The apply job: a vLLM checkout at a ref -> the patched work branch, or a clear reason why not.
+
+All patching happens in a temporary worktree at the ref; the user's checkout
+is touched only at the very end, and only when everything succeeded: its
+work branch is pointed at the result and checked out. With ``check`` the
+last step is skipped, so the checkout stays exactly as it was.
+
+Commits are made with a fixed identity and dates taken from the patches and
+the ref, so the same series on the same ref gives the same shas: a re-run is
+a no-op.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import errors, git, manifest as manifest_mod, series as series_mod, source
+from .errors import UsageError
+from .progress import step
+from .project import IDENTITY, Project
+from .report import Report
+from .verify import verify
+
+_TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote to a branch: proof we own it
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the user asked for. ``ref`` None = the pinned base from the manifest."""
+
+    ref: str | None = None
+    vllm_repo: str | None = None
+    workdir: Path | None = None
+    branch: str | None = None
+    check: bool = False
+    allow_drift: bool = False
+
+
+def run_apply(project: Project, opts: Options) -> Report:
+    """Apply the series and overlay onto ``opts.ref``; return the report.
+
+    Raises OverlayError (UsageError, SourceError, GitError) for bad input or
+    an unsafe checkout, before anything is changed. Patch conflicts, drift
+    and verification failures come back in the report (see ``exit_code``).
+    """
+    manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
+    patches = series_mod.load(project.patches_dir)
+    ref = opts.ref or manifest.base
+    branch = opts.branch or project.default_branch
+    workdir = (opts.workdir or project.default_workdir).resolve()
+    report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
+                    allow_drift=opts.allow_drift)
+
+    existing = source.open_existing(workdir)
+    if existing is not None and not opts.check:
+        _refuse_unsafe(existing, branch)
+    origin = source.locate(opts.vllm_repo, [manifest.base, ref])
+    scratch = None
+    if existing is not None:
+        workdir_repo = existing
+    elif opts.check:  # nothing to leave untouched: work in a throwaway clone
+        scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
+        workdir_repo = source.clone(origin, scratch / "vllm")
+    else:
+        workdir_repo = source.clone(origin, workdir)
+    try:
+        report.ref_sha = source.ensure_ref(workdir_repo, origin, ref)
+        base_sha = git.resolve(workdir_repo, manifest.base)
+        with git.temporary_worktree(workdir_repo, report.ref_sha) as tree:
+            result_sha = build(project, manifest, patches, tree, report, base_sha)
+        if result_sha and not opts.check:
+            _publish(workdir_repo, branch, result_sha, report)
+        elif opts.check:
+            report.notes.append("--check: nothing written to the checkout")
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return report
+
+
+def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
+          tree: git.Repo, report: Report, base_sha: str | None, *, merge: bool = False) -> str | None:
+    """Apply patches and overlay in ``tree`` (a worktree at ``report.ref_sha``).
+
+    Fills ``report``; returns the resulting commit sha, or None when the
+    result is not fit to publish (conflict, unaccepted drift, failed verify).
+    With ``merge``, drifted overlay files are 3-way merged instead of refused.
+    """
+    upstream = (f"{base_sha}..{report.ref_sha}"
+                if base_sha and git.is_ancestor(tree, base_sha, report.ref_sha) else None)
+    env = git.environ(**{k: v for k, v in IDENTITY.items() if "COMMITTER" in k})
+    with step(f"applying {len(patches)} patch(es) with git am --3way"):
+        report.patches = series_mod.apply(tree, patches, env=env, upstream_range=upstream)
+    report.overlay = manifest_mod.check(tree, report.ref_sha, manifest)
+    for result in report.overlay:
+        if result.status == manifest_mod.DRIFT:
+            result.upstream_diff = manifest_mod.upstream_diff(tree, manifest.base, report.ref_sha,
+                                                              result.path)
+    if merge:
+        files = {f.path: f for f in manifest.files}
+        report.overlay = [manifest_mod.merge(tree, Path(tree.working_tree_dir), project.overlay_dir,
+                                             files[r.path], report.ref_sha, r)
+                          if r.status == manifest_mod.DRIFT else r for r in report.overlay]
+    if report.exit_code in (errors.CONFLICT, errors.DRIFT):
+        return None
+    manifest_mod.lay(Path(tree.working_tree_dir), project.overlay_dir, report.overlay)
+    when = git.run(tree, "show", "-s", "--format=%cI", "HEAD").strip()
+    sha = git.commit_all(tree, _overlay_message(project, report), env=git.environ(
+        **IDENTITY, GIT_AUTHOR_DATE=when, GIT_COMMITTER_DATE=when))
+    touched = git.changed_paths(tree, report.ref_sha, sha)
+    report.verify = verify(Path(tree.working_tree_dir), touched)
+    return sha if report.verify.ok else None
+
+
+def _overlay_message(project: Project, report: Report) -> str:
+    lines = [f"k3-overlay: lay overlay files (vllm-k3-overlay {project.version})", ""]
+    lines += [f"{f.status}: {f.path}" for f in report.overlay]
+    return "\n".join(lines + ["", f"Overlay-Version: {project.version}", ""])
+
+
+def _refuse_unsafe(repo: git.Repo, branch: str) -> None:
+    """Raise UsageError (one line, what to do) if touching this checkout could lose work."""
+    op = git.operation_in_progress(repo)
+    if op:
+        raise UsageError(f"{repo.working_tree_dir} has a {op} in progress; finish or abort it first")
+    if git.is_dirty(repo):
+        raise UsageError(f"{repo.working_tree_dir} has uncommitted changes; commit or stash them "
+                         f"first (or use --check)")
+    tip = git.branch_tip(repo, branch)
+    if tip is None:
+        return
+    ours = git.config_get(repo, _TIP_KEY.format(branch))
+    if ours is None:
+        raise UsageError(f"branch {branch} exists and was not created by apply.py; "
+                         f"choose another with --branch")
+    if ours != tip:
+        raise UsageError(f"branch {branch} has commits apply.py did not write (tip {tip[:12]}); "
+                         f"move them to another branch or choose another with --branch")
+
+
+def _publish(repo: git.Repo, branch: str, sha: str, report: Report) -> None:
+    """Point ``branch`` at ``sha`` and check it out (a no-op when already there)."""
+    if git.branch_tip(repo, branch) == sha and git.current_branch(repo) == branch:
+        report.notes.append(f"branch {branch} already at {sha[:12]}: nothing to do")
+        return
+    git.set_branch(repo, branch, sha)
+    git.config_set(repo, _TIP_KEY.format(branch), sha)

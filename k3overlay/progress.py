@@ -1,0 +1,45 @@
+"""Progress on long steps (download, unpack, am), on stderr so stdout stays the report."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+console = Console(stderr=True, highlight=False)
+quiet = False
+
+
+@contextlib.contextmanager
+def step(message: str) -> Iterator[None]:
+    """Say ``message`` now and how long it took when done (seconds)."""
+    start = time.monotonic()
+    if not quiet:
+        console.print(f"[dim]…[/dim] {message}")
+    yield
+    if not quiet:
+        console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")
+
+
+class DownloadBar:
+    """A pypi-simple ProgressTracker drawing a rich bar (bytes) for one download."""
+
+    def __init__(self, total: int | None, label: str) -> None:
+        self._progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), console=console, transient=True, disable=quiet,
+        )
+        self._task = self._progress.add_task(label, total=total)
+
+    def __enter__(self) -> DownloadBar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def update(self, increment: int) -> None:
+        self._progress.advance(self._task, increment)

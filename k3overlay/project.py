@@ -1,0 +1,61 @@
+"""Where this repository keeps its data: VERSION, patches/, overlay/ and overlay.json.
+
+Policy lives in those files; this module only finds and reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Commits the tool writes (patch applications, the overlay commit) carry this
+# identity, so the same series on the same ref gives the same shas on any machine.
+IDENTITY = {
+    "GIT_COMMITTER_NAME": "vllm-k3-overlay",
+    "GIT_COMMITTER_EMAIL": "k3-overlay@users.noreply.localhost",
+    "GIT_AUTHOR_NAME": "vllm-k3-overlay",
+    "GIT_AUTHOR_EMAIL": "k3-overlay@users.noreply.localhost",
+}
+
+
+@dataclass(frozen=True)
+class Project:
+    """The data of one checkout of this repository (``root`` is its top)."""
+
+    root: Path = ROOT
+
+    @property
+    def version(self) -> str:
+        """Overlay version, the one line of VERSION (e.g. ``0.1.0``)."""
+        return (self.root / "VERSION").read_text().strip()
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def overlay_dir(self) -> Path:
+        return self.root / "overlay"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "overlay.json"
+
+    @property
+    def default_branch(self) -> str:
+        """Work branch name when none is given: ``k3-overlay/<version>``."""
+        return f"k3-overlay/{self.version}"
+
+    @property
+    def default_workdir(self) -> Path:
+        """Patched checkout when none is given: ``work/vllm`` under this repo (git-ignored)."""
+        return self.root / "work" / "vllm"
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vllm-k3-overlay"

@@ -1,0 +1,217 @@
+"""The result of one job on one ref, and its renderings.
+
+``to_json`` is the schema CI parses (README documents it); ``write_human``
+is for a person at a terminal; ``junit`` and ``markdown`` are for CI
+systems and pull-request comments.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import errors
+from .manifest import CONFLICT as FILE_CONFLICT, DRIFT, FileResult
+from .series import CONFLICT as PATCH_CONFLICT, PatchResult
+from .verify import VerifyResult
+
+
+@dataclass
+class Report:
+    """Everything one job found for one ref.
+
+    ``allow_drift``: drift was accepted by the user, so it does not fail the job.
+    ``tests``: pass/fail/skip counts of a test run, when the job ran one.
+    ``error``: a one-line reason when the job stopped early (bad input etc.).
+    """
+
+    overlay_version: str
+    base_ref: str
+    ref: str
+    ref_sha: str = ""
+    branch: str = ""
+    workdir: str = ""
+    patches: list[PatchResult] = field(default_factory=list)
+    overlay: list[FileResult] = field(default_factory=list)
+    verify: VerifyResult | None = None
+    allow_drift: bool = False
+    tests: dict | None = None
+    error: str = ""
+    error_code: int = errors.OK
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 ok, 2 usage, 3 patch conflict, 4 overlay drift/conflict, 5 verify, 6 source."""
+        if self.error_code:
+            return self.error_code
+        if any(p.status == PATCH_CONFLICT for p in self.patches):
+            return errors.CONFLICT
+        if any(f.status == FILE_CONFLICT for f in self.overlay):
+            return errors.DRIFT
+        if not self.allow_drift and any(f.status == DRIFT for f in self.overlay):
+            return errors.DRIFT
+        if self.verify is not None and not self.verify.ok:
+            return errors.VERIFY
+        if self.tests is not None and (self.tests.get("failed") or self.tests.get("errors")):
+            return errors.VERIFY
+        return errors.OK
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == errors.OK
+
+    def to_json(self) -> dict:
+        """The report as the JSON object documented in README.md."""
+        verify = self.verify or VerifyResult(False, [self.error or "verification not run"])
+        data = {
+            "overlay_version": self.overlay_version,
+            "base_ref": self.base_ref,
+            "ref": self.ref,
+            "ref_sha": self.ref_sha,
+            "branch": self.branch,
+            "workdir": self.workdir,
+            "ok": self.ok,
+            "patches": [_patch_json(p) for p in self.patches],
+            "overlay": [_file_json(f) for f in self.overlay],
+            "verify": {"ok": verify.ok, "errors": verify.errors},
+        }
+        if self.tests is not None:
+            data["tests"] = self.tests
+        if self.error:
+            data["error"] = self.error
+        return data
+
+
+def _patch_json(p: PatchResult) -> dict:
+    data = {"name": p.name, "status": p.status}
+    if p.status == PATCH_CONFLICT:
+        data.update(files=p.files, hunks=p.hunks)
+    return data
+
+
+def _file_json(f: FileResult) -> dict:
+    data = {"path": f.path, "status": f.status}
+    if f.detail:
+        data["detail"] = f.detail
+    if f.upstream_diff:
+        data["upstream_diff"] = f.upstream_diff
+    return data
+
+
+def write_json(reports: list[Report] | Report, path: Path) -> None:
+    """Write one report (an object) or several (a list of objects) as JSON."""
+    data = reports.to_json() if isinstance(reports, Report) else [r.to_json() for r in reports]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+_STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
+          "added": "green", "replaced": "green", "merged": "yellow",
+          "drift": "red", "conflict": "red"}
+
+
+def write_human(report: Report, console: Console) -> None:
+    """A short summary: ref, each patch and overlay file with its status, verify, verdict."""
+    console.print(f"[bold]vllm-k3-overlay {report.overlay_version}[/bold] on "
+                  f"{report.ref} ({report.ref_sha[:12] or '?'}), base {report.base_ref}")
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("kind")
+    table.add_column("item")
+    table.add_column("status")
+    for p in report.patches:
+        table.add_row("patch", p.name, _styled(p.status))
+        for line in p.hunks or p.files:
+            table.add_row("", f"  {line}", "")
+    for f in report.overlay:
+        table.add_row("overlay", f.path, _styled(f.status))
+        if f.detail and f.status not in ("added", "replaced"):
+            table.add_row("", f"  {f.detail}", "")
+    if report.patches or report.overlay:
+        console.print(table)
+    if report.verify is not None:
+        console.print("verify: " + ("ok" if report.verify.ok else "[red]failed[/red]"))
+        for error in report.verify.errors:
+            console.print(f"  {error}")
+    if report.tests is not None:
+        t = report.tests
+        console.print(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                      f"{t.get('skipped', 0)} skipped, {t.get('errors', 0)} errors")
+    for note in report.notes:
+        console.print(note)
+    if report.ok:
+        where = f" -> branch {report.branch} in {report.workdir}" if report.branch else ""
+        console.print(f"[green]ok[/green]{where}")
+    else:
+        console.print(f"[red]failed[/red] (exit {report.exit_code})"
+                      + (f": {report.error}" if report.error else ""))
+
+
+def _styled(status: str) -> str:
+    style = _STYLE.get(status, "white")
+    return f"[{style}]{status}[/{style}]"
+
+
+def junit(reports: list[Report]) -> ET.ElementTree:
+    """JUnit XML: one testsuite per ref, one testcase per patch, overlay file and verify."""
+    suites = ET.Element("testsuites", name="vllm-k3-overlay")
+    for report in reports:
+        suite = ET.SubElement(suites, "testsuite", name=f"rebase onto {report.ref}")
+        cases = []
+        for p in report.patches:
+            failure = None if p.status != PATCH_CONFLICT else "; ".join(p.hunks or p.files)
+            cases.append((f"patch {p.name}", p.status, failure))
+        for f in report.overlay:
+            bad = f.status == FILE_CONFLICT or (f.status == DRIFT and not report.allow_drift)
+            cases.append((f"overlay {f.path}", f.status, f.detail if bad else None))
+        if report.verify is not None:
+            cases.append(("verify", "ok" if report.verify.ok else "failed",
+                          None if report.verify.ok else "; ".join(report.verify.errors)))
+        if report.tests is not None:
+            t = report.tests
+            bad = t.get("failed") or t.get("errors")
+            cases.append(("cpu tests", f"{t}", f"{t}" if bad else None))
+        if report.error:
+            cases.append(("job", "error", report.error))
+        failures = 0
+        for name, status, failure in cases:
+            case = ET.SubElement(suite, "testcase", classname=f"k3overlay.{report.ref}", name=name)
+            ET.SubElement(case, "system-out").text = status
+            if failure:
+                failures += 1
+                ET.SubElement(case, "failure", message=failure[:500]).text = failure
+        suite.set("tests", str(len(cases)))
+        suite.set("failures", str(failures))
+    tree = ET.ElementTree(suites)
+    ET.indent(tree)
+    return tree
+
+
+def markdown(reports: list[Report]) -> str:
+    """A short summary for a CI comment: one table row per ref, then per-item details."""
+    lines = ["## vllm-k3-overlay rebase report", "",
+             "| ref | verdict | patches | overlay | verify | tests |",
+             "|---|---|---|---|---|---|"]
+    for r in reports:
+        patches = ", ".join(f"{p.name.split('-')[0]} {p.status}" for p in r.patches) or "-"
+        overlay = ", ".join(f"`{Path(f.path).name}` {f.status}" for f in r.overlay) or "-"
+        verify = "-" if r.verify is None else ("ok" if r.verify.ok else "failed")
+        tests = "-" if r.tests is None else (
+            f"{r.tests.get('passed', 0)} passed, {r.tests.get('failed', 0)} failed, "
+            f"{r.tests.get('skipped', 0)} skipped, {r.tests.get('errors', 0)} errors")
+        verdict = "ok" if r.ok else f"**exit {r.exit_code}**"
+        lines.append(f"| {r.ref} `{r.ref_sha[:10]}` | {verdict} | {patches} | {overlay} | {verify} | {tests} |")
+    for r in reports:
+        drifted = [f for f in r.overlay if f.upstream_diff]
+        for f in drifted:
+            lines += ["", f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> "
+                      f"since {r.base_ref} ({f.status})</summary>", "", "```diff",
+                      f.upstream_diff.rstrip(), "```", "</details>"]
+        if r.error:
+            lines += ["", f"{r.ref}: {r.error}"]
+    return "\n".join(lines) + "\n"
