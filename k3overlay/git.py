@@ -71,9 +71,9 @@ def init_bare(path: Path) -> Repo:
 
 
 def clone(source: str, dest: Path) -> Repo:
-    """Clone ``source`` (a URL or a path) into ``dest`` without checking out files."""
+    """Clone ``source`` (a URL or a path) into ``dest``."""
     try:
-        return Repo.clone_from(source, dest, no_checkout=True)
+        return Repo.clone_from(source, dest)
     except GitCommandError as err:
         raise GitError(f"git clone {source} failed: {_first_line(str(err.stderr))}") from err
 

@@ -110,7 +110,10 @@ def _apply_one(repo: git.Repo, patch: Patch, env: dict[str, str],
     if upstream_range and _same_patch_upstream(repo, patch, upstream_range):
         return PatchResult(patch.name, LANDED)
     clean = git.apply_check(repo, patch.path)
+    before = git.resolve(repo, "HEAD")
     ok, output = git.am(repo, patch.path, env=env)
+    if ok and git.resolve(repo, "HEAD") == before:
+        return PatchResult(patch.name, LANDED)  # 3-way merge found nothing left to change
     if ok:
         return PatchResult(patch.name, APPLIED if clean else APPLIED_3WAY)
     unmerged = git.unmerged_paths(repo)

@@ -51,7 +51,7 @@ def open_existing(workdir: Path) -> git.Repo | None:
 
 
 def clone(origin: str, workdir: Path) -> git.Repo:
-    """Clone ``origin`` into ``workdir`` (no files checked out yet)."""
+    """Clone ``origin`` into ``workdir``."""
     workdir.parent.mkdir(parents=True, exist_ok=True)
     with step(f"cloning {origin} into {workdir}"):
         return git.clone(origin, workdir)

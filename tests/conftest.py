@@ -1,0 +1,133 @@
+"""Synthetic upstream repositories and overlay projects for the apply job's tests.
+
+The upstream repo has one file per concern and four tags, each built so one
+patch lands in a known state:
+
+  v1.0.0  base
+  v1.1.0  line 1 of pkg/model.txt changed  -> patch needs 3-way; overlay file unchanged
+  v1.2.0  upstream made our change itself  -> patch landed upstream; pkg/mod.py changed (drift)
+  v1.3.0  line 4 changed another way       -> patch conflicts
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from k3overlay.project import Project
+
+IDENT = {
+    "GIT_AUTHOR_NAME": "Upstream Dev", "GIT_AUTHOR_EMAIL": "dev@upstream.invalid",
+    "GIT_COMMITTER_NAME": "Upstream Dev", "GIT_COMMITTER_EMAIL": "dev@upstream.invalid",
+    "GIT_AUTHOR_DATE": "2026-01-01T00:00:00+00:00", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00+00:00",
+}
+
+MODEL = [f"line {i}" for i in range(1, 13)]
+MOD_BASE = "def old():\n    return 1\n\n\nVALUE = 1\n"
+USER = "from pkg.mod import VALUE\nfrom .mod import old\n"
+
+
+def g(repo: Path, *args: str) -> str:
+    """Run git in ``repo`` with a fixed test identity; return stdout."""
+    env = {**os.environ, **IDENT}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def model(changes: dict[int, str]) -> str:
+    lines = list(MODEL)
+    for number, text in changes.items():
+        lines[number - 1] = text
+    return "\n".join(lines) + "\n"
+
+
+def commit_tag(repo: Path, files: dict[str, str], tag: str) -> None:
+    write(repo, files)
+    g(repo, "add", "-A")
+    g(repo, "commit", "-q", "-m", f"release {tag}")
+    g(repo, "tag", tag)
+
+
+@pytest.fixture(scope="session")
+def upstream(tmp_path_factory) -> Path:
+    """A small upstream repository with tags v1.0.0 .. v1.3.0 (see module docstring)."""
+    repo = tmp_path_factory.mktemp("upstream")
+    g(repo, "init", "-q", "-b", "main")
+    commit_tag(repo, {"pkg/__init__.py": "", "pkg/mod.py": MOD_BASE, "pkg/user.py": USER,
+                      "pkg/model.txt": model({})}, "v1.0.0")
+    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)"})}, "v1.1.0")
+    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)", 4: "line 4 (ours)"}),
+                      "pkg/mod.py": MOD_BASE + "\n\ndef upstream_added():\n    return 2\n"}, "v1.2.0")
+    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)", 4: "line 4 (theirs)"})},
+               "v1.3.0")
+    return repo
+
+
+def make_patch(upstream: Path, out_dir: Path, name: str, changes: dict[int, str],
+               status: str = "Upstream-Status: Pending") -> Path:
+    """A format-patch of ``changes`` to pkg/model.txt on v1.0.0, saved as ``out_dir/name``."""
+    work = out_dir.parent / f"_mk_{name}"
+    g(upstream, "worktree", "add", "-q", "--detach", str(work), "v1.0.0")
+    try:
+        (work / "pkg/model.txt").write_text(model(changes))
+        g(work, "commit", "-q", "-am", f"model: change lines {sorted(changes)}\n\nWhy: a test.\n\n{status}")
+        out = g(work, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index",
+                "--stdout", "HEAD")
+    finally:
+        g(upstream, "worktree", "remove", "--force", str(work))
+    (out_dir / name).write_text(out)
+    return out_dir / name
+
+
+@pytest.fixture
+def project(tmp_path, upstream) -> Project:
+    """An overlay project: one patch (line 4 of model.py), pkg/mod.py replaced, pkg/new.py added."""
+    root = tmp_path / "project"
+    (root / "patches").mkdir(parents=True)
+    make_patch(upstream, root / "patches", "0001-model-line-4.patch", {4: "line 4 (ours)"})
+    (root / "patches" / "series").write_text("0001-model-line-4.patch\n")
+    write(root / "overlay", {"pkg/mod.py": MOD_BASE + "\n\ndef ours():\n    return 3\n",
+                             "pkg/new.py": "from pkg.mod import ours\n"})
+    base_blob = g(upstream, "rev-parse", "v1.0.0:pkg/mod.py").strip()
+    (root / "overlay.json").write_text(json.dumps({"base": "v1.0.0", "files": [
+        {"path": "pkg/mod.py", "base_blob": base_blob},
+        {"path": "pkg/new.py", "base_blob": "new"}]}))
+    (root / "VERSION").write_text("9.9.9\n")
+    return Project(root)
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(request, tmp_path, monkeypatch):
+    """No synthetic test touches the real cache or picks up $VLLM_REPO by accident.
+
+    End-to-end tests (marked ``e2e``) keep the real cache: the release mirror
+    there is what saves them from downloading vLLM again.
+    """
+    if request.node.get_closest_marker("e2e") is None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_REPO", raising=False)
+
+
+def snapshot(repo: Path) -> dict:
+    """Everything about a checkout a user could lose: refs, HEAD, status, worktrees, stash."""
+    return {
+        "refs": g(repo, "for-each-ref", "--format=%(refname) %(objectname)"),
+        "head": g(repo, "rev-parse", "HEAD"),
+        "symbolic": subprocess.run(["git", "symbolic-ref", "-q", "HEAD"], cwd=repo,
+                                   capture_output=True, text=True).stdout,
+        "status": g(repo, "status", "--porcelain", "--untracked-files=all"),
+        "diff": g(repo, "diff", "HEAD"),
+        "worktrees": g(repo, "worktree", "list", "--porcelain"),
+        "config": (repo / ".git" / "config").read_text(),
+    }
