@@ -194,7 +194,8 @@ def blob_at(repo: Repo, ref: str, path: str) -> str | None:
 def read_blob(repo: Repo, sha: str) -> bytes:
     """The bytes of blob ``sha``. Raises GitError if ``repo`` lacks it."""
     try:
-        return repo.git.execute(["git", "cat-file", "blob", sha], stdout_as_string=False)
+        return repo.git.execute(["git", "cat-file", "blob", sha], stdout_as_string=False,
+                                strip_newline_in_stdout=False)
     except GitCommandError as err:
         raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}") from err
 
@@ -227,6 +228,7 @@ def merge_file(ours: Path, base: Path, theirs: Path) -> tuple[bool, bytes]:
         ["git", "merge-file", "-p", "-L", "ours", "-L", "base", "-L", "theirs",
          str(ours), str(base), str(theirs)],
         with_extended_output=True, with_exceptions=False, stdout_as_string=False,
+        strip_newline_in_stdout=False,
     )
     if status < 0:
         raise GitError(f"git merge-file failed on {ours}")
