@@ -1,0 +1,108 @@
+"""End-to-end on real vLLM releases, materialized from their sdists (tier ``e2e``).
+
+The release mirror lives in the real cache (``~/.cache/vllm-k3-overlay``), so
+only the first run on a machine downloads (about 40 MB per release).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3overlay import errors, git, source
+from k3overlay.job import Options, run_apply
+from k3overlay.mirror import release_of
+from k3overlay.project import ROOT, Project
+from k3overlay.series import load as load_series
+
+from ..conftest import g, snapshot
+
+pytestmark = pytest.mark.e2e
+
+LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
+MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
+# git hash-object of upstream files, as found in the release sdists (shared/FACTS.md)
+BLOBS = {("v0.28.0", LLG): "64ea39b4", ("v0.29.0", LLG): "52e6aa04",
+         ("v0.28.0", MTP): "45cbe376", ("v0.29.0", MTP): "038c8db6"}
+
+
+@pytest.fixture(scope="session")
+def mirror_repo():
+    mirror = source.default_mirror()
+    mirror.ensure([release_of("v0.28.0"), release_of("v0.29.0")])
+    return git.init_bare(mirror.path)
+
+
+@pytest.fixture(scope="session")
+def applied(mirror_repo, tmp_path_factory):
+    """README command 1, as a user runs it (but into a temporary workdir)."""
+    wd = tmp_path_factory.mktemp("e2e") / "vllm"
+    out = wd.parent / "report.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "apply.py"), "--workdir", str(wd),
+                           "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return wd, json.loads(out.read_text())
+
+
+def test_mirror_blobs_match_the_published_releases(mirror_repo):
+    for (ref, path), prefix in BLOBS.items():
+        assert git.blob_at(mirror_repo, ref, path).startswith(prefix)
+
+
+def test_apply_on_pinned_base(applied):
+    wd, report = applied
+    project = Project()
+    assert report["ok"] is True and report["ref"] == report["base_ref"] == "v0.28.0"
+    assert {p["status"] for p in report["patches"]} == {"applied"}
+    assert {f["status"] for f in report["overlay"]} <= {"replaced", "added"}
+    assert g(wd, "symbolic-ref", "--short", "HEAD").strip() == f"k3-overlay/{project.version}"
+    mtp = (wd / MTP).read_text()
+    assert "self.eh_proj = ReplicatedLinear(" in mtp and "nn.Linear(config.hidden_size * 2" not in mtp
+    subjects = g(wd, "log", "--format=%s").splitlines()
+    n = len(load_series(project.patches_dir))
+    assert subjects[0].startswith("k3-overlay: lay overlay files")
+    assert subjects[-1] == "vLLM v0.28.0" and len(subjects) == n + 2
+    assert (wd / LLG).read_bytes() == (project.overlay_dir / LLG).read_bytes()
+
+
+def test_rerun_is_a_no_op(applied):
+    wd, _ = applied
+    tip = g(wd, "rev-parse", "HEAD")
+    report = run_apply(Project(), Options(workdir=wd))
+    assert report.ok and g(wd, "rev-parse", "HEAD") == tip
+
+
+def test_check_leaves_real_checkout_untouched(applied):
+    wd, _ = applied
+    before = snapshot(wd)
+    report = run_apply(Project(), Options(workdir=wd, check=True))
+    assert report.ok and snapshot(wd) == before
+
+
+def test_dirty_real_checkout_refused_and_change_survives(applied):
+    wd, _ = applied
+    mine = "# my local experiment\n"
+    original = (wd / MTP).read_text()
+    (wd / MTP).write_text(original + mine)
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "apply.py"), "--workdir", str(wd), "-q"],
+                              capture_output=True, text=True)
+        assert proc.returncode == errors.USAGE
+        assert proc.stderr.count("\n") == 1 and "uncommitted changes" in proc.stderr
+        assert (wd / MTP).read_text() == original + mine
+    finally:
+        (wd / MTP).write_text(original)
+
+
+def test_v0_29_0_patch_landed_and_overlay_drift_detected(mirror_repo, tmp_path):
+    report = run_apply(Project(), Options(ref="v0.29.0", workdir=tmp_path / "wd", check=True))
+    statuses = {p.name.split("-")[0]: p.status for p in report.patches}
+    assert statuses["0001"] == "landed-upstream"
+    llg = next(f for f in report.overlay if f.path == LLG)
+    assert llg.status == "drift" and "52e6aa04" in llg.detail
+    assert "@@" in llg.upstream_diff  # upstream's own v0.28.0 -> v0.29.0 diff of the file
+    assert report.exit_code in (errors.CONFLICT, errors.DRIFT)
