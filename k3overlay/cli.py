@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 
 from . import errors, progress
+from .export import export
 from .job import Options, run_apply
+from .rebase import rebase_to
 from .project import Project
 from .report import Report, write_human, write_json
 
@@ -35,6 +38,12 @@ def parser(project: Project) -> argparse.ArgumentParser:
                    help="do everything in a temporary worktree; leave the checkout as it was")
     p.add_argument("--allow-drift", action="store_true",
                    help="lay overlay files even where upstream changed the file since the base")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--rebase-to", metavar="REF",
+                      help="maintainers: rebuild the work branch on REF in the checkout, dropping "
+                           "landed patches, 3-way merging drifted overlay files, stopping at conflicts")
+    mode.add_argument("--export", action="store_true",
+                      help="maintainers: regenerate patches/ and overlay.json from the work branch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     return p
 
@@ -45,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     progress.quiet = args.quiet
     opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
                    branch=args.branch, check=args.check, allow_drift=args.allow_drift)
+    if args.export:
+        return _export(project, args.workdir or project.default_workdir)
     try:
-        report = run_apply(project, opts)
+        if args.rebase_to:
+            report = rebase_to(project, replace(opts, ref=args.rebase_to))
+        else:
+            report = run_apply(project, opts)
     except errors.OverlayError as err:
         report = Report(project.version, "", args.vllm_ref or "", error=str(err),
                         error_code=err.exit_code)
@@ -59,3 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     # Wide when piped, so CI logs keep one line per patch or file.
     write_human(report, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
     return report.exit_code
+
+
+def _export(project: Project, workdir: Path) -> int:
+    try:
+        result = export(project, workdir.resolve())
+    except errors.OverlayError as err:
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"exported {len(result.patches)} patch(es) on base {result.base}:")
+    for name in result.patches:
+        print(f"  {name}")
+    for name in result.dropped:
+        print(f"  dropped {name} (not on the work branch: landed upstream or removed)")
+    print("overlay.json re-recorded at " + result.base)
+    if result.range_diff:
+        print("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip())
+    return errors.OK

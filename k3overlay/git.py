@@ -180,6 +180,12 @@ def unmerged_paths(repo: Repo) -> list[str]:
     return sorted(set(out.split()))
 
 
+def stage(repo: Repo, paths: list[str]) -> None:
+    """``git add`` these paths."""
+    if paths:
+        run(repo, "add", "--", *paths)
+
+
 def staged_changes(repo: Repo) -> bool:
     """True if the index differs from HEAD."""
     return not attempt(repo, "diff", "--cached", "--quiet")[0]
@@ -205,6 +211,12 @@ def hash_file(repo: Repo, path: Path) -> str:
     return run(repo, "hash-object", "--no-filters", str(path)).strip()
 
 
+def commit_paths(repo: Repo, sha: str) -> set[str]:
+    """Paths commit ``sha`` changes against its first parent."""
+    return set(run(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root",
+                   "--no-renames", sha).split())
+
+
 def changed_paths(repo: Repo, old: str, new: str) -> list[str]:
     """Paths that differ between commits ``old`` and ``new``."""
     return sorted(run(repo, "diff", "--name-only", "--no-renames", old, new).split())
@@ -216,9 +228,13 @@ def diff(repo: Repo, old: str, new: str, path: str) -> str:
 
 
 def commit_all(repo: Repo, message: str, *, env: dict[str, str]) -> str:
-    """Stage every change in the work tree and commit it; return the new sha."""
+    """Stage every change in the work tree and commit it; return HEAD's sha after.
+
+    Nothing to commit is not an error: HEAD stays where it was.
+    """
     run(repo, "add", "--all")
-    run(repo, "commit", "--quiet", "--allow-empty", "--no-verify", "-m", message, env=env)
+    if staged_changes(repo):
+        run(repo, "commit", "--quiet", "--no-verify", "-m", message, env=env)
     return run(repo, "rev-parse", "HEAD").strip()
 
 
@@ -257,16 +273,20 @@ def log_subjects(repo: Repo, rev_range: str) -> list[tuple[str, str]]:
     return [tuple(line.split(" ", 1)) for line in out.splitlines() if line]
 
 
-def format_patch(repo: Repo, sha: str, outdir: Path) -> Path:
-    """Write commit ``sha`` as one mailbox patch with stable headers; return its path."""
-    out = run(
-        repo, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index", "-o", str(outdir), sha,
-    )
+def format_patch(repo: Repo, sha: str, outdir: Path, number: int = 1) -> Path:
+    """Write commit ``sha`` as one mailbox patch, file name prefixed ``NNNN-``.
+
+    Headers that would churn on every export are fixed: the From line's
+    commit id is zeroed and no git version signature is added; the Date is
+    the commit's author date, which ``git am`` preserves.
+    """
+    out = run(repo, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index",
+              f"--start-number={number}", "-o", str(outdir), sha)
     return Path(out.strip().splitlines()[-1])
 
 
 def range_diff(repo: Repo, old: str, new: str) -> str:
-    """``git range-diff old...`` comparison of two commit ranges (``A..B`` strings)."""
+    """``git range-diff`` of two commit ranges (``A..B`` strings)."""
     return run(repo, "range-diff", "--no-color", old, new)
 
 

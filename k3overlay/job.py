@@ -24,7 +24,9 @@ from .project import IDENTITY, Project
 from .report import Report
 from .verify import verify
 
-_TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote to a branch: proof we own it
+# Recorded in the checkout's git config for each work branch we write:
+TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote: proof we own the branch
+BASE_KEY = "branch.{}.k3overlaybase"  # the upstream ref the branch is built on (for --export)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def run_apply(project: Project, opts: Options) -> Report:
 
     existing = source.open_existing(workdir)
     if existing is not None and not opts.check:
-        _refuse_unsafe(existing, branch)
+        refuse_unsafe(existing, branch)
     origin = source.locate(opts.vllm_repo, [manifest.base, ref])
     scratch = None
     if existing is not None:
@@ -82,37 +84,59 @@ def run_apply(project: Project, opts: Options) -> Report:
 
 
 def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
-          tree: git.Repo, report: Report, base_sha: str | None, *, merge: bool = False) -> str | None:
+          tree: git.Repo, report: Report, base_sha: str | None, *, merge: bool = False,
+          best_effort: bool = False) -> str | None:
     """Apply patches and overlay in ``tree`` (a worktree at ``report.ref_sha``).
 
     Fills ``report``; returns the resulting commit sha, or None when the
     result is not fit to publish (conflict, unaccepted drift, failed verify).
     With ``merge``, drifted overlay files are 3-way merged instead of refused.
+    With ``best_effort`` (the rebase job), conflicting patches and files are
+    left out and the rest is still committed and verified, so tests can run.
     """
-    upstream = (f"{base_sha}..{report.ref_sha}"
-                if base_sha and git.is_ancestor(tree, base_sha, report.ref_sha) else None)
+    tree_dir = Path(tree.working_tree_dir)
+    report.patches = apply_patches(tree, patches, report.ref_sha, base_sha)
+    report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=merge)
+    blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
+    if blocked and not best_effort:
+        return None
+    manifest_mod.lay(tree_dir, project.overlay_dir, report.overlay)
+    sha = commit_overlay(tree, project, report)
+    report.verify = verify(tree_dir, git.changed_paths(tree, report.ref_sha, sha))
+    return None if blocked or not report.verify.ok else sha
+
+
+def apply_patches(tree: git.Repo, patches: list[series_mod.Patch], ref_sha: str,
+                  base_sha: str | None) -> list[series_mod.PatchResult]:
+    """Apply the series onto ``tree`` (see ``series.apply``), committer = the tool."""
+    upstream = (f"{base_sha}..{ref_sha}"
+                if base_sha and git.is_ancestor(tree, base_sha, ref_sha) else None)
     env = git.environ(**{k: v for k, v in IDENTITY.items() if "COMMITTER" in k})
     with step(f"applying {len(patches)} patch(es) with git am --3way"):
-        report.patches = series_mod.apply(tree, patches, env=env, upstream_range=upstream)
-    report.overlay = manifest_mod.check(tree, report.ref_sha, manifest)
-    for result in report.overlay:
-        if result.status == manifest_mod.DRIFT:
-            result.upstream_diff = manifest_mod.upstream_diff(tree, manifest.base, report.ref_sha,
-                                                              result.path)
-    if merge:
-        files = {f.path: f for f in manifest.files}
-        report.overlay = [manifest_mod.merge(tree, Path(tree.working_tree_dir), project.overlay_dir,
-                                             files[r.path], report.ref_sha, r)
-                          if r.status == manifest_mod.DRIFT else r for r in report.overlay]
-    if report.exit_code in (errors.CONFLICT, errors.DRIFT):
-        return None
-    manifest_mod.lay(Path(tree.working_tree_dir), project.overlay_dir, report.overlay)
+        return series_mod.apply(tree, patches, env=env, upstream_range=upstream)
+
+
+def classify_overlay(tree: git.Repo, project: Project, manifest: manifest_mod.Manifest,
+                     ref_sha: str, *, merge: bool) -> list[manifest_mod.FileResult]:
+    """Each overlay file's status at ``ref_sha``; drifted ones carry upstream's diff
+    and, with ``merge``, the outcome of a 3-way merge."""
+    results = manifest_mod.check(tree, ref_sha, manifest)
+    files = {f.path: f for f in manifest.files}
+    for i, result in enumerate(results):
+        if result.status != manifest_mod.DRIFT:
+            continue
+        result.upstream_diff = manifest_mod.upstream_diff(tree, manifest.base, ref_sha, result.path)
+        if merge:
+            results[i] = manifest_mod.merge(tree, project.overlay_dir, files[result.path],
+                                            ref_sha, result)
+    return results
+
+
+def commit_overlay(tree: git.Repo, project: Project, report: Report) -> str:
+    """Commit whatever ``lay`` wrote, dated like HEAD so the sha is reproducible."""
     when = git.run(tree, "show", "-s", "--format=%cI", "HEAD").strip()
-    sha = git.commit_all(tree, _overlay_message(project, report), env=git.environ(
+    return git.commit_all(tree, _overlay_message(project, report), env=git.environ(
         **IDENTITY, GIT_AUTHOR_DATE=when, GIT_COMMITTER_DATE=when))
-    touched = git.changed_paths(tree, report.ref_sha, sha)
-    report.verify = verify(Path(tree.working_tree_dir), touched)
-    return sha if report.verify.ok else None
 
 
 def _overlay_message(project: Project, report: Report) -> str:
@@ -121,7 +145,7 @@ def _overlay_message(project: Project, report: Report) -> str:
     return "\n".join(lines + ["", f"Overlay-Version: {project.version}", ""])
 
 
-def _refuse_unsafe(repo: git.Repo, branch: str) -> None:
+def refuse_unsafe(repo: git.Repo, branch: str) -> None:
     """Raise UsageError (one line, what to do) if touching this checkout could lose work."""
     op = git.operation_in_progress(repo)
     if op:
@@ -132,7 +156,7 @@ def _refuse_unsafe(repo: git.Repo, branch: str) -> None:
     tip = git.branch_tip(repo, branch)
     if tip is None:
         return
-    ours = git.config_get(repo, _TIP_KEY.format(branch))
+    ours = git.config_get(repo, TIP_KEY.format(branch))
     if ours is None:
         raise UsageError(f"branch {branch} exists and was not created by apply.py; "
                          f"choose another with --branch")
@@ -147,4 +171,10 @@ def _publish(repo: git.Repo, branch: str, sha: str, report: Report) -> None:
         report.notes.append(f"branch {branch} already at {sha[:12]}: nothing to do")
         return
     git.set_branch(repo, branch, sha)
-    git.config_set(repo, _TIP_KEY.format(branch), sha)
+    record(repo, branch, report.ref)
+
+
+def record(repo: git.Repo, branch: str, ref: str) -> None:
+    """Remember that we wrote ``branch`` (its tip now) on top of upstream ``ref``."""
+    git.config_set(repo, TIP_KEY.format(branch), git.branch_tip(repo, branch))
+    git.config_set(repo, BASE_KEY.format(branch), ref)

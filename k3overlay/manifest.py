@@ -45,12 +45,17 @@ class Manifest:
 
 @dataclass
 class FileResult:
-    """One overlay file on one ref. ``upstream_diff`` is upstream's own base→ref diff on drift."""
+    """One overlay file on one ref.
+
+    ``upstream_diff``: upstream's own base→ref diff, on drift. ``merged``: the
+    3-way merge's output (with conflict markers when ``status`` is conflict).
+    """
 
     path: str
     status: str
     detail: str = ""
     upstream_diff: str = field(default="", repr=False)
+    merged: bytes | None = field(default=None, repr=False)
 
 
 def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
@@ -118,24 +123,31 @@ def upstream_diff(repo: git.Repo, base: str, ref: str, path: str) -> str:
     return git.diff(repo, base, ref, path)
 
 
-def lay(tree: Path, overlay_dir: Path, results: list[FileResult]) -> None:
-    """Copy each overlay file of ``results`` into ``tree`` (except unresolved conflicts)."""
+def lay(tree: Path, overlay_dir: Path, results: list[FileResult], *,
+        with_conflicts: bool = False) -> None:
+    """Write each overlay file of ``results`` into ``tree``.
+
+    Our file for added/replaced/drift, the merge for merged. A conflicted
+    file keeps upstream's version unless ``with_conflicts``, which writes the
+    merge with its conflict markers for a maintainer to resolve.
+    """
     for result in results:
-        if result.status == CONFLICT:
+        if result.status == CONFLICT and not (with_conflicts and result.merged is not None):
             continue
-        if result.status == MERGED:
-            continue  # merge() already wrote the merged file
         dest = tree / result.path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(overlay_dir / result.path, dest)
+        if result.merged is not None:
+            dest.write_bytes(result.merged)
+        else:
+            shutil.copyfile(overlay_dir / result.path, dest)
 
 
-def merge(repo: git.Repo, tree: Path, overlay_dir: Path, f: OverlayFile, ref: str,
+def merge(repo: git.Repo, overlay_dir: Path, f: OverlayFile, ref: str,
           result: FileResult) -> FileResult:
     """3-way merge a drifted file: base = upstream at our base, ours = overlay, theirs = ref.
 
-    Writes the merge into ``tree`` (with conflict markers when it conflicts)
-    and returns ``merged`` or ``conflict``.
+    Returns ``merged`` or ``conflict`` with the merge output in ``merged``
+    (None when it could not be attempted, e.g. the base blob is missing).
     """
     theirs_blob = git.blob_at(repo, ref, f.path)
     with tempfile.TemporaryDirectory(prefix="k3-merge-") as tmp:
@@ -147,12 +159,12 @@ def merge(repo: git.Repo, tree: Path, overlay_dir: Path, f: OverlayFile, ref: st
         except git.GitError as err:
             return FileResult(f.path, CONFLICT, f"{result.detail}; cannot merge: {err}",
                               result.upstream_diff)
-    dest = tree / f.path
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(merged)
-    status = MERGED if clean else CONFLICT
-    detail = "3-way merge clean" if clean else f"3-way merge conflicts ({merged.count(b'<<<<<<<')} regions)"
-    return FileResult(f.path, status, f"{result.detail}; {detail}", result.upstream_diff)
+    if clean:
+        return FileResult(f.path, MERGED, f"{result.detail}; 3-way merge clean",
+                          result.upstream_diff, merged)
+    regions = merged.count(b"\n<<<<<<< ") + merged.startswith(b"<<<<<<< ")
+    return FileResult(f.path, CONFLICT, f"{result.detail}; 3-way merge: {regions} conflicting "
+                      f"region(s)", result.upstream_diff, merged)
 
 
 def _blob_or_empty(repo: git.Repo, sha: str | None) -> bytes:

@@ -69,10 +69,11 @@ def load(patches_dir: Path) -> list[Patch]:
     unlisted = sorted({p.name for p in patches_dir.glob("*.patch")} - set(names))
     if unlisted:
         raise UsageError(f"patches not in {series_file.name}: {', '.join(unlisted)}")
-    return [_read(patches_dir / name) for name in names]
+    return [read_patch(patches_dir / name) for name in names]
 
 
-def _read(path: Path) -> Patch:
+def read_patch(path: Path) -> Patch:
+    """Read one mailbox patch file. Raises UsageError if it is missing or lacks Upstream-Status."""
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
     text = path.read_text()
@@ -100,11 +101,13 @@ def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
     A conflicting patch is aborted and skipped, and the rest are still tried,
     so one run classifies the whole series.
     """
-    return [_apply_one(repo, patch, env, upstream_range) for patch in patches]
+    return [apply_one(repo, patch, env=env, upstream_range=upstream_range) for patch in patches]
 
 
-def _apply_one(repo: git.Repo, patch: Patch, env: dict[str, str],
-               upstream_range: str | None) -> PatchResult:
+def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str],
+              upstream_range: str | None = None, keep_conflict: bool = False) -> PatchResult:
+    """Apply and classify one patch (see ``apply``). With ``keep_conflict`` a
+    conflicting am is left in progress for a maintainer to resolve."""
     if git.apply_check(repo, patch.path, reverse=True):
         return PatchResult(patch.name, LANDED)
     if upstream_range and _same_patch_upstream(repo, patch, upstream_range):
@@ -120,7 +123,8 @@ def _apply_one(repo: git.Repo, patch: Patch, env: dict[str, str],
     if not unmerged and not git.staged_changes(repo) and "already applied" in output:
         git.am_skip(repo)
         return PatchResult(patch.name, LANDED)
-    git.am_abort(repo)
+    if not keep_conflict:
+        git.am_abort(repo)
     return PatchResult(patch.name, CONFLICT, unmerged or list(patch.files), _failed_hunks(output))
 
 

@@ -5,8 +5,9 @@ patch lands in a known state:
 
   v1.0.0  base
   v1.1.0  line 1 of pkg/model.txt changed  -> patch needs 3-way; overlay file unchanged
-  v1.2.0  upstream made our change itself  -> patch landed upstream; pkg/mod.py changed (drift)
-  v1.3.0  line 4 changed another way       -> patch conflicts
+  v1.2.0  upstream made our change itself  -> patch landed upstream; pkg/mod.py drift that
+          3-way merges cleanly
+  v1.3.0  line 4 changed another way       -> patch conflicts; pkg/mod.py drift that conflicts
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ IDENT = {
 MODEL = [f"line {i}" for i in range(1, 13)]
 MOD_BASE = "def old():\n    return 1\n\n\nVALUE = 1\n"
 USER = "from pkg.mod import VALUE\nfrom .mod import old\n"
+MOD_V12 = '"""Upstream docstring."""\n' + MOD_BASE  # merges cleanly with our overlay
+MOD_V13 = MOD_BASE + "\n\ndef theirs():\n    return 4\n"  # same place as ours: conflicts
 
 
 def g(repo: Path, *args: str) -> str:
@@ -68,9 +71,9 @@ def upstream(tmp_path_factory) -> Path:
                       "pkg/model.txt": model({})}, "v1.0.0")
     commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)"})}, "v1.1.0")
     commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)", 4: "line 4 (ours)"}),
-                      "pkg/mod.py": MOD_BASE + "\n\ndef upstream_added():\n    return 2\n"}, "v1.2.0")
-    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)", 4: "line 4 (theirs)"})},
-               "v1.3.0")
+                      "pkg/mod.py": MOD_V12}, "v1.2.0")
+    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)", 4: "line 4 (theirs)"}),
+                      "pkg/mod.py": MOD_V13}, "v1.3.0")
     return repo
 
 

@@ -61,7 +61,7 @@ def test_landed_upstream_and_drift_exit_4(project, upstream, tmp_path):
     assert statuses(report) == (["landed-upstream"], {"pkg/mod.py": "drift", "pkg/new.py": "added"})
     assert report.exit_code == errors.DRIFT and not report.ok
     drift = report.overlay[0]
-    assert "upstream_added" in drift.upstream_diff  # upstream's own base->ref diff is shown
+    assert "+\"\"\"Upstream docstring.\"\"\"" in drift.upstream_diff  # upstream's own base->ref diff is shown
     assert g(wd, "branch", "--list", "k3-overlay/*") == ""  # nothing published
 
 

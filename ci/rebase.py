@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
+
+    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
+        [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests]
+
+For each ref, in a throwaway clone (the user's checkout is never touched):
+every patch classified (applied / applied-3way / landed-upstream / conflict),
+every drifted overlay file 3-way merged (merged / conflict) with upstream's
+own diff, the result verified, and the CPU test tier (vLLM's skinny-GEMM
+test file and ours, see ``ci/cpu_tier.py``) run on what applied.
+
+Exit code: 0 when every ref is clean, else the first failing ref's code
+(3 patch conflict, 4 overlay drift/conflict, 5 verify or tests failed,
+2/6 ref or source problems), so CI can gate on it or treat it as advisory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from rich.console import Console  # noqa: E402
+
+from k3overlay import errors, progress  # noqa: E402
+from k3overlay.project import Project  # noqa: E402
+from k3overlay.rebase import run_rebase  # noqa: E402
+from k3overlay.report import junit, markdown, write_human, write_json  # noqa: E402
+
+
+def cpu_tier(tree: Path) -> dict:
+    from cpu_tier import run_cpu_tier
+
+    return run_cpu_tier(tree)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--onto", action="append", required=True, metavar="REF",
+                   help="upstream ref to rebase onto (repeatable)")
+    p.add_argument("--vllm-repo", metavar="PATH_OR_URL", help="as for apply.py")
+    p.add_argument("--json", type=Path, metavar="FILE")
+    p.add_argument("--junit", type=Path, metavar="FILE")
+    p.add_argument("--markdown", type=Path, metavar="FILE")
+    p.add_argument("--no-tests", action="store_true", help="skip the CPU test tier")
+    p.add_argument("-q", "--quiet", action="store_true")
+    args = p.parse_args(argv)
+    progress.quiet = args.quiet
+    try:
+        reports = run_rebase(Project(), args.onto, vllm_repo=args.vllm_repo,
+                             tests=None if args.no_tests else cpu_tier)
+    except errors.OverlayError as err:
+        print(f"rebase.py: error: {err}", file=sys.stderr)
+        return err.exit_code
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    for report in reports:
+        write_human(report, console)
+        console.print()
+    if args.json:
+        write_json(reports, args.json)
+    if args.junit:
+        args.junit.parent.mkdir(parents=True, exist_ok=True)
+        junit(reports).write(args.junit, encoding="unicode", xml_declaration=True)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(reports))
+    return next((r.exit_code for r in reports if not r.ok), errors.OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

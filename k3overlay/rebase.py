@@ -1,0 +1,125 @@
+"""Rebasing the overlay onto newer upstream refs.
+
+``run_rebase`` is the CI job: for each target ref, in a throwaway clone and
+worktree, classify every patch, 3-way merge every drifted overlay file, verify,
+and run the tests on what applied, so one report says what landed, what
+drifted and what broke.
+
+``rebase_to`` is the maintainer's step: rebuild the work branch on a new ref
+in the checkout itself, stopping where a human must resolve a conflict;
+``export`` (module ``export``) then turns the branch back into ``patches/``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from . import errors, git, manifest as manifest_mod, series as series_mod, source
+from .job import (BASE_KEY, IDENTITY, Options, apply_patches, classify_overlay, commit_overlay,
+                  record, refuse_unsafe)
+from .project import Project
+from .report import Report
+from .verify import verify
+
+TestRunner = Callable[[Path], dict]
+
+
+def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
+               tests: TestRunner | None = None) -> list[Report]:
+    """One report per ref in ``refs``; nothing of the user's is touched.
+
+    ``tests(tree)`` runs the test tier on the patched tree and returns counts
+    (``passed``, ``failed``, ``skipped``, ``errors``). A ref that cannot be
+    found yields a report with ``error`` rather than stopping the others.
+    Raises OverlayError for a bad series/manifest or an unreachable source.
+    """
+    manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
+    patches = series_mod.load(project.patches_dir)
+    origin = source.locate(vllm_repo, [manifest.base, *refs])
+    scratch = Path(tempfile.mkdtemp(prefix="k3-rebase-"))
+    try:
+        repo = source.clone(origin, scratch / "vllm")
+        base_sha = source.ensure_ref(repo, origin, manifest.base)
+        return [_one(project, manifest, patches, repo, origin, base_sha, ref, tests) for ref in refs]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _one(project, manifest, patches, repo, origin, base_sha, ref, tests) -> Report:
+    report = Report(project.version, manifest.base, ref)
+    try:
+        report.ref_sha = source.ensure_ref(repo, origin, ref)
+    except errors.OverlayError as err:
+        report.error, report.error_code = str(err), err.exit_code
+        return report
+    with git.temporary_worktree(repo, report.ref_sha) as tree:
+        tree_dir = Path(tree.working_tree_dir)
+        report.patches = apply_patches(tree, patches, report.ref_sha, base_sha)
+        report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=True)
+        manifest_mod.lay(tree_dir, project.overlay_dir, report.overlay)
+        sha = commit_overlay(tree, project, report)
+        report.verify = verify(tree_dir, git.changed_paths(tree, report.ref_sha, sha))
+        if tests is not None:
+            report.tests = tests(tree_dir)
+    return report
+
+
+def rebase_to(project: Project, opts: Options) -> Report:
+    """Rebuild the work branch on ``opts.ref`` in the checkout, for a maintainer.
+
+    Landed patches are dropped; a conflicting patch stops with ``git am``
+    left in progress (resolve, ``git am --continue``, run this again to go
+    on); drifted overlay files are 3-way merged, conflicts left as markers in
+    the work tree (resolve, commit, then ``--export``). Raises UsageError on
+    an unsafe checkout or an unknown ref.
+    """
+    manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
+    patches = series_mod.load(project.patches_dir)
+    branch = opts.branch or project.default_branch
+    workdir = (opts.workdir or project.default_workdir).resolve()
+    report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
+    origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
+    repo = source.open_existing(workdir) or source.clone(origin, workdir)
+    op = git.operation_in_progress(repo)
+    if op:
+        raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
+                                f"or abort it, then run --rebase-to again")
+    report.ref_sha = source.ensure_ref(repo, origin, opts.ref)
+    base_sha = source.ensure_ref(repo, origin, manifest.base)
+    continuing = (git.current_branch(repo) == branch
+                  and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
+    if not continuing:
+        refuse_unsafe(repo, branch)
+        git.set_branch(repo, branch, report.ref_sha)
+        record(repo, branch, opts.ref)
+    elif git.is_dirty(repo):
+        raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
+    done = {subject for _, subject in git.log_subjects(repo, f"{report.ref_sha}..HEAD")}
+    env = git.environ(**{k: v for k, v in IDENTITY.items() if "COMMITTER" in k})
+    upstream = f"{base_sha}..{report.ref_sha}" if git.is_ancestor(repo, base_sha, report.ref_sha) else None
+    for patch in patches:
+        if patch.subject in done:
+            report.patches.append(series_mod.PatchResult(patch.name, series_mod.APPLIED))
+            continue
+        result = series_mod.apply_one(repo, patch, env=env, upstream_range=upstream, keep_conflict=True)
+        report.patches.append(result)
+        if result.status == series_mod.CONFLICT:
+            report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "
+                                f"{workdir}, then run apply.py --rebase-to {opts.ref} again")
+            return report
+    report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
+    manifest_mod.lay(workdir, project.overlay_dir, report.overlay, with_conflicts=True)
+    conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
+    if conflicted:
+        git.stage(repo, [f.path for f in report.overlay if f.path not in conflicted])
+        report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
+                            f"`git commit -a`, then run apply.py --export")
+        return report
+    sha = commit_overlay(repo, project, report)
+    record(repo, branch, opts.ref)
+    report.verify = verify(workdir, git.changed_paths(repo, report.ref_sha, sha))
+    report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
+    return report

@@ -1,0 +1,141 @@
+"""The rebase job, --rebase-to and --export on synthetic repos."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from k3overlay import errors
+from k3overlay.export import export
+from k3overlay.job import Options, run_apply
+from k3overlay.rebase import rebase_to, run_rebase
+from k3overlay.report import junit, markdown
+
+from .conftest import g
+
+
+def model_test(tree):
+    """A stand-in test tier: passes when our patch's line is in the tree."""
+    ok = "line 4 (ours)" in (tree / "pkg/model.txt").read_text()
+    return {"passed": int(ok), "failed": int(not ok), "skipped": 0, "errors": 0}
+
+
+@pytest.fixture
+def reports(project, upstream):
+    return {r.ref: r for r in run_rebase(project, ["v1.1.0", "v1.2.0", "v1.3.0", "v7.0.0"],
+                                         vllm_repo=str(upstream), tests=model_test)}
+
+
+def test_each_target_classified(reports):
+    v11, v12, v13 = reports["v1.1.0"], reports["v1.2.0"], reports["v1.3.0"]
+    assert [p.status for p in v11.patches] == ["applied-3way"] and v11.ok
+    assert v11.tests == {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+    assert [p.status for p in v12.patches] == ["landed-upstream"]
+    mod12 = {f.path: f for f in v12.overlay}["pkg/mod.py"]
+    assert mod12.status == "merged" and "Upstream docstring" in mod12.upstream_diff
+    assert v12.ok and v12.verify.ok and v12.tests["passed"] == 1
+    assert [p.status for p in v13.patches] == ["conflict"]
+    assert v13.patches[0].files == ["pkg/model.txt"]
+    mod13 = {f.path: f for f in v13.overlay}["pkg/mod.py"]
+    assert mod13.status == "conflict" and "def theirs" in mod13.upstream_diff
+    assert v13.exit_code == errors.CONFLICT
+    assert v13.tests["failed"] == 1  # tests still ran, on what applied: upstream's line 4
+    assert reports["v7.0.0"].exit_code == errors.USAGE and "not found" in reports["v7.0.0"].error
+
+
+def test_reports_render_for_ci(reports):
+    ordered = list(reports.values())
+    data = [r.to_json() for r in ordered]
+    assert [d["ok"] for d in data] == [True, True, False, False]
+    assert data[2]["tests"]["failed"] == 1
+    suites = junit(ordered).getroot()
+    assert [s.get("failures") for s in suites] == ["0", "0", "3", "1"]
+    text = markdown(ordered)
+    assert "| v1.2.0" in text and "landed-upstream" in text and "Upstream docstring" in text
+
+
+def test_export_round_trips(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    first = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    tree = g(wd, "rev-parse", "HEAD^{tree}")
+    before = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    result = export(project, wd)
+    assert first.ok and result.dropped == [] and result.base == "v1.0.0"
+    after = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    assert after == before  # same names, same bytes
+    export(project, wd)
+    assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == after  # no churn
+    again = run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd2"))
+    assert again.ok and g(tmp_path / "wd2", "rev-parse", "HEAD^{tree}") == tree
+
+
+def test_rebase_to_merged_target_then_export(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    report = rebase_to(project, Options(ref="v1.2.0", vllm_repo=str(upstream), workdir=wd))
+    assert report.ok, report.to_json()
+    assert [p.status for p in report.patches] == ["landed-upstream"]
+    result = export(project, wd)
+    assert result.patches == [] and result.dropped == ["0001-model-line-4.patch"]
+    assert (project.patches_dir / "series").read_text() == ""
+    mod = (project.overlay_dir / "pkg/mod.py").read_text()
+    assert mod.startswith('"""Upstream docstring."""') and "def ours" in mod
+    manifest = json.loads(project.manifest_path.read_text())
+    blobs = {f["path"]: f["base_blob"] for f in manifest["files"]}
+    assert manifest["base"] == "v1.2.0"
+    assert blobs == {"pkg/mod.py": g(upstream, "rev-parse", "v1.2.0:pkg/mod.py").strip(),
+                     "pkg/new.py": "new"}
+    check = run_apply(project, Options(ref="v1.2.0", vllm_repo=str(upstream), workdir=tmp_path / "w2"))
+    assert check.ok and {f.path: f.status for f in check.overlay}["pkg/mod.py"] == "replaced"
+
+
+def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    opts = Options(ref="v1.3.0", vllm_repo=str(upstream), workdir=wd)
+    first = rebase_to(project, opts)
+    assert first.exit_code == errors.CONFLICT and (wd / ".git/rebase-apply").is_dir()
+    with pytest.raises(errors.UsageError, match="in progress"):
+        rebase_to(project, opts)
+    (wd / "pkg/model.txt").write_text(
+        "\n".join(["line 1 (upstream)", "line 2", "line 3", "line 4 (ours+theirs)"]
+                  + [f"line {i}" for i in range(5, 13)]) + "\n")
+    g(wd, "add", "pkg/model.txt")
+    subprocess.run(["git", "am", "--continue"], cwd=wd, check=True, capture_output=True,
+                   env={"GIT_COMMITTER_NAME": "m", "GIT_COMMITTER_EMAIL": "m@m", "PATH": "/usr/bin:/bin"})
+    second = rebase_to(project, opts)
+    assert second.exit_code == errors.DRIFT
+    assert {f.path: f.status for f in second.overlay}["pkg/mod.py"] == "conflict"
+    assert "<<<<<<<" in (wd / "pkg/mod.py").read_text()
+    (wd / "pkg/mod.py").write_text((wd / "pkg/mod.py").read_text().replace("<<<<<<< ours\n", "")
+                                   .replace("=======\n", "").split(">>>>>>>")[0])
+    g(wd, "commit", "-qam", "resolve pkg/mod.py")
+    result = export(project, wd)
+    assert result.patches == ["0001-model-line-4.patch"] and result.base == "v1.3.0"
+    patch = (project.patches_dir / result.patches[0]).read_text()
+    assert "+line 4 (ours+theirs)" in patch and "Upstream-Status: Pending" in patch
+    assert "model: change lines [4]" in result.range_diff and "ours+theirs" in result.range_diff
+    check = run_apply(project, Options(ref="v1.3.0", vllm_repo=str(upstream), workdir=tmp_path / "w2"))
+    assert check.ok, check.to_json()
+    assert [p.status for p in check.patches] == ["applied"]
+
+
+def test_export_refuses_commit_without_upstream_status(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    (wd / "pkg/model.txt").write_text("changed\n")
+    g(wd, "commit", "-qam", "a quick fix")
+    before = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    with pytest.raises(errors.UsageError, match="Upstream-Status"):
+        export(project, wd)
+    assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
+
+
+def test_export_refuses_commit_mixing_overlay_and_upstream_files(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    (wd / "pkg/model.txt").write_text("changed\n")
+    (wd / "pkg/new.py").write_text("X = 1\n")
+    g(wd, "commit", "-qam", "mixed\n\nUpstream-Status: Pending")
+    with pytest.raises(errors.UsageError, match="split it"):
+        export(project, wd)
