@@ -30,6 +30,7 @@ from rich.console import Console  # noqa: E402
 from k3overlay import errors, progress  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
 from k3overlay.rebase import run_rebase  # noqa: E402
+from k3overlay.source import default_mirror  # noqa: E402
 from k3overlay.report import junit, markdown, write_human, write_json  # noqa: E402
 
 
@@ -42,7 +43,8 @@ def cpu_tier(tree: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--onto", action="append", required=True, metavar="REF",
-                   help="upstream ref to rebase onto (repeatable)")
+                   help="upstream ref to rebase onto (repeatable); 'latest' = the newest vLLM "
+                        "release on the package index")
     p.add_argument("--vllm-repo", metavar="PATH_OR_URL", help="as for apply.py")
     p.add_argument("--json", type=Path, metavar="FILE")
     p.add_argument("--junit", type=Path, metavar="FILE")
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     progress.quiet = args.quiet
     try:
-        reports = run_rebase(Project(), args.onto, vllm_repo=args.vllm_repo,
+        refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
+        reports = run_rebase(Project(), refs, vllm_repo=args.vllm_repo,
                              tests=None if args.no_tests else cpu_tier)
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)

@@ -99,10 +99,27 @@ class ReleaseMirror:
                 sha = git.snapshot(repo, tree, message, [git.resolve(repo, p) for p in parents], env=env)
                 git.tag(repo, tag_of(version), sha)
 
+    def latest(self) -> Version:
+        """The newest final release with an sdist on the index. Raises SourceError offline."""
+        try:
+            with self._index() as index:
+                page = index.get_project_page(PROJECT)
+        except requests.RequestException as err:
+            raise SourceError(f"cannot reach the package index: {err}") from err
+        found = {Version(p.version) for p in page.packages
+                 if p.package_type == "sdist" and p.version and not p.is_yanked}
+        finals = [v for v in found if not v.is_prerelease and not v.is_devrelease]
+        if not finals:
+            raise SourceError("the package index lists no vLLM release sdist")
+        return max(finals)
+
+    def _index(self) -> PyPISimple:
+        return PyPISimple(**({"endpoint": self.index_url} if self.index_url else {}))
+
     def _download(self, version: Version) -> tuple[Path, datetime]:
         """The sdist of ``version`` (cached) and its upload time (UTC)."""
         try:
-            with PyPISimple(**({"endpoint": self.index_url} if self.index_url else {})) as index:
+            with self._index() as index:
                 page = index.get_project_page(PROJECT)
                 sdists = [p for p in page.packages
                           if p.package_type == "sdist" and p.version == str(version)]
