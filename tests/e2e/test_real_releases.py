@@ -6,46 +6,23 @@ only the first run on a machine downloads (about 40 MB per release).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from k3overlay import errors, git, source
+from k3overlay import errors, git
 from k3overlay.job import Options, run_apply
-from k3overlay.mirror import release_of
 from k3overlay.project import ROOT, Project
 from k3overlay.series import load as load_series
 
 from ..conftest import g, snapshot
+from .conftest import LLG, MTP
 
-pytestmark = pytest.mark.e2e
 
-LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
-MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
 # git hash-object of upstream files, as found in the release sdists (shared/FACTS.md)
 BLOBS = {("v0.28.0", LLG): "64ea39b4", ("v0.29.0", LLG): "52e6aa04",
          ("v0.28.0", MTP): "45cbe376", ("v0.29.0", MTP): "038c8db6"}
-
-
-@pytest.fixture(scope="session")
-def mirror_repo():
-    mirror = source.default_mirror()
-    mirror.ensure([release_of("v0.28.0"), release_of("v0.29.0")])
-    return git.init_bare(mirror.path)
-
-
-@pytest.fixture(scope="session")
-def applied(mirror_repo, tmp_path_factory):
-    """README command 1, as a user runs it (but into a temporary workdir)."""
-    wd = tmp_path_factory.mktemp("e2e") / "vllm"
-    out = wd.parent / "report.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "apply.py"), "--workdir", str(wd),
-                           "--json", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return wd, json.loads(out.read_text())
 
 
 def test_mirror_blobs_match_the_published_releases(mirror_repo):
