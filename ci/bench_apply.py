@@ -61,8 +61,8 @@ def main() -> None:
         raw = [raw_am(repo, sha, patches) for _ in range(args.repeats)]
         full = [full_apply(project, workdir) for _ in range(args.repeats)]
     r, f = statistics.median(raw), statistics.median(full)
-    print(f"vLLM {base}, {len(patches)} patch(es), {len(manifest.load(project.manifest_path, project.overlay_dir).files)} overlay file(s), "
-          f"median of {args.repeats}")
+    files = len(manifest.load(project.manifest_path, project.overlay_dir).files)
+    print(f"vLLM {base}, {len(patches)} patch(es), {files} overlay file(s), median of {args.repeats}")
     print(f"  raw worktree + git am --3way : {r:6.2f} s  (min {min(raw):.2f}, max {max(raw):.2f})")
     print(f"  apply.py --check (whole job) : {f:6.2f} s  (min {min(full):.2f}, max {max(full):.2f})")
     print(f"  overhead of the job          : {f - r:6.2f} s  ({f / r:.1f}x)")

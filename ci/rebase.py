@@ -30,8 +30,8 @@ from rich.console import Console  # noqa: E402
 from k3overlay import errors, progress  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
 from k3overlay.rebase import run_rebase  # noqa: E402
-from k3overlay.source import default_mirror  # noqa: E402
 from k3overlay.report import junit, markdown, write_human, write_json  # noqa: E402
+from k3overlay.source import default_mirror  # noqa: E402
 
 
 def cpu_tier(tree: Path) -> dict:

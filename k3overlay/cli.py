@@ -12,8 +12,8 @@ from rich.console import Console
 from . import errors, progress
 from .export import export
 from .job import Options, run_apply
-from .rebase import rebase_to
 from .project import Project
+from .rebase import rebase_to
 from .report import Report, write_human, write_json
 
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout, 3 patch conflict,

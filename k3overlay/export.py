@@ -16,7 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git, manifest as manifest_mod, series as series_mod
+from . import git
+from . import manifest as manifest_mod
+from . import series as series_mod
 from .errors import UsageError
 from .job import BASE_KEY
 from .project import Project
@@ -71,7 +73,8 @@ def export(project: Project, workdir: Path) -> ExportResult:
         if blob is None:
             raise UsageError(f"the work branch has no {f.path}; restore it or drop it from overlay.json")
         (project.overlay_dir / f.path).write_bytes(git.read_blob(repo, blob))
-        files.append(manifest_mod.OverlayFile(f.path, git.blob_at(repo, base_sha, f.path) or manifest_mod.NEW))
+        base_blob = git.blob_at(repo, base_sha, f.path) or manifest_mod.NEW
+        files.append(manifest_mod.OverlayFile(f.path, base_blob))
     manifest_mod.save(manifest_mod.Manifest(base_ref, tuple(files)), project.manifest_path)
     return result
 

@@ -17,7 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import errors, git, manifest as manifest_mod, series as series_mod, source
+from . import errors, git, source
+from . import manifest as manifest_mod
+from . import series as series_mod
 from .errors import UsageError
 from .progress import step
 from .project import IDENTITY, Project

@@ -17,9 +17,19 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import errors, git, manifest as manifest_mod, series as series_mod, source
-from .job import (BASE_KEY, IDENTITY, Options, apply_patches, classify_overlay, commit_overlay,
-                  record, refuse_unsafe)
+from . import errors, git, source
+from . import manifest as manifest_mod
+from . import series as series_mod
+from .job import (
+    BASE_KEY,
+    IDENTITY,
+    Options,
+    apply_patches,
+    classify_overlay,
+    commit_overlay,
+    record,
+    refuse_unsafe,
+)
 from .project import Project
 from .report import Report
 from .verify import verify

@@ -16,8 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from . import errors
-from .manifest import CONFLICT as FILE_CONFLICT, DRIFT, FileResult
-from .series import CONFLICT as PATCH_CONFLICT, PatchResult
+from .manifest import CONFLICT as FILE_CONFLICT
+from .manifest import DRIFT, FileResult
+from .series import CONFLICT as PATCH_CONFLICT
+from .series import PatchResult
 from .verify import VerifyResult
 
 
@@ -205,7 +207,8 @@ def markdown(reports: list[Report]) -> str:
             f"{r.tests.get('passed', 0)} passed, {r.tests.get('failed', 0)} failed, "
             f"{r.tests.get('skipped', 0)} skipped, {r.tests.get('errors', 0)} errors")
         verdict = "ok" if r.ok else f"**exit {r.exit_code}**"
-        lines.append(f"| {r.ref} `{r.ref_sha[:10]}` | {verdict} | {patches} | {overlay} | {verify} | {tests} |")
+        lines.append(f"| {r.ref} `{r.ref_sha[:10]}` | {verdict} | {patches} | {overlay} "
+                     f"| {verify} | {tests} |")
     for r in reports:
         drifted = [f for f in r.overlay if f.upstream_diff]
         for f in drifted:

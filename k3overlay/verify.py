@@ -37,8 +37,10 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
         try:
             modules[module_name(path)] = ast.parse(file.read_bytes(), filename=path)
             compile(file.read_bytes(), path, "exec", dont_inherit=True)
-        except (SyntaxError, ValueError) as err:
-            result.fail(f"{path}:{getattr(err, 'lineno', '?')}: does not compile: {err.msg if isinstance(err, SyntaxError) else err}")
+        except SyntaxError as err:
+            result.fail(f"{path}:{err.lineno}: does not compile: {err.msg}")
+        except ValueError as err:  # e.g. a NUL byte
+            result.fail(f"{path}: does not compile: {err}")
     exported = {name: _top_level_names(mod) for name, mod in modules.items()}
     for importer, lineno, module, name in _imports_of(tree, set(exported)):
         names = exported[module]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from k3overlay import errors, git
 from k3overlay.job import Options, run_apply
 from k3overlay.project import ROOT, Project
@@ -18,7 +16,6 @@ from k3overlay.series import load as load_series
 
 from ..conftest import g, snapshot
 from .conftest import LLG, MTP
-
 
 # git hash-object of upstream files, as found in the release sdists (shared/FACTS.md)
 BLOBS = {("v0.28.0", LLG): "64ea39b4", ("v0.29.0", LLG): "52e6aa04",
