@@ -1,0 +1,894 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""CPU tests of the Kimi-K3 low-latency decode GEMM dispatch (vllm-k3-overlay).
+
+No GPU needed: the device capability is monkeypatched per test (each test names the
+architecture it runs as), the CuTe kernel and the dsv3 op are replaced by fakes that
+record their calls and compute the product on CPU, and the guard's device type is
+pointed at "cpu" where a test needs the fast path to be reachable. GPU numerics
+against cuBLAS live in test_kimi_k3_low_latency_gemm_gpu.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import regex as re
+import torch
+from torch import nn
+
+from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import SkinnyGemmConfig
+from vllm.models.kimi_k3.nvidia import low_latency_gemm as k3
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_sm90 as sm90_data
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_tables as blackwell_data
+from vllm.platforms.interface import DeviceCapability
+
+SM103, SM107, SM100, SM90 = (10, 3), (10, 7), (10, 0), (9, 0)
+NO_TABLE = [None, (8, 0), (8, 9), (12, 0), (10, 1)]
+EH_PROJ = (7168, 14336)
+ALL_TABLES = {
+    "SM103": k3.KIMI_K3_PROJECTIONS,
+    "SM100": k3.KIMI_K3_PROJECTIONS_SM100,
+    "SM90": k3.KIMI_K3_PROJECTIONS_SM90,
+}
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------------- fixtures
+
+
+def pin_capability(monkeypatch: pytest.MonkeyPatch, capability) -> None:
+    """Make the module believe it runs on ``capability`` (None: no CUDA device)."""
+    monkeypatch.setattr(k3, "_device_capability", lambda: capability)
+
+
+class FakeSkinnyGemm:
+    """Stands in for vLLM's CuTe skinny GEMM singleton; records every call."""
+
+    def __init__(self, available: bool = True) -> None:
+        self.available = available
+        self.calls: list[tuple[int, SkinnyGemmConfig | None, bool]] = []
+        self.warmups: list[tuple[torch.dtype, frozenset, bool]] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def __call__(self, a, b, config=None, residual=None):
+        self.calls.append((a.shape[0], config, residual is not None))
+        out = a.float() @ b.float().t()
+        if residual is not None:
+            out += residual.float()
+        return out.to(a.dtype)
+
+    def request_warmup_configs(self, dtype, configs, *, has_residual=False):
+        self.warmups.append((dtype, frozenset(configs), has_residual))
+
+    def warmed(self, has_residual: bool) -> set[SkinnyGemmConfig]:
+        return {
+            config
+            for _, configs, residual in self.warmups
+            if residual == has_residual
+            for config in configs
+        }
+
+
+@pytest.fixture
+def fake_cute(monkeypatch: pytest.MonkeyPatch) -> FakeSkinnyGemm:
+    fake = FakeSkinnyGemm()
+    monkeypatch.setattr(k3, "shape_dynamic_skinny_gemm", fake)
+    return fake
+
+
+class FakeDsv3Ops:
+    """Stands in for vllm._custom_ops: ``dsv3_fused_a_gemm`` on CPU."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def dsv3_fused_a_gemm(self, output, mat_a, mat_b, enable_pdl=False):
+        # mat_b must be the (K, N) column-major view of the (N, K) weight.
+        self.calls.append((mat_a.shape[0], tuple(mat_b.stride())))
+        output.copy_((mat_a.float() @ mat_b.float()).to(output.dtype))
+
+
+@pytest.fixture
+def fake_dsv3(monkeypatch: pytest.MonkeyPatch) -> FakeDsv3Ops:
+    fake = FakeDsv3Ops()
+    monkeypatch.setattr(k3, "ops", fake)
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    monkeypatch.setattr(k3, "_dsv3_use_pdl", lambda: False)
+    return fake
+
+
+@pytest.fixture
+def cpu_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let CPU tensors pass the device check so the fast path can be driven."""
+    monkeypatch.setattr(k3, "_FAST_PATH_DEVICE_TYPE", "cpu")
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+
+
+@pytest.fixture
+def base_apply(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace the unquantized base methods with recorders returning a sentinel."""
+    calls: list = []
+
+    def fake(self, layer, x, bias=None):
+        calls.append(x)
+        return "base"
+
+    monkeypatch.setattr(k3.UnquantizedLinearMethod, "apply", fake)
+    monkeypatch.setattr(k3.UnquantizedEmbeddingMethod, "apply", fake)
+    return calls
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(BF16)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in float32, rounded to BF16 like the kernels' output."""
+    return (x.float() @ weight.float().t()).to(BF16)
+
+
+def cfg(m, block, outputs, unroll=1, width=8, static_k=None) -> SkinnyGemmConfig:
+    return SkinnyGemmConfig(m, block, outputs, unroll, width, static_k)
+
+
+# ------------------------------------------------------------- table invariants
+
+
+@pytest.mark.parametrize("arch", ALL_TABLES)
+def test_table_keys_match_specs(arch: str) -> None:
+    table = ALL_TABLES[arch]
+    assert len(table) > 0
+    for (n, k), spec in table.items():
+        assert (spec.n, spec.k) == (n, k)
+
+
+@pytest.mark.parametrize("arch", ALL_TABLES)
+def test_every_cute_config_fits_its_shape(arch: str) -> None:
+    for spec in ALL_TABLES[arch].values():
+        configs = [*spec.cute_configs, *spec.residual_configs]
+        for m, config in configs:
+            assert config.num_rows == m
+            assert spec.k % (config.block_size * config.vector_width) == 0, (spec, m)
+            assert spec.n % config.outputs_per_block == 0, (spec, m)
+            assert config.static_k in (None, spec.k)
+
+
+@pytest.mark.parametrize("arch", ALL_TABLES)
+def test_token_counts_are_decode_sized_and_routed_once(arch: str) -> None:
+    for spec in ALL_TABLES[arch].values():
+        token_counts = [m for m, _ in spec.winners]
+        assert set(token_counts) <= set(range(1, 17))
+        assert len(token_counts) == len(set(token_counts)), spec
+        cute = {m for m, _ in spec.cute_configs}
+        assert not cute & spec.dsv3_tokens
+        assert cute | spec.dsv3_tokens == set(token_counts)
+        assert {m for m, _ in spec.residual_configs} <= set(range(1, 17))
+
+
+@pytest.mark.parametrize("arch", ALL_TABLES)
+def test_every_row_names_its_source(arch: str) -> None:
+    table = ALL_TABLES[arch]
+    assert table.arch == arch
+    for shape in table:
+        source = table.source_of(shape)
+        assert source["gpu"] and source["source"] and source["date"]
+        assert arch in source["gpu"]
+
+
+def test_eh_proj_row_cites_its_own_source() -> None:
+    table = k3.KIMI_K3_PROJECTIONS
+    assert "v0.29.0" in table.source_of(EH_PROJ)["source"]
+    assert "v0.28.0" in table.source_of((6288, 7168))["source"]
+    with pytest.raises(KeyError):
+        table.source_of((1, 1))
+
+
+def test_sm90_data_module_keeps_the_tuner_format() -> None:
+    assert set(sm90_data.PROVENANCE) == {
+        "gpu", "source", "date", "torch", "cutlass_dsl", "run_id"
+    }  # fmt: skip
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", sm90_data.PROVENANCE["date"])
+    for (n, k), row in sm90_data.ROWS.items():
+        assert isinstance(n, int) and isinstance(k, int)
+        for m, (backend, config) in row.items():
+            assert backend in k3.BACKENDS
+            assert (config is None) == (backend == "dsv3_fused_a")
+            assert config is None or len(config) == 5
+
+
+@pytest.mark.parametrize(
+    "rows,residual_rows,capability",
+    [
+        (sm90_data.ROWS, {}, SM90),
+        (blackwell_data.SM103_ROWS, blackwell_data.SM103_RESIDUAL_ROWS, SM103),
+        (blackwell_data.SM100_ROWS, blackwell_data.SM100_RESIDUAL_ROWS, SM100),
+    ],
+)
+def test_selector_reads_each_data_row(rows, residual_rows, capability) -> None:
+    table = k3.table_for_capability(capability)
+    assert set(table) == set(rows)
+    for shape, row in rows.items():
+        for m in range(0, 18):
+            entry = row.get(m)
+            expected = None if entry is None else entry[0]
+            assert k3.select_kimi_k3_backend(m, *shape, capability=capability) == (
+                expected
+            )
+            if entry is not None and entry[0] == "cute":
+                block, outputs, unroll, width, static_k = entry[1]
+                assert table[shape].cute_config(m) == SkinnyGemmConfig(
+                    m, block, outputs, unroll, width, static_k
+                )
+    for shape, row in residual_rows.items():
+        for m in range(1, 17):
+            picked = k3.select_kimi_k3_backend(
+                m, *shape, has_residual=True, capability=capability
+            )
+            assert picked == ("cute" if m in row else None)
+
+
+def test_every_dsv3_routed_shape_is_compiled_into_the_op() -> None:
+    """dsv3_fused_a_gemm is instantiated per (K, N); an unlisted shape raises."""
+    source = (
+        Path(__file__).resolve().parents[2]
+        / "csrc/libtorch_stable/dsv3_fused_a_gemm.cu"
+    ).read_text(encoding="utf-8")
+    # Shapes behind VLLM_K3_BENCH_SHAPES are not in a default build.
+    default_build = re.sub(
+        r"#ifdef VLLM_K3_BENCH_SHAPES.*?#endif", "", source, flags=re.DOTALL
+    )
+    compiled = {
+        (int(k), int(n))
+        for k, n in re.findall(r"DISPATCH_DSV3_SHAPE\((\d+),\s*(\d+)\)", default_build)
+    }
+    compiled |= {
+        (int(k), int(n))
+        for k, n in re.findall(r"hd_in == (\d+) && hd_out == (\d+)", default_build)
+    }
+    assert (7168, 1536) in compiled
+    missing = {
+        (arch, spec.n, spec.k)
+        for arch, table in ALL_TABLES.items()
+        for spec in table.values()
+        if spec.dsv3_tokens and (spec.k, spec.n) not in compiled
+    }
+    assert not missing
+
+
+@pytest.mark.parametrize(
+    "winners,residual,message",
+    [
+        (((0, k3.PlannedCall("dsv3_fused_a", None)),), (), "outside"),
+        (((17, k3.PlannedCall("dsv3_fused_a", None)),), (), "outside"),
+        (
+            (
+                (1, k3.PlannedCall("dsv3_fused_a", None)),
+                (1, k3.PlannedCall("cute", cfg(1, 32, 2))),
+            ),
+            (),
+            "twice",
+        ),
+        (((1, k3.PlannedCall("cute", None)),), (), "needs a SkinnyGemmConfig"),
+        (((1, k3.PlannedCall("cute", cfg(2, 32, 2))),), (), "num_rows"),
+        (((1, k3.PlannedCall("cute", cfg(1, 96, 2))),), (), "block_size"),
+        (((1, k3.PlannedCall("cute", cfg(1, 32, 5))),), (), "N not a multiple"),
+        (((1, k3.PlannedCall("cute", cfg(1, 32, 2, static_k=512))),), (), "static_k"),
+        (((1, k3.PlannedCall("dsv3_fused_a", cfg(1, 32, 2))),), (), "no config"),
+        (((1, k3.PlannedCall("cublas", None)),), (), "unknown backend"),
+        ((), ((1, cfg(1, 96, 2)),), "block_size"),
+        ((), ((1, cfg(1, 32, 2)), (1, cfg(1, 64, 2))), "twice"),
+    ],
+)
+def test_spec_rejects_configs_that_cannot_run(winners, residual, message) -> None:
+    # (N, K) = (64, 256): 32 x 8 divides K, 2 divides N; 96 x 8 and 5 do not.
+    with pytest.raises(ValueError, match=message):
+        k3.ProjectionSpec(64, 256, winners, residual)
+
+
+def test_valid_spec_is_frozen() -> None:
+    spec = k3.ProjectionSpec(64, 256, ((1, k3.PlannedCall("cute", cfg(1, 32, 2))),))
+    with pytest.raises(AttributeError):
+        spec.n = 128  # type: ignore[misc]
+
+
+def test_tables_are_read_only() -> None:
+    with pytest.raises(TypeError):
+        k3.KIMI_K3_PROJECTIONS[(1, 1)] = None  # type: ignore[index]
+    with pytest.raises(TypeError):
+        k3.TABLES_BY_CAPABILITY[(8, 0)] = k3.KIMI_K3_PROJECTIONS  # type: ignore[index]
+
+
+def test_residual_rows_need_a_table_row() -> None:
+    with pytest.raises(ValueError, match="no row"):
+        k3._table_from_rows("SMX", {}, {}, {(64, 256): {1: (32, 2, 1, 8, None)}})
+
+
+# ---------------------------------------------------------- capability routing
+
+
+@pytest.mark.parametrize(
+    "capability,arch",
+    [(SM103, "SM103"), (SM107, "SM103"), (SM100, "SM100"), (SM90, "SM90")],
+)
+def test_device_table_per_capability(monkeypatch, capability, arch) -> None:
+    pin_capability(monkeypatch, capability)
+    assert k3.device_table() is ALL_TABLES[arch]
+
+
+@pytest.mark.parametrize("capability", NO_TABLE)
+def test_other_capabilities_have_no_table(monkeypatch, capability) -> None:
+    pin_capability(monkeypatch, capability)
+    assert k3.device_table() is None
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ) is None
+    assert k3.routed_rows() == ()
+
+
+def test_tables_are_never_merged() -> None:
+    tables = [k3.table_for_capability(c) for c in (SM103, SM100, SM90)]
+    assert len({id(t) for t in tables}) == 3
+    # The parts really disagree, which is why they stay apart.
+    assert k3.select_kimi_k3_backend(2, 3584, 7168, capability=SM103) == "dsv3_fused_a"
+    assert k3.select_kimi_k3_backend(2, 3584, 7168, capability=SM100) == "cute"
+
+
+@pytest.mark.parametrize(
+    "is_cuda,reported,expected",
+    [
+        (True, DeviceCapability(9, 0), SM90),
+        (True, DeviceCapability(10, 3), SM103),
+        (True, None, None),
+        # ROCm reports gfx90a as (9, 0); it must not pick the H200 table.
+        (False, DeviceCapability(9, 0), None),
+    ],
+)
+def test_capability_probe(monkeypatch, is_cuda, reported, expected) -> None:
+    platform = SimpleNamespace(
+        is_cuda=lambda: is_cuda, get_device_capability=lambda: reported
+    )
+    monkeypatch.setattr(k3, "current_platform", platform)
+    assert k3._device_capability() == expected
+
+
+@pytest.mark.parametrize("capability", [SM103, SM90])
+def test_eh_proj_routes_to_cute_at_m1_and_m2(monkeypatch, capability) -> None:
+    pin_capability(monkeypatch, capability)
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ) == "cute"
+    assert k3.select_kimi_k3_backend(2, *EH_PROJ) == "cute"
+    assert k3.select_kimi_k3_backend(3, *EH_PROJ) is None
+
+
+def test_eh_proj_configs_on_sm103() -> None:
+    spec = k3.KIMI_K3_PROJECTIONS[EH_PROJ]
+    assert spec.cute_config(1) == SkinnyGemmConfig(
+        1, 256, 2, vector_width=4, static_k=14336
+    )
+    assert spec.cute_config(2) == SkinnyGemmConfig(
+        2, block_size=224, outputs_per_block=4, k_unroll=2, vector_width=8
+    )
+
+
+def test_select_without_gpu_is_none_and_capability_overrides(monkeypatch) -> None:
+    pin_capability(monkeypatch, None)
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ) is None
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=SM90) == "cute"
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=(8, 0)) is None
+
+
+@pytest.mark.parametrize(
+    "capability,expected",
+    [
+        (SM100, "cute-dsl"),
+        (SM103, "cute-dsl"),
+        (SM90, None),
+        (SM107, None),
+        (None, None),
+    ],
+)
+def test_kda_qkvg_flashinfer_backend(monkeypatch, capability, expected) -> None:
+    pin_capability(monkeypatch, capability)
+    assert k3._kda_qkvg_flashinfer_backend() == expected
+
+
+@pytest.mark.parametrize("capability", [SM103, SM100, SM90])
+def test_routed_rows_cover_each_entry_once(monkeypatch, capability) -> None:
+    pin_capability(monkeypatch, capability)
+    rows = k3.routed_rows()
+    assert rows == k3.routed_rows(capability)
+    table = k3.table_for_capability(capability)
+    expected_count = sum(
+        len(spec.winners) + len(spec.residual_configs) for spec in table.values()
+    )
+    assert len(rows) == expected_count
+    assert len({(r.n, r.k, r.num_tokens, r.has_residual) for r in rows}) == len(rows)
+    for row in rows:
+        backend = k3.select_kimi_k3_backend(
+            row.num_tokens, row.n, row.k, has_residual=row.has_residual
+        )
+        assert backend == row.backend
+        assert (row.config is None) == (row.backend == "dsv3_fused_a")
+
+
+def test_routed_rows_include_residual_epilogue_on_sm103() -> None:
+    residual = [r for r in k3.routed_rows(SM103) if r.has_residual]
+    assert {(r.n, r.k, r.num_tokens) for r in residual} == {
+        (7168, 3584, m) for m in (1, 2, 3, 4)
+    }
+    assert not [r for r in k3.routed_rows(SM90) if r.has_residual]
+
+
+# -------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("arch", ALL_TABLES)
+def test_build_plan_is_the_table(arch: str) -> None:
+    for spec in ALL_TABLES[arch].values():
+        plan = k3._build_plan(spec)
+        assert set(plan) == {m for m, _ in spec.winners}
+        for m, call in plan.items():
+            assert call.backend == k3._backend_for(spec, m, has_residual=False)
+            assert call.config == spec.cute_config(m)
+        assert k3._build_residual_plan(spec) == dict(spec.residual_configs)
+
+
+def test_runnable_plan_drops_backends_not_built(monkeypatch, fake_cute) -> None:
+    spec = k3.KIMI_K3_PROJECTIONS[(768, 7168)]  # CuTe M1..4, dsv3 M5..16
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    assert set(k3._runnable_plan(spec)) == {1, 2, 3, 4}
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    assert set(k3._runnable_plan(spec)) == set(range(1, 17))
+    fake_cute.available = False
+    assert set(k3._runnable_plan(spec)) == set(range(5, 17))
+    assert k3._runnable_residual_plan(k3.KIMI_K3_PROJECTIONS[(7168, 3584)]) == {}
+
+
+# ------------------------------------------------------------------- installation
+
+
+class FakeLinear(nn.Module):
+    """Stands in for LinearBase: a weight and a quant_method, nothing else."""
+
+    def __init__(self, n: int, k: int, method: object | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=BF16, device="meta"))
+        if method is None:
+            method = k3.UnquantizedLinearMethod()
+        self.quant_method = method
+
+
+class FakeEmbedding(nn.Module):
+    """Stands in for VocabParallelEmbedding (the input embedding)."""
+
+    def __init__(self, n: int, k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=BF16, device="meta"))
+        self.quant_method = k3.UnquantizedEmbeddingMethod()
+
+
+class FakeHead(FakeEmbedding):
+    """Stands in for ParallelLMHead, a VocabParallelEmbedding subclass."""
+
+
+class QuantizedLike(k3.UnquantizedLinearMethod):
+    """A subclass of the unquantized method: must not be taken for it."""
+
+
+@pytest.fixture
+def fake_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(k3, "LinearBase", FakeLinear)
+    monkeypatch.setattr(k3, "ParallelLMHead", FakeHead)
+
+
+def tp8_model() -> nn.Module:
+    root = nn.Module()
+    root.attn = nn.Module()
+    root.attn.o_proj = FakeLinear(7168, 3072)  # cute M1, M2
+    root.attn.fused_qkv_a_proj = FakeLinear(2112, 7168)  # dsv3 only on SM103
+    root.mlp = FakeLinear(7168, 3584)  # cute + residual epilogue
+    root.eh_proj = FakeLinear(*EH_PROJ)
+    root.lm_head = FakeHead(20480, 7168)
+    root.embed_tokens = FakeEmbedding(20480, 7168)
+    root.quantized = FakeLinear(6288, 7168, object())
+    root.subclassed = FakeLinear(6288, 7168, QuantizedLike())
+    root.unlisted = FakeLinear(1234, 5678)
+    root.bad_weight = FakeLinear(8, 8)
+    root.bad_weight.weight = nn.Parameter(torch.empty(8, device="meta"))
+    return root
+
+
+TP8_INSTALLED = ["attn.o_proj", "attn.fused_qkv_a_proj", "mlp", "eh_proj", "lm_head"]
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_installs_by_type_exact_method_and_shape(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    model = tp8_model()
+    untouched = {
+        name: m.quant_method
+        for name, m in model.named_modules()
+        if name not in TP8_INSTALLED and hasattr(m, "quant_method")
+    }
+
+    assert k3.enable_kimi_k3_low_latency_gemm(model, BF16) == len(TP8_INSTALLED)
+
+    modules = dict(model.named_modules())
+    for name in TP8_INSTALLED[:-1]:
+        assert type(modules[name].quant_method) is k3.KimiK3LowLatencyLinearMethod
+    assert type(model.lm_head.quant_method) is k3.KimiK3LowLatencyEmbeddingMethod
+    for name, method in untouched.items():
+        assert modules[name].quant_method is method, name
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_installed_plans_are_the_runnable_table_rows(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    model = tp8_model()
+    k3.enable_kimi_k3_low_latency_gemm(model, BF16)
+    table = k3.KIMI_K3_PROJECTIONS
+    for layer in (model.attn.o_proj, model.mlp, model.eh_proj, model.lm_head):
+        spec = table[tuple(layer.weight.shape)]
+        assert layer.quant_method._plan == k3._build_plan(spec)
+    assert model.mlp.quant_method._residual_plan == k3._build_residual_plan(
+        table[(7168, 3584)]
+    )
+    # dsv3 was not built: its rows stay on the normal path.
+    assert model.attn.fused_qkv_a_proj.quant_method._plan == {}
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_module_name_plays_no_role(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    root = nn.Module()
+    root.anything = FakeLinear(7168, 3072)
+    root.o_proj = FakeLinear(7168, 1234)
+    k3.enable_kimi_k3_low_latency_gemm(root, BF16)
+    assert type(root.anything.quant_method) is k3.KimiK3LowLatencyLinearMethod
+    assert type(root.o_proj.quant_method) is k3.UnquantizedLinearMethod
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
+    # dense_down_proj (7168, 4224): CuTe at M1 on SM103, at M1 and M2 on SM90.
+    plans = {}
+    for capability in (SM103, SM90):
+        pin_capability(monkeypatch, capability)
+        root = nn.Module()
+        root.down = FakeLinear(7168, 4224)
+        k3.enable_kimi_k3_low_latency_gemm(root, BF16)
+        table = k3.table_for_capability(capability)
+        assert root.down.quant_method._plan == k3._runnable_plan(table[(7168, 4224)])
+        plans[capability] = root.down.quant_method._plan
+    assert set(plans[SM103]) == {1}
+    assert set(plans[SM90]) == {1, 2}
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_second_call_changes_nothing(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    model = tp8_model()
+    k3.enable_kimi_k3_low_latency_gemm(model, BF16)
+    first = {name: m.quant_method for name, m in model.named_modules()
+             if hasattr(m, "quant_method")}  # fmt: skip
+    assert k3.enable_kimi_k3_low_latency_gemm(model, BF16) == 0
+    for name, m in model.named_modules():
+        if name in first:
+            assert m.quant_method is first[name]
+
+
+@pytest.mark.usefixtures("fake_layers")
+@pytest.mark.parametrize(
+    "capability,dtype",
+    [(SM103, torch.float16), (SM90, torch.float32), *[(c, BF16) for c in NO_TABLE]],
+)
+def test_no_installation_without_bf16_and_table(
+    monkeypatch, fake_cute, capability, dtype
+) -> None:
+    pin_capability(monkeypatch, capability)
+    model = tp8_model()
+    assert k3.enable_kimi_k3_low_latency_gemm(model, dtype) == 0
+    assert type(model.eh_proj.quant_method) is k3.UnquantizedLinearMethod
+    assert type(model.lm_head.quant_method) is k3.UnquantizedEmbeddingMethod
+    assert not fake_cute.warmups
+
+
+# ------------------------------------------------------------------------ warm-up
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_warmup_covers_only_installed_shapes(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    model = tp8_model()
+    k3.enable_kimi_k3_low_latency_gemm(model, BF16)
+
+    table = k3.KIMI_K3_PROJECTIONS
+    installed = [(7168, 3072), (2112, 7168), (7168, 3584), EH_PROJ, (20480, 7168)]
+    expected = {c for s in installed for _, c in table[s].cute_configs}
+    assert fake_cute.warmed(has_residual=False) == expected
+    assert fake_cute.warmed(has_residual=True) == {
+        c for _, c in table[(7168, 3584)].residual_configs
+    }
+    assert all(dtype is BF16 for dtype, _, _ in fake_cute.warmups)
+    # A TP8 model must not compile configs only TP16 shapes use.
+    tp16_only = {
+        c
+        for shape in [(3216, 7168), (768, 7168), (1152, 1536), (4224, 7168)]
+        for _, c in table[shape].cute_configs
+    } - {c for spec in table.values() if (spec.n, spec.k) in installed
+         for _, c in spec.cute_configs}  # fmt: skip
+    assert tp16_only
+    assert not tp16_only & fake_cute.warmed(has_residual=False)
+
+
+@pytest.mark.usefixtures("fake_layers")
+def test_no_warmup_without_cute(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    fake_cute.available = False
+    model = tp8_model()
+    assert k3.enable_kimi_k3_low_latency_gemm(model, BF16) == len(TP8_INSTALLED)
+    assert not fake_cute.warmups
+    assert model.eh_proj.quant_method._plan == {}
+
+
+def test_request_warmup_for_an_unowned_weight(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM90)
+    weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
+    assert k3.request_low_latency_warmup(weight) is True
+    assert fake_cute.warmed(has_residual=False) == {
+        c for _, c in k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)].cute_configs
+    }
+    assert fake_cute.warmed(has_residual=True) == set()
+
+
+@pytest.mark.parametrize(
+    "capability,shape,dtype",
+    [
+        (SM90, (6288, 7168), torch.float16),  # not BF16
+        (SM90, (1234, 7168), BF16),  # no row
+        (SM90, (1536, 128), BF16),  # dsv3-only row: nothing to compile
+        (None, (6288, 7168), BF16),  # no GPU
+        ((8, 0), (6288, 7168), BF16),  # no table
+    ],
+)
+def test_request_warmup_refuses(monkeypatch, fake_cute, capability, shape, dtype):
+    pin_capability(monkeypatch, capability)
+    weight = torch.empty(*shape, dtype=dtype, device="meta")
+    assert k3.request_low_latency_warmup(weight) is False
+    assert not fake_cute.warmups
+
+
+def test_request_warmup_without_cute(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM90)
+    fake_cute.available = False
+    weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
+    assert k3.request_low_latency_warmup(weight) is False
+    assert not fake_cute.warmups
+
+
+# ----------------------------------------------------------------- runtime guard
+
+
+def test_packed_row_major_rejects_one_row_slice() -> None:
+    sliced = torch.empty(1, 144)[:, :128]
+    assert sliced.is_contiguous()
+    assert not k3._is_packed_row_major(sliced)
+    assert k3._is_packed_row_major(torch.empty(1, 128))
+    assert not k3._is_packed_row_major(torch.empty(4, 128).t())
+    assert not k3._is_packed_row_major(torch.empty(128))
+
+
+# (M, K) x (N, K)^T at N=64, K=256 with one CuTe entry at M=2.
+N, K = 64, 256
+PLAN = {2: k3.PlannedCall("cute", cfg(2, 32, 2))}
+WEIGHT = bf16(N, K)
+
+
+def linear_layer(weight: torch.Tensor = WEIGHT):
+    return SimpleNamespace(weight=weight)
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_fast_path_runs_the_planned_kernel(fake_cute, base_apply) -> None:
+    x = bf16(2, K)
+    out = k3.KimiK3LowLatencyLinearMethod(PLAN).apply(linear_layer(), x)
+    assert fake_cute.calls == [(2, PLAN[2].config, False)]
+    assert not base_apply
+    torch.testing.assert_close(out, product(x, WEIGHT))
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize(
+    "case",
+    [
+        "1-D x",
+        "3-D x",
+        "one-row slice",
+        "transposed weight",
+        "fp16 x",
+        "fp16 weight",
+        "fp32 both",
+        "K mismatch",
+        "other device",
+        "bias",
+        "batch invariant",
+        "M not planned",
+        "M above 16",
+    ],
+)
+def test_unsupported_input_falls_back(monkeypatch, fake_cute, base_apply, case):
+    x, weight, bias, plan = bf16(2, K), WEIGHT, None, PLAN
+    if case == "1-D x":
+        x = bf16(K)
+    elif case == "3-D x":
+        x = bf16(1, 2, K)
+    elif case == "one-row slice":
+        plan = {1: k3.PlannedCall("cute", cfg(1, 32, 2))}
+        x = bf16(1, 2 * K)[:, :K]
+    elif case == "transposed weight":
+        weight = bf16(K, N).t()
+    elif case == "fp16 x":
+        x = x.half()
+    elif case == "fp16 weight":
+        weight = weight.half()
+    elif case == "fp32 both":
+        x, weight = x.float(), weight.float()
+    elif case == "K mismatch":
+        x = bf16(2, K // 2)
+    elif case == "other device":
+        weight = weight.to("meta")
+    elif case == "bias":
+        bias = bf16(N)
+    elif case == "batch invariant":
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    elif case == "M not planned":
+        x = bf16(3, K)
+    elif case == "M above 16":
+        x = bf16(17, K)
+    method = k3.KimiK3LowLatencyLinearMethod(plan)
+
+    assert method.apply(linear_layer(weight), x, bias) == "base"
+    assert len(base_apply) == 1 and base_apply[0] is x
+    assert not fake_cute.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_guard_is_what_blocks_each_case(fake_cute, base_apply) -> None:
+    # Control for the test above: the same method and plan do take the fast path
+    # for a well-formed input, so each fallback there comes from its one defect.
+    method = k3.KimiK3LowLatencyLinearMethod(PLAN)
+    assert isinstance(method.apply(linear_layer(), bf16(2, K)), torch.Tensor)
+    assert len(fake_cute.calls) == 1
+
+
+@pytest.mark.usefixtures("fake_cute")
+def test_cuda_only_by_default(base_apply) -> None:
+    # Without cpu_fast_path, a CPU tensor is never sent to a kernel.
+    assert not k3._runtime_ok(bf16(2, K), WEIGHT)
+    assert k3.KimiK3LowLatencyLinearMethod(PLAN).apply(linear_layer(), bf16(2, K)) == (
+        "base"
+    )
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_dsv3_call_gets_the_column_major_weight(fake_dsv3, base_apply) -> None:
+    plan = {4: k3.PlannedCall("dsv3_fused_a", None)}
+    x = bf16(4, K)
+    out = k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(), x)
+    assert fake_dsv3.calls == [(4, (1, K))]
+    torch.testing.assert_close(out, product(x, WEIGHT))
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_lm_head_method_runs_plan_then_falls_back(fake_cute, base_apply) -> None:
+    method = k3.KimiK3LowLatencyEmbeddingMethod(PLAN)
+    x = bf16(2, K)
+    torch.testing.assert_close(method.apply(linear_layer(), x), product(x, WEIGHT))
+    assert method.apply(linear_layer(), bf16(5, K)) == "base"
+    assert len(fake_cute.calls) == 1 and len(base_apply) == 1
+
+
+# ------------------------------------------------------------ residual epilogue
+
+RESIDUAL_PLAN = {1: cfg(1, 32, 2)}
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_residual_fast_path(fake_cute) -> None:
+    x, residual = bf16(1, K), bf16(1, N)
+    method = k3.KimiK3LowLatencyLinearMethod({}, RESIDUAL_PLAN)
+    out = method.apply_with_residual(linear_layer(), x, residual)
+    assert fake_cute.calls == [(1, RESIDUAL_PLAN[1], True)]
+    expected = x.float() @ WEIGHT.float().t() + residual.float()
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize(
+    "case", ["shape", "dtype", "device", "not packed", "M not planned", "bad x"]
+)
+def test_bad_residual_falls_back_to_addmm(monkeypatch, fake_cute, case) -> None:
+    x, residual = bf16(1, K), bf16(1, N)
+    if case == "shape":
+        residual = bf16(2, N)
+    elif case == "dtype":
+        residual = residual.half()
+    elif case == "device":
+        residual = residual.to("meta")
+    elif case == "not packed":
+        residual = bf16(1, 2 * N)[:, N:]
+    elif case == "M not planned":
+        x, residual = bf16(2, K), bf16(2, N)
+    elif case == "bad x":
+        x = bf16(1, 2 * K)[:, :K]
+    sentinel = torch.zeros(1)
+    seen = []
+    monkeypatch.setattr(torch, "addmm", lambda *args: seen.append(args) or sentinel)
+    method = k3.KimiK3LowLatencyLinearMethod({}, RESIDUAL_PLAN)
+
+    assert method.apply_with_residual(linear_layer(), x, residual) is sentinel
+    assert not fake_cute.calls
+    assert seen[0][0] is residual and seen[0][1] is x
+
+
+def test_residual_fallback_is_the_real_sum() -> None:
+    x, weight, residual = torch.randn(3, 8), torch.randn(5, 8), torch.randn(3, 5)
+    method = k3.KimiK3LowLatencyLinearMethod({}, {})
+    out = method.apply_with_residual(SimpleNamespace(weight=weight), x, residual)
+    torch.testing.assert_close(out, x @ weight.t() + residual)
+
+
+# ---------------------------------------------------------- try_low_latency_gemm
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_try_low_latency_gemm_routes_by_table(monkeypatch, fake_cute, fake_dsv3):
+    pin_capability(monkeypatch, SM90)
+    weight = bf16(1536, 128)  # SM90: dsv3 at M1..8
+    x = bf16(3, 128)
+    out = k3.try_low_latency_gemm(x, weight)
+    assert fake_dsv3.calls == [(3, (1, 128))]
+    torch.testing.assert_close(out, product(x, weight))
+    assert k3.try_low_latency_gemm(bf16(9, 128), weight) is None
+    assert not fake_cute.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_try_low_latency_gemm_residual(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM103)
+    weight = torch.zeros(7168, 3584, dtype=BF16)
+    x, residual = torch.zeros(4, 3584, dtype=BF16), bf16(4, 7168)
+    out = k3.try_low_latency_gemm(x, weight, residual)
+    config = k3.KIMI_K3_PROJECTIONS[(7168, 3584)].residual_config(4)
+    assert fake_cute.calls == [(4, config, True)]
+    torch.testing.assert_close(out, residual)
+    assert k3.try_low_latency_gemm(bf16(5, 3584), weight, bf16(5, 7168)) is None
+    assert k3.try_low_latency_gemm(x, weight, residual.half()) is None
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize("capability", [None, (8, 0)])
+def test_try_low_latency_gemm_without_table(monkeypatch, fake_cute, capability):
+    pin_capability(monkeypatch, capability)
+    assert k3.try_low_latency_gemm(bf16(1, 7168), bf16(3072, 7168)) is None
+    assert not fake_cute.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_try_low_latency_gemm_skips_unbuilt_backend(monkeypatch, fake_cute) -> None:
+    pin_capability(monkeypatch, SM90)
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    assert k3.try_low_latency_gemm(bf16(3, 128), bf16(1536, 128)) is None
+
+
+# ------------------------------------------------------------------------ callers
+
+
+def test_v0_28_callers_still_import_the_entry_point() -> None:
+    from vllm.models.kimi_k3.nvidia import model, mtp
+
+    assert model.enable_kimi_k3_low_latency_gemm is k3.enable_kimi_k3_low_latency_gemm
+    assert mtp.enable_kimi_k3_low_latency_gemm is k3.enable_kimi_k3_low_latency_gemm
