@@ -1,0 +1,103 @@
+"""CPU test tier: the Kimi-K3 low-latency GEMM tests on a patched vLLM tree.
+
+Runs, with pytest in a subprocess (cwd and PYTHONPATH = the tree):
+
+* vLLM's own ``tests/kernels/test_bf16_skinny_gemm.py``, our compatibility suite
+  (its expectations updated by our patches where the overlay changes behaviour);
+* our ``tests/kernels/test_kimi_k3_low_latency_gemm.py`` (from ``overlay/``).
+
+The ``pytest_no_accelerator`` plugin next to this file keeps vLLM's per-test device
+cleanup from erroring without a GPU, so GPU cases report as skipped with their reason.
+
+Usage: ``python ci/cpu_tier.py TREE [--junit FILE]``; exits 1 on any failure or error.
+The Python used needs torch 2.13.0, pytest, tblib and vLLM's requirements/common.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+CI_DIR = pathlib.Path(__file__).resolve().parent
+PLUGIN = "pytest_no_accelerator"
+TEST_FILES = (
+    "tests/kernels/test_bf16_skinny_gemm.py",
+    "tests/kernels/test_kimi_k3_low_latency_gemm.py",
+)
+COUNT_KEYS = ("passed", "failed", "skipped", "errors")
+
+
+def pytest_command(python: str, junit_xml: pathlib.Path) -> list[str]:
+    """The pytest invocation, relative to the tree."""
+    return [
+        python, "-m", "pytest", *TEST_FILES,
+        "-p", PLUGIN,
+        "-p", "no:cacheprovider",  # leave the tree as we found it
+        "-q", "-rs",  # list skip reasons in the log
+        f"--junitxml={junit_xml}",
+    ]  # fmt: skip
+
+
+def count_junit(junit_xml: pathlib.Path) -> dict[str, int]:
+    """Outcome counts from a pytest JUnit XML file.
+
+    A test can count twice, as pytest's own summary does: e.g. skipped in its body
+    and an error at teardown.
+    """
+    counts = dict.fromkeys(COUNT_KEYS, 0)
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        counts["failed"] += "failure" in kinds
+        counts["errors"] += "error" in kinds
+        counts["skipped"] += "skipped" in kinds
+        counts["passed"] += not kinds & {"failure", "error", "skipped"}
+    return counts
+
+
+def run_cpu_tier(
+    tree: pathlib.Path,
+    python: str = sys.executable,
+    junit_xml: pathlib.Path | None = None,
+) -> dict:
+    """Run both test files on ``tree`` and return their counts.
+
+    Args:
+        tree: root of a patched vLLM source tree (patches applied, overlay copied).
+        python: interpreter with torch, pytest and vLLM's common requirements.
+        junit_xml: where pytest writes its JUnit report; a temporary file if None.
+
+    Returns:
+        ``{"passed", "failed", "skipped", "errors", "returncode"}``. If pytest wrote
+        no report (it crashed before collecting), ``errors`` is 1.
+    """
+    tree = pathlib.Path(tree).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(junit_xml or pathlib.Path(tmp) / "cpu_tier.xml").resolve()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(CI_DIR)]))
+        proc = subprocess.run(pytest_command(python, report), cwd=tree, env=env)
+        if report.is_file():
+            counts = count_junit(report)
+        else:
+            counts = dict.fromkeys(COUNT_KEYS, 0) | {"errors": 1}
+    return {**counts, "returncode": proc.returncode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tree", type=pathlib.Path, help="patched vLLM tree")
+    parser.add_argument("--junit", type=pathlib.Path, help="keep the JUnit XML here")
+    parser.add_argument("--python", default=sys.executable, help="interpreter to use")
+    args = parser.parse_args(argv)
+    result = run_cpu_tier(args.tree, args.python, args.junit)
+    print(" ".join(f"{key}={result[key]}" for key in (*COUNT_KEYS, "returncode")))
+    ok = result["failed"] == 0 and result["errors"] == 0 and result["returncode"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
