@@ -77,8 +77,8 @@ def run_cpu_tier(
         junit_xml: where pytest writes its JUnit report; a temporary file if None.
 
     Returns:
-        ``{"passed", "failed", "skipped", "errors", "returncode"}``. If pytest wrote
-        no report (it crashed before collecting), ``errors`` is 1.
+        ``{"passed", "failed", "skipped", "errors", "returncode"}``. If pytest ran
+        no test at all (usage error, crash, missing file), ``errors`` is 1.
     """
     tree = pathlib.Path(tree).resolve()
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,10 +87,9 @@ def run_cpu_tier(
         # pytest's log goes to stderr: stdout is for the callers' reports.
         proc = subprocess.run(pytest_command(python, report), cwd=tree, env=env,
                               stdout=sys.stderr)
-        if report.is_file():
-            counts = count_junit(report)
-        else:
-            counts = dict.fromkeys(COUNT_KEYS, 0) | {"errors": 1}
+        counts = count_junit(report) if report.is_file() else dict.fromkeys(COUNT_KEYS, 0)
+        if proc.returncode >= 2 and not any(counts.values()):
+            counts["errors"] = 1  # interrupted, usage error or crash before any test ran
     return {**counts, "returncode": proc.returncode}
 
 
