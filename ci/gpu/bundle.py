@@ -1,0 +1,215 @@
+"""Build the offline GPU bundle: everything an air-gapped GPU runner needs, in parts.
+
+Contents (one ``payload.tar``, split into ``part-NNN/bundle.partNNN`` files of at
+most ``--part-mib`` MiB, default 60, each folder also holding ``BUNDLE.json``):
+
+* ``wheels/``: the wheels of ``requirements-gpu.txt`` for the runner's Python and
+  platform (default cp312 manylinux x86_64), downloaded with ``pip download
+  --no-deps --only-binary=:all:`` (or taken from ``--wheels-dir``);
+* ``vllm_tree.tar.xz``: the patched ``vllm/`` Python tree (release sdist +
+  ``patches/series`` + ``overlay/vllm``) plus a ``vllm-<ver>.dist-info`` so vLLM's
+  platform detection finds the package;
+* ``k3/``: our GPU tools (``ci/gpu/*.py``), the overlay's GPU tests, the upstream
+  tables as data (``priors.json``, for seeds and the v0.29.0 comparison), and the
+  few v0.28.0 ``csrc`` files ``dsv3_build.py`` compiles.
+
+``install.sh`` reassembles the parts, checks sha256s, installs the wheels with
+``pip --no-index --no-deps --target`` and prints the ``export`` lines.
+
+Usage::
+
+    python ci/gpu/bundle.py --out ci/gpu/_stage \
+        --base-src /tmp/src/0.28.0/vllm-0.28.0 --v029-src /tmp/src/0.29.0/vllm-0.29.0
+
+Raises ``SystemExit`` with a message if a patch does not apply or pip fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
+             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64", "any")
+DSV3_SRC = "csrc/libtorch_stable/dsv3_fused_a_gemm.cu"
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download_wheels(dest: str, python_version: str, req: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", python_version, "--implementation", "cp", "-d", dest, "-r", req]
+    for p in PLATFORMS:
+        cmd += ["--platform", p]
+    if subprocess.call(cmd):
+        raise SystemExit("pip download failed: " + " ".join(cmd))
+
+
+def build_tree(base_src: str, dest: str) -> str:
+    """Copy the release's ``vllm/``, apply ``patches/series``, lay ``overlay/`` over it."""
+    shutil.copytree(os.path.join(base_src, "vllm"), os.path.join(dest, "vllm"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    series = os.path.join(REPO, "patches", "series")
+    for line in open(series):
+        name = line.split("#")[0].strip()
+        if not name:
+            continue
+        r = subprocess.run(["git", "apply", "--include=vllm/*", os.path.join(REPO, "patches", name)],
+                           cwd=dest, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"patch {name} does not apply: {r.stderr}")
+    overlay = os.path.join(REPO, "overlay")
+    for root, _, files in os.walk(overlay):
+        for fn in files:
+            if fn.endswith(".pyc"):
+                continue
+            src = os.path.join(root, fn)
+            rel = os.path.relpath(src, overlay)
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+    return dest
+
+
+def version_of(tree: str) -> str:
+    text = open(os.path.join(tree, "vllm", "_version.py")).read()
+    return re.search(r"__version__ = version = '([^']+)'", text).group(1)
+
+
+def write_dist_info(tree: str, version: str) -> None:
+    d = os.path.join(tree, f"vllm-{version}.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                "Summary: vLLM Python tree + vllm-k3-overlay (no compiled extensions)\n")
+    for name, text in (("INSTALLER", "k3-bundle\n"), ("top_level.txt", "vllm\n"), ("RECORD", "")):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+
+
+def include_closure(csrc_root: str, start: str) -> list[str]:
+    """``start`` plus every quoted ``#include`` it reaches inside ``csrc_root``."""
+    seen, todo = set(), [start]
+    while todo:
+        rel = todo.pop()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        text = open(os.path.join(csrc_root, rel), errors="replace").read()
+        for inc in re.findall(r'#include\s+"([^"]+)"', text):
+            for cand in (os.path.join(os.path.dirname(rel), inc), inc):
+                cand = os.path.normpath(cand)
+                if os.path.exists(os.path.join(csrc_root, cand)):
+                    todo.append(cand)
+                    break
+    return sorted(seen)
+
+
+def add_tree(tar: tarfile.TarFile, src: str, arc: str) -> None:
+    tar.add(src, arcname=arc, filter=lambda ti: None if "__pycache__" in ti.name else ti)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Build the offline GPU bundle in parts.")
+    ap.add_argument("--out", default=os.path.join(HERE, "_stage"))
+    ap.add_argument("--part-mib", type=float, default=60.0)
+    ap.add_argument("--python-version", default="3.12")
+    ap.add_argument("--wheels-dir", help="use these wheels instead of downloading")
+    ap.add_argument("--requirements", default=os.path.join(HERE, "requirements-gpu.txt"))
+    ap.add_argument("--base-src", required=True, help="unpacked vLLM release sdist (our base)")
+    ap.add_argument("--v029-src", help="unpacked v0.29.0 sdist (for its SM90 table)")
+    ap.add_argument("--patched-tree", help="an already patched tree (skips patching)")
+    args = ap.parse_args(argv)
+
+    if os.path.exists(args.out):
+        shutil.rmtree(args.out)
+    os.makedirs(args.out)
+    work = tempfile.mkdtemp(prefix="k3bundle-")
+    payload = os.path.join(work, "payload.tar")
+    wheels = args.wheels_dir or os.path.join(work, "wheels")
+    if not args.wheels_dir:
+        os.makedirs(wheels)
+        download_wheels(wheels, args.python_version, args.requirements)
+    tree = args.patched_tree or build_tree(args.base_src, os.path.join(work, "tree"))
+    version = version_of(tree)
+    write_dist_info(tree, version)
+    tree_xz = os.path.join(work, "vllm_tree.tar.xz")
+    with tarfile.open(tree_xz, "w:xz", preset=6) as t:
+        add_tree(t, os.path.join(tree, "vllm"), "vllm")
+        add_tree(t, os.path.join(tree, f"vllm-{version}.dist-info"), f"vllm-{version}.dist-info")
+    sys.path.insert(0, HERE)
+    import upstream_tables
+
+    priors = {"v0.28.0": upstream_tables.extract(
+        os.path.join(args.base_src, "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"))}
+    if args.v029_src:
+        priors["v0.29.0"] = upstream_tables.extract(
+            os.path.join(args.v029_src, "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"))
+    csrc = os.path.join(args.base_src, "csrc")
+    csrc_files = include_closure(csrc, os.path.relpath(os.path.join(args.base_src, DSV3_SRC), csrc))
+    wheel_files = sorted(f for f in os.listdir(wheels) if f.endswith(".whl"))
+    with tarfile.open(payload, "w") as t:
+        for f in wheel_files:
+            t.add(os.path.join(wheels, f), arcname=f"wheels/{f}")
+        t.add(tree_xz, arcname="vllm_tree.tar.xz")
+        for f in sorted(os.listdir(HERE)):
+            if f.endswith((".py", ".sh", ".cpp", ".txt", ".md")):
+                t.add(os.path.join(HERE, f), arcname=f"k3/ci_gpu/{f}")
+        test_dir = os.path.join(REPO, "overlay", "tests")
+        if os.path.isdir(test_dir):
+            add_tree(t, test_dir, "k3/tests")
+        data = json.dumps(priors, indent=1, sort_keys=True).encode()
+        ti = tarfile.TarInfo("k3/priors.json")
+        ti.size = len(data)
+        t.addfile(ti, io.BytesIO(data))
+        for rel in csrc_files:
+            t.add(os.path.join(csrc, rel), arcname=f"k3/csrc/{rel}")
+    part = int(args.part_mib * (1 << 20))
+    parts = []
+    with open(payload, "rb") as f:
+        i = 0
+        while chunk := f.read(part):
+            d = os.path.join(args.out, f"part-{i:03d}")
+            os.makedirs(d)
+            p = os.path.join(d, f"bundle.part{i:03d}")
+            with open(p, "wb") as o:
+                o.write(chunk)
+            parts.append({"name": os.path.basename(p), "bytes": len(chunk), "sha256": sha256(p)})
+            i += 1
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                         capture_output=True, text=True).stdout.strip()
+    manifest = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "repo_commit": git, "vllm_version": version, "python": args.python_version,
+        "payload_sha256": sha256(payload), "payload_bytes": os.path.getsize(payload),
+        "parts": parts, "wheels": wheel_files, "csrc": csrc_files,
+    }
+    for i in range(len(parts)):
+        with open(os.path.join(args.out, f"part-{i:03d}", "BUNDLE.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+    shutil.rmtree(work)
+    print(f"bundle: {len(parts)} parts of <= {args.part_mib} MiB in {args.out} "
+          f"({manifest['payload_bytes'] / 2**20:.1f} MiB, {len(wheel_files)} wheels, vllm {version})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
