@@ -30,8 +30,9 @@ def _cfg_text(cfg) -> str:
 def render(results: dict, results_path: str = "ci/gpu/results/tune_sm90.json") -> str:
     """Module source for ``results`` (the tuner's JSON). Raises KeyError if malformed."""
     p = results["provenance"]
+    arch = "SM" + p["capability"].replace(".", "") if p.get("capability") else ""
     prov = {
-        "gpu": p["gpu"],
+        "gpu": f"{p['gpu']} ({arch})" if arch else p["gpu"],
         "source": f"ci/gpu/tune.py run {p['run_id']} -> {results_path}",
         "date": p["date"],
         "torch": p["torch"],

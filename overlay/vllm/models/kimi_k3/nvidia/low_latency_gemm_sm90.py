@@ -9,7 +9,7 @@ re-run the tuner (ci/gpu/README.md) and re-render.
 """
 
 PROVENANCE = {
-    "gpu": "NVIDIA H200",
+    "gpu": "NVIDIA H200 (SM90)",
     "source": "ci/gpu/tune.py run h200-20261130 -> ci/gpu/results/tune_sm90.json",
     "date": "2026-11-30",
     "torch": "2.11.0+cu130",
