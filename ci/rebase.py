@@ -18,6 +18,7 @@ Exit code: 0 when every ref is clean, else the first failing ref's code
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -30,7 +31,14 @@ from rich.console import Console  # noqa: E402
 from k3overlay import errors, progress  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
 from k3overlay.rebase import run_rebase  # noqa: E402
-from k3overlay.report import junit, markdown, write_human, write_json  # noqa: E402
+from k3overlay.report import (  # noqa: E402
+    check_writable,
+    junit_xml,
+    markdown,
+    write_human,
+    write_json,
+    write_text,
+)
 from k3overlay.source import default_mirror  # noqa: E402
 
 
@@ -38,6 +46,10 @@ def cpu_tier(tree: Path) -> dict:
     from cpu_tier import run_cpu_tier
 
     return run_cpu_tier(tree)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,25 +65,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
+    signal.signal(signal.SIGTERM, _interrupt)
+    outputs = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
     try:
+        for path, option in outputs:
+            if path:
+                check_writable(path, option)
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
         reports = run_rebase(Project(), refs, vllm_repo=args.vllm_repo,
                              tests=None if args.no_tests else cpu_tier)
+        console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        for report in reports:
+            write_human(report, console)
+            console.print()
+        if args.json:
+            write_json(reports, args.json)
+        if args.junit:
+            write_text(args.junit, junit_xml(reports))
+        if args.markdown:
+            write_text(args.markdown, markdown(reports))
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    for report in reports:
-        write_human(report, console)
-        console.print()
-    if args.json:
-        write_json(reports, args.json)
-    if args.junit:
-        args.junit.parent.mkdir(parents=True, exist_ok=True)
-        junit(reports).write(args.junit, encoding="unicode", xml_declaration=True)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown(reports))
+    except KeyboardInterrupt:
+        print("rebase.py: interrupted", file=sys.stderr)
+        return 130
     return next((r.exit_code for r in reports if not r.ok), errors.OK)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +16,7 @@ from .export import export
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
-from .report import Report, write_human, write_json
+from .report import Report, check_writable, write_human, write_json
 
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout, 3 patch conflict,
 4 overlay drift, 5 verification failed, 6 vLLM source unreachable"""
@@ -34,11 +36,11 @@ def parser(project: Project) -> argparse.ArgumentParser:
     p.add_argument("--branch", metavar="NAME",
                    help=f"work branch (default: {project.default_branch})")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
-    p.add_argument("--check", action="store_true",
-                   help="do everything in a temporary worktree; leave the checkout as it was")
     p.add_argument("--allow-drift", action="store_true",
                    help="lay overlay files even where upstream changed the file since the base")
     mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="do everything in a temporary worktree; leave the checkout as it was")
     mode.add_argument("--rebase-to", metavar="REF",
                       help="maintainers: rebuild the work branch on REF in the checkout, dropping "
                            "landed patches, 3-way merging drifted overlay files, stopping at conflicts")
@@ -52,22 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     project = Project()
     args = parser(project).parse_args(argv)
     progress.quiet = args.quiet
-    opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
-                   branch=args.branch, check=args.check, allow_drift=args.allow_drift)
-    if args.export:
-        return _export(project, args.workdir or project.default_workdir)
+    signal.signal(signal.SIGTERM, _interrupt)  # a cancelled CI job cleans up like Ctrl-C
     try:
+        if args.json:
+            check_writable(args.json, "--json")
+        if args.export:
+            return _export(project, args.workdir or project.default_workdir)
+        opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
+                       branch=args.branch, check=args.check, allow_drift=args.allow_drift)
         if args.rebase_to:
             report = rebase_to(project, replace(opts, ref=args.rebase_to))
         else:
             report = run_apply(project, opts)
     except errors.OverlayError as err:
-        report = Report(project.version, "", args.vllm_ref or "", error=str(err),
-                        error_code=err.exit_code)
-        if args.json:
-            write_json(report, args.json)
         print(f"apply.py: error: {err}", file=sys.stderr)
+        if args.json:
+            report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
+                            error=str(err), error_code=err.exit_code)
+            with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
+                write_json(report, args.json)
         return err.exit_code
+    except KeyboardInterrupt:
+        print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
+        return 130
     if args.json:
         write_json(report, args.json)
     # Wide when piped, so CI logs keep one line per patch or file.
@@ -75,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     return report.exit_code
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _export(project: Project, workdir: Path) -> int:
-    try:
-        result = export(project, workdir.resolve())
-    except errors.OverlayError as err:
-        print(f"apply.py: error: {err}", file=sys.stderr)
-        return err.exit_code
+    result = export(project, workdir.resolve())
     print(f"exported {len(result.patches)} patch(es) on base {result.base}:")
     for name in result.patches:
         print(f"  {name}")

@@ -20,7 +20,7 @@ from . import git
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
-from .job import BASE_KEY
+from .job import BASE_KEY, record
 from .project import Project
 
 
@@ -76,6 +76,7 @@ def export(project: Project, workdir: Path) -> ExportResult:
         base_blob = git.blob_at(repo, base_sha, f.path) or manifest_mod.NEW
         files.append(manifest_mod.OverlayFile(f.path, base_blob))
     manifest_mod.save(manifest_mod.Manifest(base_ref, tuple(files)), project.manifest_path)
+    record(repo, branch, base_ref)  # what the branch holds is in patches/ now: apply may rebuild it
     return result
 
 

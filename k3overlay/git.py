@@ -27,12 +27,14 @@ class GitError(OverlayError):
     """A git command failed; ``str()`` is one line (verb and git's reason)."""
 
 
-def _first_line(text: str) -> str:
-    for line in (text or "").splitlines():
-        line = line.strip()
-        if line and not line.startswith("hint:"):
-            return line.removeprefix("stderr: ").strip("' ")
-    return "no message"
+def first_line(text: str) -> str:
+    """The line of git's output that says what went wrong (``fatal:``/``error:`` first)."""
+    lines = [line.strip().removeprefix("stderr: ").strip("' ") for line in (text or "").splitlines()]
+    lines = [line for line in lines if line and not line.startswith("hint:")]
+    for line in lines:
+        if line.startswith(("fatal:", "error:")):
+            return line
+    return lines[0] if lines else "no message"
 
 
 def run(repo: Repo, *args: str, env: dict[str, str] | None = None) -> str:
@@ -40,7 +42,7 @@ def run(repo: Repo, *args: str, env: dict[str, str] | None = None) -> str:
     try:
         return repo.git.execute(["git", *args], env=env, strip_newline_in_stdout=False)
     except GitCommandError as err:
-        raise GitError(f"git {args[0]} failed: {_first_line(str(err.stderr))}") from err
+        raise GitError(f"git {args[0]} failed: {first_line(str(err.stderr))}") from err
 
 
 def attempt(repo: Repo, *args: str, env: dict[str, str] | None = None) -> tuple[bool, str]:
@@ -75,7 +77,7 @@ def clone(source: str, dest: Path) -> Repo:
     try:
         return Repo.clone_from(source, dest)
     except GitCommandError as err:
-        raise GitError(f"git clone {source} failed: {_first_line(str(err.stderr))}") from err
+        raise GitError(f"git clone {source} failed: {first_line(str(err.stderr))}") from err
 
 
 def fetch(repo: Repo, source: str, *refspecs: str) -> None:
@@ -120,6 +122,7 @@ def operation_in_progress(repo: Repo) -> str | None:
         "CHERRY_PICK_HEAD": "git cherry-pick",
         "REVERT_HEAD": "git revert",
         "BISECT_LOG": "git bisect",
+        "sequencer": "git cherry-pick/revert sequence",
     }
     for marker, name in markers.items():
         path = run(repo, "rev-parse", "--git-path", marker).strip()
@@ -133,18 +136,35 @@ def is_dirty(repo: Repo) -> bool:
     return bool(run(repo, "status", "--porcelain", "--untracked-files=normal").strip())
 
 
+_WORKTREE_PREFIX = "k3-worktree-"
+
+
 @contextlib.contextmanager
 def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
-    """A detached linked worktree of ``repo`` at ``sha``, removed (and pruned) on exit."""
-    parent = Path(tempfile.mkdtemp(prefix="k3-worktree-"))
+    """A detached linked worktree of ``repo`` at ``sha``, removed on exit.
+
+    Only our own worktree entries are ever removed: never ``git worktree
+    prune``, which would also drop a user's entries for moved folders.
+    Leftovers of a run that was killed are removed first.
+    """
+    _remove_stale_worktrees(repo)
+    parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
     path = parent / "tree"
-    run(repo, "worktree", "add", "--quiet", "--detach", str(path), sha)
     try:
+        run(repo, "worktree", "add", "--quiet", "--detach", str(path), sha)
         yield Repo(path)
     finally:
-        attempt(repo, "worktree", "remove", "--force", str(path))
+        attempt(repo, "worktree", "remove", "--force", "--force", str(path))
         shutil.rmtree(parent, ignore_errors=True)
-        attempt(repo, "worktree", "prune")
+
+
+def _remove_stale_worktrees(repo: Repo) -> None:
+    listing = run(repo, "worktree", "list", "--porcelain")
+    for line in listing.splitlines():
+        path = line.removeprefix("worktree ")
+        if line.startswith("worktree ") and f"/{_WORKTREE_PREFIX}" in path and Path(path).is_dir():
+            attempt(repo, "worktree", "remove", "--force", "--force", path)
+            shutil.rmtree(Path(path).parent, ignore_errors=True)
 
 
 def apply_check(repo: Repo, patch: Path, *, reverse: bool = False) -> bool:

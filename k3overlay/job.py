@@ -12,8 +12,11 @@ a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,27 +65,64 @@ def run_apply(project: Project, opts: Options) -> Report:
     if existing is not None and not opts.check:
         refuse_unsafe(existing, branch)
     origin = source.locate(opts.vllm_repo, [manifest.base, ref])
-    scratch = None
-    if existing is not None:
-        workdir_repo = existing
-    elif opts.check:  # nothing to leave untouched: work in a throwaway clone
-        scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
-        workdir_repo = source.clone(origin, scratch / "vllm")
-    else:
-        workdir_repo = source.clone(origin, workdir)
-    try:
-        report.ref_sha = source.ensure_ref(workdir_repo, origin, ref)
-        base_sha = git.resolve(workdir_repo, manifest.base)
-        with git.temporary_worktree(workdir_repo, report.ref_sha) as tree:
+    with _work_repo(existing, origin, workdir, ref, opts.check) as repo:
+        if opts.check and repo is existing:
+            report.ref_sha = git.resolve(repo, ref)  # --check reads the checkout's own REF
+        else:
+            report.ref_sha = source.ensure_ref(repo, origin, ref)
+        base_sha = git.resolve(repo, manifest.base)
+        with git.temporary_worktree(repo, report.ref_sha) as tree:
             result_sha = build(project, manifest, patches, tree, report, base_sha)
-        if result_sha and not opts.check:
-            _publish(workdir_repo, branch, result_sha, report)
-        elif opts.check:
-            report.notes.append("--check: nothing written to the checkout")
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if opts.check:
+            report.notes.append("--check: nothing was written to the checkout")
+        elif result_sha:
+            with _uninterrupted():
+                _publish(repo, branch, result_sha, report)
     return report
+
+
+@contextlib.contextmanager
+def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
+               check: bool) -> Iterator[git.Repo]:
+    """The repository to work in, and what to clean up after.
+
+    ``--check`` never writes to a user's checkout, not even a fetched ref: if
+    the checkout does not know REF, the work happens in a throwaway clone.
+    A clone made into a fresh ``workdir`` is removed again if the run is
+    interrupted or fails with an exception, so no half-made checkout is left.
+    """
+    if existing is not None and (not check or source.resolves_locally(existing, ref)):
+        yield existing
+        return
+    if check:
+        scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
+        try:
+            yield source.clone(origin, scratch / "vllm")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
+    try:
+        yield source.clone(origin, workdir)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM until the block is done: a half-switched checkout is
+    worse than stopping a second later."""
+    received: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda number, _frame: received.append(number))
+                for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            raise KeyboardInterrupt
 
 
 def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
@@ -171,9 +211,11 @@ def _publish(repo: git.Repo, branch: str, sha: str, report: Report) -> None:
     """Point ``branch`` at ``sha`` and check it out (a no-op when already there)."""
     if git.branch_tip(repo, branch) == sha and git.current_branch(repo) == branch:
         report.notes.append(f"branch {branch} already at {sha[:12]}: nothing to do")
+        report.published = True
         return
     git.set_branch(repo, branch, sha)
     record(repo, branch, report.ref)
+    report.published = True
 
 
 def record(repo: git.Repo, branch: str, ref: str) -> None:

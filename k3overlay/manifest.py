@@ -71,6 +71,19 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
         manifest = Manifest(data["base"], files)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UsageError(f"cannot read overlay manifest {manifest_path}: {err}") from err
+    if not isinstance(manifest.base, str) or not manifest.base:
+        raise UsageError(f"overlay manifest: 'base' must be a ref name, not {manifest.base!r}")
+    for f in files:
+        if not isinstance(f.path, str) or not f.path or f.path.startswith("/") \
+                or ".." in f.path.split("/"):
+            raise UsageError(f"overlay manifest: bad path {f.path!r}")
+        if f.base_blob != NEW and not (isinstance(f.base_blob, str) and len(f.base_blob) == 40
+                                       and _is_hex(f.base_blob)):
+            raise UsageError(f"overlay manifest: bad base_blob for {f.path}: {f.base_blob!r}")
+    paths = [f.path for f in files]
+    if len(set(paths)) != len(paths):
+        raise UsageError(f"overlay manifest lists a path twice: "
+                         f"{sorted({p for p in paths if paths.count(p) > 1})[0]}")
     listed = {f.path for f in files}
     present = {p.relative_to(overlay_dir).as_posix() for p in overlay_dir.rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
@@ -80,17 +93,13 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     if present - listed:
         raise UsageError(f"files under overlay/ missing from the manifest: "
                          f"{', '.join(sorted(present - listed))}")
-    for f in files:
-        if f.base_blob != NEW and not (len(f.base_blob) == 40 and _is_hex(f.base_blob)):
-            raise UsageError(f"overlay manifest: bad base_blob for {f.path}: {f.base_blob!r}")
     return manifest
 
 
 def save(manifest: Manifest, manifest_path: Path) -> None:
-    """Write ``manifest`` (files sorted by path, stable formatting)."""
+    """Write ``manifest`` (files in their given order, stable formatting)."""
     data = {"base": manifest.base,
-            "files": [{"path": f.path, "base_blob": f.base_blob}
-                      for f in sorted(manifest.files, key=lambda f: f.path)]}
+            "files": [{"path": f.path, "base_blob": f.base_blob} for f in manifest.files]}
     manifest_path.write_text(json.dumps(data, indent=2) + "\n")
 
 

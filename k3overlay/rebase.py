@@ -48,19 +48,21 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     """
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    origin = source.locate(vllm_repo, [manifest.base, *refs])
+    origin = source.locate(vllm_repo, [manifest.base])
     scratch = Path(tempfile.mkdtemp(prefix="k3-rebase-"))
     try:
         repo = source.clone(origin, scratch / "vllm")
         base_sha = source.ensure_ref(repo, origin, manifest.base)
-        return [_one(project, manifest, patches, repo, origin, base_sha, ref, tests) for ref in refs]
+        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests)
+                for ref in refs]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _one(project, manifest, patches, repo, origin, base_sha, ref, tests) -> Report:
+def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests) -> Report:
     report = Report(project.version, manifest.base, ref)
-    try:
+    try:  # one bad or unknown ref must not cost the other refs their reports
+        origin = source.locate(vllm_repo, [ref])
         report.ref_sha = source.ensure_ref(repo, origin, ref)
     except errors.OverlayError as err:
         report.error, report.error_code = str(err), err.exit_code

@@ -8,6 +8,7 @@ systems and pull-request comments.
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ class Report:
     error: str = ""
     error_code: int = errors.OK
     notes: list[str] = field(default_factory=list)
+    published: bool = False  # the work branch in ``workdir`` holds the result
 
     @property
     def exit_code(self) -> int:
@@ -68,9 +70,16 @@ class Report:
     def ok(self) -> bool:
         return self.exit_code == errors.OK
 
+    def _why_not_verified(self) -> str:
+        if self.error:
+            return self.error
+        if self.exit_code == errors.CONFLICT:
+            return "a patch conflicts"
+        return "overlay drift" if self.exit_code == errors.DRIFT else "stopped before verification"
+
     def to_json(self) -> dict:
         """The report as the JSON object documented in README.md."""
-        verify = self.verify or VerifyResult(False, [self.error or "verification not run"])
+        verify = self.verify or VerifyResult(False, [f"not run: {self._why_not_verified()}"])
         data = {
             "overlay_version": self.overlay_version,
             "base_ref": self.base_ref,
@@ -107,10 +116,31 @@ def _file_json(f: FileResult) -> dict:
 
 
 def write_json(reports: list[Report] | Report, path: Path) -> None:
-    """Write one report (an object) or several (a list of objects) as JSON."""
+    """Write one report (an object) or several (a list of objects) as JSON.
+
+    Raises UsageError (one line) if the file cannot be written.
+    """
     data = reports.to_json() if isinstance(reports, Report) else [r.to_json() for r in reports]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Make sure a report file can be written, before any work is done (UsageError if not)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise errors.UsageError(f"{option} {path}: cannot create its folder ({err.strerror})") from err
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (
+            path.exists() and not os.access(path, os.W_OK)):
+        raise errors.UsageError(f"{option} {path}: cannot write there")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a report file; an OSError becomes a one-line UsageError."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise errors.UsageError(f"cannot write {path}: {err.strerror}") from err
 
 
 _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
@@ -147,7 +177,7 @@ def write_human(report: Report, console: Console) -> None:
     for note in report.notes:
         console.print(note)
     if report.ok:
-        where = f" -> branch {report.branch} in {report.workdir}" if report.branch else ""
+        where = f" -> branch {report.branch} in {report.workdir}" if report.published else ""
         console.print(f"[green]ok[/green]{where}")
     else:
         console.print(f"[red]failed[/red] (exit {report.exit_code})"
@@ -159,39 +189,44 @@ def _styled(status: str) -> str:
     return f"[{style}]{status}[/{style}]"
 
 
-def junit(reports: list[Report]) -> ET.ElementTree:
-    """JUnit XML: one testsuite per ref, one testcase per patch, overlay file and verify."""
+def junit_xml(reports: list[Report]) -> str:
+    """JUnit XML text: one testsuite per ref; one testcase per patch, overlay file,
+    verification and test run; a failure element for each item that needs a human."""
     suites = ET.Element("testsuites", name="vllm-k3-overlay")
     for report in reports:
         suite = ET.SubElement(suites, "testsuite", name=f"rebase onto {report.ref}")
-        cases = []
-        for p in report.patches:
-            failure = None if p.status != PATCH_CONFLICT else "; ".join(p.hunks or p.files)
-            cases.append((f"patch {p.name}", p.status, failure))
-        for f in report.overlay:
-            bad = f.status == FILE_CONFLICT or (f.status == DRIFT and not report.allow_drift)
-            cases.append((f"overlay {f.path}", f.status, f.detail if bad else None))
-        if report.verify is not None:
-            cases.append(("verify", "ok" if report.verify.ok else "failed",
-                          None if report.verify.ok else "; ".join(report.verify.errors)))
-        if report.tests is not None:
-            t = report.tests
-            bad = t.get("failed") or t.get("errors")
-            cases.append(("cpu tests", f"{t}", f"{t}" if bad else None))
-        if report.error:
-            cases.append(("job", "error", report.error))
-        failures = 0
+        cases = _junit_cases(report)
         for name, status, failure in cases:
-            case = ET.SubElement(suite, "testcase", classname=f"k3overlay.{report.ref}", name=name)
-            ET.SubElement(case, "system-out").text = status
-            if failure:
-                failures += 1
+            case = ET.SubElement(suite, "testcase", name=name,
+                                 classname=f"rebase.{report.ref.replace('.', '_')}")
+            if failure:  # JUnit's schema wants failure before system-out
                 ET.SubElement(case, "failure", message=failure[:500]).text = failure
+            ET.SubElement(case, "system-out").text = status
         suite.set("tests", str(len(cases)))
-        suite.set("failures", str(failures))
-    tree = ET.ElementTree(suites)
-    ET.indent(tree)
-    return tree
+        suite.set("failures", str(sum(1 for _, _, failure in cases if failure)))
+    ET.indent(suites)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+
+
+def _junit_cases(report: Report) -> list[tuple[str, str, str | None]]:
+    """(name, status, failure message or None) for each item of one report."""
+    cases = []
+    for p in report.patches:
+        failure = "; ".join(p.hunks or p.files) or "conflict" if p.status == PATCH_CONFLICT else None
+        cases.append((f"patch {p.name}", p.status, failure))
+    for f in report.overlay:
+        bad = f.status == FILE_CONFLICT or (f.status == DRIFT and not report.allow_drift)
+        cases.append((f"overlay {f.path}", f.status, (f.detail or f.status) if bad else None))
+    if report.verify is not None:
+        cases.append(("verify", "ok" if report.verify.ok else "failed",
+                      None if report.verify.ok else "; ".join(report.verify.errors)))
+    if report.tests is not None:
+        t = report.tests
+        summary = ", ".join(f"{t.get(k, 0)} {k}" for k in ("passed", "failed", "skipped", "errors"))
+        cases.append(("cpu tests", summary, summary if t.get("failed") or t.get("errors") else None))
+    if report.error:
+        cases.append(("job", "error", report.error))
+    return cases
 
 
 def markdown(reports: list[Report]) -> str:
@@ -207,14 +242,26 @@ def markdown(reports: list[Report]) -> str:
             f"{r.tests.get('passed', 0)} passed, {r.tests.get('failed', 0)} failed, "
             f"{r.tests.get('skipped', 0)} skipped, {r.tests.get('errors', 0)} errors")
         verdict = "ok" if r.ok else f"**exit {r.exit_code}**"
-        lines.append(f"| {r.ref} `{r.ref_sha[:10]}` | {verdict} | {patches} | {overlay} "
+        sha = f" `{r.ref_sha[:10]}`" if r.ref_sha else ""
+        lines.append(f"| {r.ref}{sha} | {verdict} | {patches} | {overlay} "
                      f"| {verify} | {tests} |")
     for r in reports:
         drifted = [f for f in r.overlay if f.upstream_diff]
         for f in drifted:
             lines += ["", f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> "
                       f"since {r.base_ref} ({f.status})</summary>", "", "```diff",
-                      f.upstream_diff.rstrip(), "```", "</details>"]
+                      *_clip(f.upstream_diff), "```", "</details>"]
         if r.error:
             lines += ["", f"{r.ref}: {r.error}"]
     return "\n".join(lines) + "\n"
+
+
+MARKDOWN_DIFF_LINES = 150  # a CI comment is capped (64 KiB on GitHub); the JSON has it all
+
+
+def _clip(diff: str) -> list[str]:
+    lines = diff.rstrip().splitlines()
+    if len(lines) <= MARKDOWN_DIFF_LINES:
+        return lines
+    return lines[:MARKDOWN_DIFF_LINES] + [f"... {len(lines) - MARKDOWN_DIFF_LINES} more lines "
+                                          f"in the JSON report's upstream_diff"]

@@ -39,7 +39,7 @@ class Patch:
 
     @property
     def diff(self) -> str:
-        text = self.path.read_text()
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
         start = text.find("\ndiff --git ")
         return text[start + 1:] if start >= 0 else ""
 
@@ -64,8 +64,15 @@ def load(patches_dir: Path) -> list[Patch]:
     series_file = patches_dir / "series"
     if not series_file.is_file():
         raise UsageError(f"no series file at {series_file}")
-    names = [line.strip() for line in series_file.read_text().splitlines()
+    try:
+        text = series_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{series_file} is not UTF-8 text") from err
+    names = [line.strip() for line in text.splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"{series_file.name} lists {twice[0]} more than once")
     unlisted = sorted({p.name for p in patches_dir.glob("*.patch")} - set(names))
     if unlisted:
         raise UsageError(f"patches not in {series_file.name}: {', '.join(unlisted)}")
@@ -76,7 +83,10 @@ def read_patch(path: Path) -> Patch:
     """Read one mailbox patch file. Raises UsageError if it is missing or lacks Upstream-Status."""
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
-    text = path.read_text()
+    # Mail headers may carry any encoding; nothing we read from them needs exact bytes.
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    if "\ndiff --git " not in text:
+        raise UsageError(f"{path.name} holds no diff")
     status = STATUS_LINE.search(text.split("\n---\n", 1)[0])
     if status is None:
         raise UsageError(

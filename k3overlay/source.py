@@ -8,13 +8,30 @@ vLLM's published sdists (see ``mirror``).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from . import git
-from .errors import UsageError
+from .errors import SourceError, UsageError
 from .mirror import ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
+
+_FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
+# What git says when the remote answered but has no such ref (bad input, not a network fault).
+_NOT_FOUND = ("couldn't find remote ref", "not our ref", "no such ref", "invalid refspec",
+              "does not appear to be a git repository", "does not exist")
+
+
+def check_ref(ref: str) -> None:
+    """Refuse a ref git could read as an option or a refspec (UsageError).
+
+    A leading ``-`` would be an option (``--upload-pack=…`` runs a command),
+    and ``:`` makes a refspec that writes a local branch.
+    """
+    if (not ref or ref.startswith("-") or any(c in ref for c in ": \t\n\\")
+            or ".." in ref or "@{" in ref or not ref.isprintable()):
+        raise UsageError(f"bad ref {ref!r}: give a tag, branch or commit sha")
 
 
 def default_mirror() -> ReleaseMirror:
@@ -29,7 +46,11 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
     Without ``vllm_repo`` (or ``$VLLM_REPO``), every release tag among
     ``refs`` is first materialized in the release mirror, whose path is returned.
     """
+    for ref in refs:
+        check_ref(ref)
     chosen = vllm_repo or os.environ.get("VLLM_REPO")
+    if chosen and chosen.startswith("-"):
+        raise UsageError(f"bad vLLM repository {chosen!r}: give a URL or a path")
     if chosen:
         return chosen
     mirror = default_mirror()
@@ -40,9 +61,14 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
 def open_existing(workdir: Path) -> git.Repo | None:
     """The checkout at ``workdir``, or None if the folder is missing or empty.
 
-    Raises UsageError if it is a non-empty folder that is not the top of a git work tree.
+    Raises UsageError if it is a file, or a non-empty folder that is not the
+    top of a git work tree.
     """
-    if not (workdir.exists() and any(workdir.iterdir())):
+    if not workdir.exists():
+        return None
+    if not workdir.is_dir():
+        raise UsageError(f"--workdir {workdir} is a file, not a folder")
+    if not any(workdir.iterdir()):
         return None
     try:
         return git.open_repo(workdir)
@@ -51,25 +77,55 @@ def open_existing(workdir: Path) -> git.Repo | None:
 
 
 def clone(origin: str, workdir: Path) -> git.Repo:
-    """Clone ``origin`` into ``workdir``."""
-    workdir.parent.mkdir(parents=True, exist_ok=True)
+    """Clone ``origin`` into ``workdir``.
+
+    Raises UsageError if ``workdir`` cannot be made or ``origin`` is no
+    repository, SourceError if ``origin`` cannot be reached.
+    """
+    try:
+        workdir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create --workdir {workdir}: {err.strerror}") from err
     with step(f"cloning {origin} into {workdir}"):
-        return git.clone(origin, workdir)
+        try:
+            return git.clone(origin, workdir)
+        except git.GitError as err:
+            raise _classify(str(err)) from err
+
+
+def resolves_locally(repo: git.Repo, ref: str) -> bool:
+    """True if ``repo`` already knows ``ref``."""
+    return git.resolve(repo, ref) is not None
 
 
 def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
-    """The commit sha of ``ref`` in ``repo``, fetching it from ``source`` if missing.
+    """The commit sha of ``ref``, fetched fresh from ``source`` unless it cannot move.
 
-    A release tag is fetched as that tag only, never ``--tags``: a user's own
-    vLLM clone has its own tags of the same names, which must not be touched.
-    Raises UsageError if ``source`` has no such ref.
+    A full sha, or a release tag ``repo`` already has, is used as is. Anything
+    else (a branch, a tag not yet here) is fetched first, so a branch is never
+    read from a stale local copy; a release tag is fetched as that tag only,
+    never ``--tags``, so a user's own tags of the same names are left alone.
+    A name only ``repo`` knows (a local branch) is used when ``source`` lacks it.
+    Raises UsageError for a bad or unknown ref, SourceError when ``source``
+    cannot be reached.
     """
-    sha = git.resolve(repo, ref)
-    if sha is not None:
-        return sha
+    check_ref(ref)
+    local = git.resolve(repo, ref)
+    if local and (_FULL_SHA.match(ref) or (release_of(ref) and git.resolve(repo, f"refs/tags/{ref}"))):
+        return local
     spec = f"refs/tags/{ref}:refs/tags/{ref}" if release_of(ref) else ref
-    ok, output = git.attempt(repo, "fetch", "--quiet", "--no-tags", source, spec)
-    sha = git.resolve(repo, ref) or (git.resolve(repo, "FETCH_HEAD") if ok else None)
-    if sha is None:
-        raise UsageError(f"ref {ref!r} not found in {source}")
-    return sha
+    ok, output = git.attempt(repo, "fetch", "--quiet", "--no-tags", "--", source, spec)
+    if ok:
+        return git.resolve(repo, f"refs/tags/{ref}" if release_of(ref) else "FETCH_HEAD")
+    if local:
+        return local
+    error = _classify(output, what=f"ref {ref!r} not found in {source}")
+    raise error
+
+
+def _classify(git_output: str, what: str | None = None) -> UsageError | SourceError:
+    """A git failure as bad input (the remote has no such thing) or an unreachable source."""
+    reason = git.first_line(git_output)
+    if any(marker in git_output for marker in _NOT_FOUND):
+        return UsageError(what or reason)
+    return SourceError(f"cannot reach the vLLM source: {reason}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -11,7 +12,7 @@ from k3overlay import errors
 from k3overlay.export import export
 from k3overlay.job import Options, run_apply
 from k3overlay.rebase import rebase_to, run_rebase
-from k3overlay.report import junit, markdown
+from k3overlay.report import junit_xml, markdown
 
 from .conftest import g
 
@@ -50,7 +51,7 @@ def test_reports_render_for_ci(reports):
     data = [r.to_json() for r in ordered]
     assert [d["ok"] for d in data] == [True, True, False, False]
     assert data[2]["tests"]["failed"] == 1
-    suites = junit(ordered).getroot()
+    suites = ET.fromstring(junit_xml(ordered))
     assert [s.get("failures") for s in suites] == ["0", "0", "3", "1"]
     text = markdown(ordered)
     assert "| v1.2.0" in text and "landed-upstream" in text and "Upstream docstring" in text
