@@ -354,12 +354,24 @@ def test_capability_probe(monkeypatch, is_cuda, reported, expected) -> None:
     assert k3._device_capability() == expected
 
 
+def routed_tokens(capability, n: int, k: int) -> set[int]:
+    """Token counts the table of ``capability`` routes for (n, k), read from the data."""
+    return {row.num_tokens for row in k3.routed_rows(capability)
+            if (row.n, row.k) == (n, k) and not row.has_residual}
+
+
 @pytest.mark.parametrize("capability", [SM103, SM90])
 def test_eh_proj_routes_to_cute_at_m1_and_m2(monkeypatch, capability) -> None:
     pin_capability(monkeypatch, capability)
     assert k3.select_kimi_k3_backend(1, *EH_PROJ) == "cute"
     assert k3.select_kimi_k3_backend(2, *EH_PROJ) == "cute"
-    assert k3.select_kimi_k3_backend(3, *EH_PROJ) is None
+    routed = {m for m in range(1, 17) if k3.select_kimi_k3_backend(m, *EH_PROJ)}
+    assert routed == routed_tokens(capability, *EH_PROJ)
+
+
+def test_eh_proj_sm103_stops_at_m2() -> None:
+    # SM103 = v0.28.0's table plus exactly the two eh_proj rows this overlay adds.
+    assert routed_tokens(SM103, *EH_PROJ) == {1, 2}
 
 
 def test_eh_proj_configs_on_sm103() -> None:
@@ -553,7 +565,8 @@ def test_module_name_plays_no_role(monkeypatch, fake_cute) -> None:
 
 @pytest.mark.usefixtures("fake_layers")
 def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
-    # dense_down_proj (7168, 4224): CuTe at M1 on SM103, at M1 and M2 on SM90.
+    # dense_down_proj (7168, 4224): the two tables route it differently, so the
+    # installed plan shows which table was read.
     plans = {}
     for capability in (SM103, SM90):
         pin_capability(monkeypatch, capability)
@@ -563,8 +576,9 @@ def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
         table = k3.table_for_capability(capability)
         assert root.down.quant_method._plan == k3._runnable_plan(table[(7168, 4224)])
         plans[capability] = root.down.quant_method._plan
-    assert set(plans[SM103]) == {1}
-    assert set(plans[SM90]) == {1, 2}
+    assert set(plans[SM103]) == routed_tokens(SM103, 7168, 4224) == {1}
+    assert set(plans[SM90]) == routed_tokens(SM90, 7168, 4224)
+    assert plans[SM90] != plans[SM103]
 
 
 @pytest.mark.usefixtures("fake_layers")
@@ -649,7 +663,7 @@ def test_request_warmup_for_an_unowned_weight(monkeypatch, fake_cute) -> None:
     [
         (SM90, (6288, 7168), torch.float16),  # not BF16
         (SM90, (1234, 7168), BF16),  # no row
-        (SM90, (1536, 128), BF16),  # dsv3-only row: nothing to compile
+        (SM100, (1536, 128), BF16),  # dsv3-only row: nothing to compile
         (None, (6288, 7168), BF16),  # no GPU
         ((8, 0), (6288, 7168), BF16),  # no table
     ],
@@ -846,11 +860,12 @@ def test_residual_fallback_is_the_real_sum() -> None:
 
 @pytest.mark.usefixtures("cpu_fast_path")
 def test_try_low_latency_gemm_routes_by_table(monkeypatch, fake_cute, fake_dsv3):
-    pin_capability(monkeypatch, SM90)
-    weight = bf16(1536, 128)  # SM90: dsv3 at M1..8
-    x = bf16(3, 128)
+    pin_capability(monkeypatch, SM100)
+    weight = bf16(1536, 128)  # SM100 (vLLM v0.29.0's table): dsv3 at M1 and M16 only
+    assert routed_tokens(SM100, 1536, 128) == {1, 16}
+    x = bf16(16, 128)
     out = k3.try_low_latency_gemm(x, weight)
-    assert fake_dsv3.calls == [(3, (1, 128))]
+    assert fake_dsv3.calls == [(16, (1, 128))]
     torch.testing.assert_close(out, product(x, weight))
     assert k3.try_low_latency_gemm(bf16(9, 128), weight) is None
     assert not fake_cute.calls
@@ -879,9 +894,9 @@ def test_try_low_latency_gemm_without_table(monkeypatch, fake_cute, capability):
 
 @pytest.mark.usefixtures("cpu_fast_path")
 def test_try_low_latency_gemm_skips_unbuilt_backend(monkeypatch, fake_cute) -> None:
-    pin_capability(monkeypatch, SM90)
+    pin_capability(monkeypatch, SM100)
     monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
-    assert k3.try_low_latency_gemm(bf16(3, 128), bf16(1536, 128)) is None
+    assert k3.try_low_latency_gemm(bf16(1, 128), bf16(1536, 128)) is None
 
 
 # ------------------------------------------------------------------------ callers
