@@ -6,9 +6,9 @@ most ``--part-mib`` MiB, default 60, each folder also holding ``BUNDLE.json``):
 * ``wheels/``: the wheels of ``requirements-gpu.txt`` for the runner's Python and
   platform (default cp312 manylinux x86_64), downloaded with ``pip download
   --no-deps --only-binary=:all:`` (or taken from ``--wheels-dir``);
-* ``vllm_tree.tar.xz``: the patched ``vllm/`` Python tree (release sdist +
-  ``patches/series`` + ``overlay/vllm``) plus a ``vllm-<ver>.dist-info`` so vLLM's
-  platform detection finds the package;
+* ``vllm_tree.tar.xz``: the patched ``vllm/`` Python tree (a checkout made by
+  ``apply.py``) plus a ``vllm-<ver>.dist-info`` so vLLM's platform detection finds
+  the package;
 * ``k3/``: our GPU tools (``ci/gpu/*.py``), the overlay's GPU tests, the upstream
   tables as data (``priors.json``, for seeds and the v0.29.0 comparison), and the
   few v0.28.0 ``csrc`` files ``dsv3_build.py`` compiles.
@@ -18,10 +18,11 @@ most ``--part-mib`` MiB, default 60, each folder also holding ``BUNDLE.json``):
 
 Usage::
 
-    python ci/gpu/bundle.py --out ci/gpu/_stage \
-        --base-src /tmp/src/0.28.0/vllm-0.28.0 --v029-src /tmp/src/0.29.0/vllm-0.29.0
+    python ci/gpu/bundle.py --out ci/gpu/_stage [--tree work/vllm] [--compare-ref v0.29.0]
 
-Raises ``SystemExit`` with a message if a patch does not apply or pip fails.
+Without ``--tree`` the overlay is applied to the pinned base now (``apply.py``'s job,
+into a temporary folder). Upstream tables come from the release mirror.
+Raises ``SystemExit`` with a message if the overlay does not apply or pip fails.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -45,6 +47,14 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any")
 DSV3_SRC = "csrc/libtorch_stable/dsv3_fused_a_gemm.cu"
+UPSTREAM_MODULE = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
+
+sys.path.insert(0, REPO)
+from k3overlay import git, source  # noqa: E402
+from k3overlay import manifest as overlay_manifest  # noqa: E402
+from k3overlay.job import Options, run_apply  # noqa: E402
+from k3overlay.mirror import release_of  # noqa: E402
+from k3overlay.project import Project  # noqa: E402
 
 
 def sha256(path: str) -> str:
@@ -64,29 +74,22 @@ def download_wheels(dest: str, python_version: str, req: str) -> None:
         raise SystemExit("pip download failed: " + " ".join(cmd))
 
 
-def build_tree(base_src: str, dest: str) -> str:
-    """Copy the release's ``vllm/``, apply ``patches/series``, lay ``overlay/`` over it."""
-    shutil.copytree(os.path.join(base_src, "vllm"), os.path.join(dest, "vllm"),
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    series = os.path.join(REPO, "patches", "series")
-    for line in open(series):
-        name = line.split("#")[0].strip()
-        if not name:
-            continue
-        r = subprocess.run(["git", "apply", "--include=vllm/*", os.path.join(REPO, "patches", name)],
-                           cwd=dest, capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"patch {name} does not apply: {r.stderr}")
-    overlay = os.path.join(REPO, "overlay")
-    for root, _, files in os.walk(overlay):
-        for fn in files:
-            if fn.endswith(".pyc"):
-                continue
-            src = os.path.join(root, fn)
-            rel = os.path.relpath(src, overlay)
-            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
-            shutil.copy2(src, os.path.join(dest, rel))
+def patched_tree(dest: str) -> str:
+    """Apply the series and overlay onto the pinned base into ``dest`` (apply.py's job)."""
+    report = run_apply(Project(), Options(workdir=Path(dest)))
+    if not report.ok:
+        raise SystemExit(f"the overlay does not apply on {report.ref} (exit {report.exit_code})")
     return dest
+
+
+def upstream_file(ref: str, path: str, into: str) -> str:
+    """Write upstream's ``path`` at release ``ref`` (from the release mirror) to ``into``."""
+    mirror = source.default_mirror()
+    mirror.ensure([release_of(ref)])
+    repo = git.init_bare(mirror.path)
+    with open(into, "wb") as f:
+        f.write(git.read_blob(repo, git.blob_at(repo, ref, path)))
+    return into
 
 
 def version_of(tree: str) -> str:
@@ -134,9 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--python-version", default="3.12")
     ap.add_argument("--wheels-dir", help="use these wheels instead of downloading")
     ap.add_argument("--requirements", default=os.path.join(HERE, "requirements-gpu.txt"))
-    ap.add_argument("--base-src", required=True, help="unpacked vLLM release sdist (our base)")
-    ap.add_argument("--v029-src", help="unpacked v0.29.0 sdist (for its SM90 table)")
-    ap.add_argument("--patched-tree", help="an already patched tree (skips patching)")
+    ap.add_argument("--tree", help="a checkout made by apply.py (default: apply now, to a temp folder)")
+    ap.add_argument("--compare-ref", default="v0.29.0",
+                    help="upstream release whose SM90 table the benchmark measures against ours")
     args = ap.parse_args(argv)
 
     if os.path.exists(args.out):
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
     if not args.wheels_dir:
         os.makedirs(wheels)
         download_wheels(wheels, args.python_version, args.requirements)
-    tree = args.patched_tree or build_tree(args.base_src, os.path.join(work, "tree"))
+    tree = args.tree or patched_tree(os.path.join(work, "tree"))
     version = version_of(tree)
     write_dist_info(tree, version)
     tree_xz = os.path.join(work, "vllm_tree.tar.xz")
@@ -158,13 +161,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, HERE)
     import upstream_tables
 
-    priors = {"v0.28.0": upstream_tables.extract(
-        os.path.join(args.base_src, "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"))}
-    if args.v029_src:
-        priors["v0.29.0"] = upstream_tables.extract(
-            os.path.join(args.v029_src, "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"))
-    csrc = os.path.join(args.base_src, "csrc")
-    csrc_files = include_closure(csrc, os.path.relpath(os.path.join(args.base_src, DSV3_SRC), csrc))
+    base = overlay_manifest.load(Project().manifest_path, Project().overlay_dir).base
+    priors = {ref: upstream_tables.extract(upstream_file(ref, UPSTREAM_MODULE, os.path.join(work, ref)))
+              for ref in (base, args.compare_ref)}
+    csrc = os.path.join(tree, "csrc")  # upstream's CUDA sources, untouched by the overlay
+    csrc_files = include_closure(csrc, os.path.relpath(os.path.join(tree, DSV3_SRC), csrc))
     wheel_files = sorted(f for f in os.listdir(wheels) if f.endswith(".whl"))
     with tarfile.open(payload, "w") as t:
         for f in wheel_files:
