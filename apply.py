@@ -6,7 +6,12 @@ Run ``python apply.py --help``; exit codes are listed there and in README.md.
 
 import sys
 
-from k3overlay.cli import main
+try:
+    from k3overlay.cli import main
+except ModuleNotFoundError as err:  # run outside the venv README command 1 makes
+    print(f"apply.py: error: missing dependency {err.name!r}; run `.venv/bin/pip install -e .` "
+          f"and use .venv/bin/python (README, quick start)", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

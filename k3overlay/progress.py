@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)  # one line a step, even in CI logs
 quiet = False
 
 
@@ -30,7 +30,8 @@ class DownloadBar:
     def __init__(self, total: int | None, label: str) -> None:
         self._progress = Progress(
             "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), console=console, transient=True, disable=quiet,
+            TransferSpeedColumn(), console=console, transient=True,
+            disable=quiet or not console.is_terminal,  # a bar in a CI log is only noise
         )
         self._task = self._progress.add_task(label, total=total)
 

@@ -264,4 +264,4 @@ def _clip(diff: str) -> list[str]:
     if len(lines) <= MARKDOWN_DIFF_LINES:
         return lines
     return lines[:MARKDOWN_DIFF_LINES] + [f"... {len(lines) - MARKDOWN_DIFF_LINES} more lines "
-                                          f"in the JSON report's upstream_diff"]
+                                          f"(the whole diff is in --json's upstream_diff)"]

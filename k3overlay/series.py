@@ -133,9 +133,28 @@ def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str],
     if not unmerged and not git.staged_changes(repo) and "already applied" in output:
         git.am_skip(repo)
         return PatchResult(patch.name, LANDED)
+    hunks = _conflict_regions(Path(repo.working_tree_dir), unmerged) + _failed_hunks(output)
     if not keep_conflict:
         git.am_abort(repo)
-    return PatchResult(patch.name, CONFLICT, unmerged or list(patch.files), _failed_hunks(output))
+    return PatchResult(patch.name, CONFLICT, unmerged or list(patch.files), hunks)
+
+
+def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
+    """``path:first-last`` for each region a 3-way merge left between conflict markers."""
+    regions = []
+    for path in paths:
+        try:
+            lines = (tree / path).read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        start = None
+        for number, line in enumerate(lines, 1):
+            if line.startswith("<<<<<<< "):
+                start = number
+            elif line.startswith(">>>>>>> ") and start is not None:
+                regions.append(f"{path}:{start}-{number}")
+                start = None
+    return regions
 
 
 def _same_patch_upstream(repo: git.Repo, patch: Patch, rev_range: str) -> bool:

@@ -81,6 +81,7 @@ def test_conflict_exit_3_names_patch_and_files_and_leaves_checkout(project, upst
     assert conflict.status == "conflict" and conflict.files == ["pkg/model.txt"]
     data = report.to_json()
     assert data["patches"][0]["files"] == ["pkg/model.txt"] and data["ok"] is False
+    assert conflict.hunks[0] == "pkg/model.txt:4-8"  # the region the 3-way merge could not settle
     assert snapshot(wd) == before
     assert not (wd / ".git" / "rebase-apply").exists()
 
