@@ -25,7 +25,7 @@ from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
 from .progress import step
-from .project import IDENTITY, Project
+from .project import COMMITTER, IDENTITY, Project
 from .report import Report
 from .verify import verify
 
@@ -153,7 +153,7 @@ def apply_patches(tree: git.Repo, patches: list[series_mod.Patch], ref_sha: str,
     """Apply the series onto ``tree`` (see ``series.apply``), committer = the tool."""
     upstream = (f"{base_sha}..{ref_sha}"
                 if base_sha and git.is_ancestor(tree, base_sha, ref_sha) else None)
-    env = git.environ(**{k: v for k, v in IDENTITY.items() if "COMMITTER" in k})
+    env = git.environ(**COMMITTER)
     with step(f"applying {len(patches)} patch(es) with git am --3way"):
         return series_mod.apply(tree, patches, env=env, upstream_range=upstream)
 

@@ -19,6 +19,8 @@ IDENTITY = {
     "GIT_AUTHOR_NAME": "vllm-k3-overlay",
     "GIT_AUTHOR_EMAIL": "k3-overlay@users.noreply.localhost",
 }
+# For applying patches: the tool commits, each patch keeps its own author.
+COMMITTER = {k: v for k, v in IDENTITY.items() if k.startswith("GIT_COMMITTER_")}
 
 
 @dataclass(frozen=True)

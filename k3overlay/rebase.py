@@ -20,17 +20,8 @@ from pathlib import Path
 from . import errors, git, source
 from . import manifest as manifest_mod
 from . import series as series_mod
-from .job import (
-    BASE_KEY,
-    IDENTITY,
-    Options,
-    apply_patches,
-    classify_overlay,
-    commit_overlay,
-    record,
-    refuse_unsafe,
-)
-from .project import Project
+from .job import BASE_KEY, Options, build, classify_overlay, commit_overlay, record, refuse_unsafe
+from .project import COMMITTER, Project
 from .report import Report
 from .verify import verify
 
@@ -68,14 +59,9 @@ def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests) -> R
         report.error, report.error_code = str(err), err.exit_code
         return report
     with git.temporary_worktree(repo, report.ref_sha) as tree:
-        tree_dir = Path(tree.working_tree_dir)
-        report.patches = apply_patches(tree, patches, report.ref_sha, base_sha)
-        report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=True)
-        manifest_mod.lay(tree_dir, project.overlay_dir, report.overlay)
-        sha = commit_overlay(tree, project, report)
-        report.verify = verify(tree_dir, git.changed_paths(tree, report.ref_sha, sha))
+        build(project, manifest, patches, tree, report, base_sha, merge=True, best_effort=True)
         if tests is not None:
-            report.tests = tests(tree_dir)
+            report.tests = tests(Path(tree.working_tree_dir))
     return report
 
 
@@ -110,7 +96,7 @@ def rebase_to(project: Project, opts: Options) -> Report:
     elif git.is_dirty(repo):
         raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
     done = {subject for _, subject in git.log_subjects(repo, f"{report.ref_sha}..HEAD")}
-    env = git.environ(**{k: v for k, v in IDENTITY.items() if "COMMITTER" in k})
+    env = git.environ(**COMMITTER)
     upstream = f"{base_sha}..{report.ref_sha}" if git.is_ancestor(repo, base_sha, report.ref_sha) else None
     for patch in patches:
         if patch.subject in done:
