@@ -80,7 +80,9 @@ def rebase_to(project: Project, opts: Options) -> Report:
     workdir = (opts.workdir or project.default_workdir).resolve()
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
-    repo = source.open_existing(workdir) or source.clone(origin, workdir)
+    repo = source.open_existing(workdir)
+    if repo is None:
+        repo = source.clone(origin, workdir)
     op = git.operation_in_progress(repo)
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
@@ -108,6 +110,10 @@ def rebase_to(project: Project, opts: Options) -> Report:
             report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "
                                 f"{workdir}, then run apply.py --rebase-to {opts.ref} again")
             return report
+    if _overlay_committed(repo, report.ref_sha, {f.path for f in manifest.files}):
+        report.notes.append("the overlay is already committed on the branch (a resolution is "
+                            "never overwritten): run apply.py --export")
+        return report
     report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
     manifest_mod.lay(workdir, project.overlay_dir, report.overlay, with_conflicts=True)
     conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
@@ -121,3 +127,9 @@ def rebase_to(project: Project, opts: Options) -> Report:
     report.verify = verify(workdir, git.changed_paths(repo, report.ref_sha, sha))
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
     return report
+
+
+def _overlay_committed(repo: git.Repo, ref_sha: str, overlay_paths: set[str]) -> bool:
+    """True if a commit on the branch since ``ref_sha`` touches only overlay files."""
+    return any(git.commit_paths(repo, sha) <= overlay_paths
+               for sha, _ in git.log_subjects(repo, f"{ref_sha}..HEAD"))

@@ -111,6 +111,10 @@ def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path)
     (wd / "pkg/mod.py").write_text((wd / "pkg/mod.py").read_text().replace("<<<<<<< ours\n", "")
                                    .replace("=======\n", "").split(">>>>>>>")[0])
     g(wd, "commit", "-qam", "resolve pkg/mod.py")
+    resolved = (wd / "pkg/mod.py").read_text()
+    third = rebase_to(project, opts)  # re-running must not lay markers over the resolution
+    assert third.ok and any("already committed" in n for n in third.notes)
+    assert (wd / "pkg/mod.py").read_text() == resolved and g(wd, "status", "--porcelain") == ""
     result = export(project, wd)
     assert result.patches == ["0001-model-line-4.patch"] and result.base == "v1.3.0"
     patch = (project.patches_dir / result.patches[0]).read_text()
