@@ -7,6 +7,9 @@ numbering, zeroed commit ids, no version signature; the Date is the author
 date ``git am`` kept), copies the overlay files from the branch tip back to
 ``overlay/``, and re-records every base blob at REF. Patches that landed
 upstream are absent from the branch, so they drop out of the series.
+
+Everything is checked before anything is written: a refused export leaves
+``patches/``, ``overlay/`` and ``overlay.json`` as they were.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
 from .job import BASE_KEY, record
-from .project import Project
+from .project import COMMITTER, Project
+from .verify import verify
 
 
 @dataclass
@@ -35,10 +39,14 @@ class ExportResult:
 def export(project: Project, workdir: Path) -> ExportResult:
     """Write the checkout's work branch back into this repository's data files.
 
-    Raises UsageError if the checkout is unsafe (dirty, operation in
-    progress), its branch was not made by apply.py, a commit mixes overlay
-    and upstream files, a patch commit lacks ``Upstream-Status:``, or this
-    repository has uncommitted changes in the files export rewrites.
+    Raises UsageError, writing nothing, if: the checkout is unsafe (dirty,
+    operation in progress) or not on a work branch made by apply.py; the
+    branch has a merge commit, a commit mixing overlay and upstream files,
+    two patches with one subject, or a patch without ``Upstream-Status:``;
+    an overlay file is missing, still has conflict markers, is upstream's
+    rather than ours, or was laid over upstream's changes with
+    ``--allow-drift``; the branch fails verification; or this repository has
+    uncommitted changes in the files export rewrites.
     """
     _refuse_dirty_project(project)
     repo = git.open_repo(workdir)
@@ -53,31 +61,84 @@ def export(project: Project, workdir: Path) -> ExportResult:
     base_sha = git.resolve(repo, base_ref)
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     old_patches = series_mod.load(project.patches_dir)
-    commits = _patch_commits(repo, f"{base_sha}..HEAD", {f.path for f in manifest.files})
+    overlay_paths = {f.path for f in manifest.files}
+    commits = _patch_commits(repo, f"{base_sha}..HEAD", overlay_paths)
+    overlay = {f.path: _overlay_content(repo, base_sha, project, f) for f in manifest.files}
+    _refuse_allowed_drift(repo, f"{base_sha}..HEAD", overlay_paths)
+    checked = verify(workdir, git.changed_paths(repo, base_sha, "HEAD"))
+    if not checked.ok:
+        raise UsageError(f"the work branch fails verification: {checked.errors[0]}")
     result = ExportResult(base_ref)
     with tempfile.TemporaryDirectory(prefix="k3-export-") as tmp:
         new = _write_patches(repo, commits, old_patches, Path(tmp))
         new_patches = [series_mod.read_patch(path) for path in new]  # validates Upstream-Status
-        result.range_diff = _range_diff(repo, manifest.base, old_patches, base_sha, commits)
+        result.range_diff = _range_diff(repo, (manifest.base, old_patches), (base_sha, new_patches))
+        # Checked; now write.
         for old in project.patches_dir.glob("*.patch"):
             old.unlink()
         for path in new:
             shutil.copyfile(path, project.patches_dir / path.name)
     (project.patches_dir / "series").write_text("".join(f"{p.name}\n" for p in new_patches))
+    for path, content in overlay.items():
+        (project.overlay_dir / path).write_bytes(content)
+    files = tuple(manifest_mod.OverlayFile(f.path, git.blob_at(repo, base_sha, f.path)
+                                           or manifest_mod.NEW) for f in manifest.files)
+    manifest_mod.save(manifest_mod.Manifest(base_ref, files), project.manifest_path)
+    record(repo, branch, base_ref)  # what the branch holds is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}
     result.dropped = [p.name for p in old_patches if p.subject not in kept]
-    files = []
-    for f in manifest.files:
-        blob = git.blob_at(repo, "HEAD", f.path)
-        if blob is None:
-            raise UsageError(f"the work branch has no {f.path}; restore it or drop it from overlay.json")
-        (project.overlay_dir / f.path).write_bytes(git.read_blob(repo, blob))
-        base_blob = git.blob_at(repo, base_sha, f.path) or manifest_mod.NEW
-        files.append(manifest_mod.OverlayFile(f.path, base_blob))
-    manifest_mod.save(manifest_mod.Manifest(base_ref, tuple(files)), project.manifest_path)
-    record(repo, branch, base_ref)  # what the branch holds is in patches/ now: apply may rebuild it
     return result
+
+
+def _overlay_content(repo: git.Repo, base_sha: str, project: Project,
+                     f: manifest_mod.OverlayFile) -> bytes:
+    """Our file as the branch tip has it, refusing what must not become the overlay."""
+    blob = git.blob_at(repo, "HEAD", f.path)
+    if blob is None:
+        raise UsageError(f"the work branch has no {f.path}: finish apply.py --rebase-to first")
+    content = git.read_blob(repo, blob)
+    if any(line.startswith((b"<<<<<<< ", b">>>>>>> ")) for line in content.splitlines()):
+        raise UsageError(f"{f.path} on the work branch still has conflict markers")
+    ours = (project.overlay_dir / f.path).read_bytes()
+    if blob == git.blob_at(repo, base_sha, f.path) and content != ours:
+        raise UsageError(f"the work branch has upstream's {f.path}, not ours: "
+                         f"finish apply.py --rebase-to first")
+    return content
+
+
+def _patch_commits(repo: git.Repo, rev_range: str, overlay_paths: set[str]) -> list[str]:
+    """Commits of ``rev_range`` that are patches (those touching only overlay files are not)."""
+    merges = git.run(repo, "rev-list", "--merges", rev_range).split()
+    if merges:
+        raise UsageError(f"the work branch has merge commit {merges[0][:12]}; make it linear first")
+    commits, subjects = [], {}
+    for sha, subject in git.log_subjects(repo, rev_range):
+        paths = git.commit_paths(repo, sha)
+        mixed = paths & overlay_paths
+        if mixed == paths:
+            continue
+        if mixed:
+            raise UsageError(f"commit {sha[:12]} changes overlay files ({', '.join(sorted(mixed))}) "
+                             f"and upstream files; split it")
+        if subject in subjects:
+            raise UsageError(f"commits {subjects[subject][:12]} and {sha[:12]} share the subject "
+                             f"{subject!r}; squash or reword one")
+        subjects[subject] = sha
+        commits.append(sha)
+    return commits
+
+
+def _refuse_allowed_drift(repo: git.Repo, rev_range: str, overlay_paths: set[str]) -> None:
+    """An overlay laid with --allow-drift threw upstream's changes away: never record that."""
+    for sha, _ in git.log_subjects(repo, rev_range):
+        if git.commit_paths(repo, sha) <= overlay_paths:
+            message = git.run(repo, "show", "-s", "--format=%B", sha)
+            drifted = [line[len("drift: "):] for line in message.splitlines()
+                       if line.startswith("drift: ")]
+            if drifted:
+                raise UsageError(f"{drifted[0]} was laid over upstream's changes (--allow-drift); "
+                                 f"merge them with apply.py --rebase-to before exporting")
 
 
 def _write_patches(repo: git.Repo, commits: list[str], old: list[series_mod.Patch],
@@ -101,34 +162,26 @@ def _write_patches(repo: git.Repo, commits: list[str], old: list[series_mod.Patc
     return paths
 
 
-def _patch_commits(repo: git.Repo, rev_range: str, overlay_paths: set[str]) -> list[str]:
-    """Commits of ``rev_range`` that are patches (those touching only overlay files are not)."""
-    commits = []
-    for sha, _ in git.log_subjects(repo, rev_range):
-        paths = git.commit_paths(repo, sha)
-        mixed = paths & overlay_paths
-        if mixed == paths:
-            continue
-        if mixed:
-            raise UsageError(f"commit {sha[:12]} changes overlay files ({', '.join(sorted(mixed))}) "
-                             f"and upstream files; split it")
-        commits.append(sha)
-    return commits
+def _range_diff(repo: git.Repo, old: tuple[str, list[series_mod.Patch]],
+                new: tuple[str, list[series_mod.Patch]]) -> str:
+    """``git range-diff`` of two series, each applied afresh on its own base."""
+    old_tip, old_base = _applied(repo, *old), git.resolve(repo, old[0])
+    new_tip, new_base = _applied(repo, *new), git.resolve(repo, new[0])
+    if None in (old_tip, new_tip, old_base, new_base) or old_tip == old_base or new_tip == new_base:
+        return ""  # range-diff needs two non-empty ranges; ``dropped`` tells the rest
+    return git.range_diff(repo, f"{old_base}..{old_tip}", f"{new_base}..{new_tip}")
 
 
-def _range_diff(repo: git.Repo, old_base: str, old_patches: list[series_mod.Patch],
-                new_base: str, new_commits: list[str]) -> str:
-    """``git range-diff`` of the old series (re-applied on its base) and the new one."""
-    old_sha = git.resolve(repo, old_base)
-    if old_sha is None or not new_commits:
-        return ""
-    with git.temporary_worktree(repo, old_sha) as tree:
-        env = git.environ(GIT_COMMITTER_NAME="k3-export", GIT_COMMITTER_EMAIL="k3@export.invalid")
-        for patch in old_patches:
-            if not git.am(tree, patch.path, env=env)[0]:
+def _applied(repo: git.Repo, base: str, patches: list[series_mod.Patch]) -> str | None:
+    """The tip after applying ``patches`` on ``base`` in a throwaway worktree (None: no base)."""
+    sha = git.resolve(repo, base)
+    if sha is None:
+        return None
+    with git.temporary_worktree(repo, sha) as tree:
+        for patch in patches:
+            if not git.am(tree, patch.path, env=git.environ(**COMMITTER))[0]:
                 git.am_abort(tree)
-        old_tip = git.resolve(tree, "HEAD")
-        return git.range_diff(repo, f"{old_sha}..{old_tip}", f"{new_base}..{new_commits[-1]}")
+        return git.resolve(tree, "HEAD")
 
 
 def _refuse_dirty_project(project: Project) -> None:

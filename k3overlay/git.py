@@ -23,13 +23,20 @@ from .errors import OverlayError
 Repo = gitpython.Repo
 
 
+# Every git command runs with these: the user's hooks (a DCO check, a post-checkout
+# script) must not change what the tool decides, and the tool's commits are not the
+# user's to sign (signing would also break reproducible shas).
+GIT = ("git", "-c", "core.hooksPath=/dev/null", "-c", "commit.gpgSign=false",
+       "-c", "tag.gpgSign=false", "-c", "protocol.ext.allow=never")
+
+
 class GitError(OverlayError):
     """A git command failed; ``str()`` is one line (verb and git's reason)."""
 
 
 def first_line(text: str) -> str:
     """The line of git's output that says what went wrong (``fatal:``/``error:`` first)."""
-    lines = [line.strip().removeprefix("stderr: ").strip("' ") for line in (text or "").splitlines()]
+    lines = [_unquote(line.strip().removeprefix("stderr: ")) for line in (text or "").splitlines()]
     lines = [line for line in lines if line and not line.startswith("hint:")]
     for line in lines:
         if line.startswith(("fatal:", "error:")):
@@ -37,10 +44,16 @@ def first_line(text: str) -> str:
     return lines[0] if lines else "no message"
 
 
+def _unquote(line: str) -> str:
+    """Drop the quote GitPython wraps stderr in, not the quotes inside git's message."""
+    line = line.removeprefix("'") if line.startswith("'") and line.count("'") % 2 else line
+    return line.strip()
+
+
 def run(repo: Repo, *args: str, env: dict[str, str] | None = None) -> str:
     """Run ``git ARGS`` in ``repo``; return stdout. Raises GitError on failure."""
     try:
-        return repo.git.execute(["git", *args], env=env, strip_newline_in_stdout=False)
+        return repo.git.execute([*GIT, *args], env=env, strip_newline_in_stdout=False)
     except GitCommandError as err:
         raise GitError(f"git {args[0]} failed: {first_line(str(err.stderr))}") from err
 
@@ -48,7 +61,7 @@ def run(repo: Repo, *args: str, env: dict[str, str] | None = None) -> str:
 def attempt(repo: Repo, *args: str, env: dict[str, str] | None = None) -> tuple[bool, str]:
     """Run ``git ARGS``; return (succeeded, stdout + stderr). Never raises."""
     status, out, err = repo.git.execute(
-        ["git", *args], env=env, with_extended_output=True, with_exceptions=False,
+        [*GIT, *args], env=env, with_extended_output=True, with_exceptions=False,
         strip_newline_in_stdout=False,
     )
     return status == 0, out + err
@@ -73,11 +86,13 @@ def init_bare(path: Path) -> Repo:
 
 
 def clone(source: str, dest: Path) -> Repo:
-    """Clone ``source`` (a URL or a path) into ``dest``."""
-    try:
-        return Repo.clone_from(source, dest)
-    except GitCommandError as err:
-        raise GitError(f"git clone {source} failed: {first_line(str(err.stderr))}") from err
+    """Clone ``source`` (a URL or a path) into ``dest``. Raises GitError on failure."""
+    status, _, err = gitpython.Git().execute(
+        [*GIT, "clone", "--quiet", "--", source, str(dest)],
+        with_extended_output=True, with_exceptions=False)
+    if status != 0:
+        raise GitError(f"git clone {source} failed: {first_line(err)}")
+    return Repo(dest)
 
 
 def fetch(repo: Repo, source: str, *refspecs: str) -> None:
@@ -220,7 +235,7 @@ def blob_at(repo: Repo, ref: str, path: str) -> str | None:
 def read_blob(repo: Repo, sha: str) -> bytes:
     """The bytes of blob ``sha``. Raises GitError if ``repo`` lacks it."""
     try:
-        return repo.git.execute(["git", "cat-file", "blob", sha], stdout_as_string=False,
+        return repo.git.execute([*GIT, "cat-file", "blob", sha], stdout_as_string=False,
                                 strip_newline_in_stdout=False)
     except GitCommandError as err:
         raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}") from err
@@ -261,7 +276,7 @@ def commit_all(repo: Repo, message: str, *, env: dict[str, str]) -> str:
 def merge_file(ours: Path, base: Path, theirs: Path) -> tuple[bool, bytes]:
     """3-way merge of three files with ``git merge-file``; return (clean, merged bytes)."""
     status, out, _ = gitpython.Git().execute(
-        ["git", "merge-file", "-p", "-L", "ours", "-L", "base", "-L", "theirs",
+        [*GIT, "merge-file", "-p", "-L", "ours", "-L", "base", "-L", "theirs",
          str(ours), str(base), str(theirs)],
         with_extended_output=True, with_exceptions=False, stdout_as_string=False,
         strip_newline_in_stdout=False,
@@ -289,7 +304,7 @@ def config_set(repo: Repo, key: str, value: str) -> None:
 
 def log_subjects(repo: Repo, rev_range: str) -> list[tuple[str, str]]:
     """(sha, subject) of each commit in ``rev_range``, oldest first."""
-    out = run(repo, "log", "--reverse", "--format=%H %s", rev_range)
+    out = run(repo, "log", "--reverse", "--topo-order", "--format=%H %s", rev_range)
     return [tuple(line.split(" ", 1)) for line in out.splitlines() if line]
 
 
@@ -336,7 +351,7 @@ def snapshot(repo: Repo, directory: Path, message: str, parents: list[str], *,
 
 def patch_id(repo: Repo, diff_text: str) -> str | None:
     """``git patch-id --stable`` of one diff, or None if it holds no change."""
-    out = repo.git.execute(["git", "patch-id", "--stable"], istream=_stdin(diff_text))
+    out = repo.git.execute([*GIT, "patch-id", "--stable"], istream=_stdin(diff_text))
     return out.split()[0] if out.strip() else None
 
 
@@ -345,7 +360,7 @@ def patch_ids(repo: Repo, rev_range: str, paths: list[str]) -> set[str]:
     log = run(repo, "log", "--no-merges", "-p", "--format=commit %H", rev_range, "--", *paths)
     if not log.strip():
         return set()
-    out = repo.git.execute(["git", "patch-id", "--stable"], istream=_stdin(log))
+    out = repo.git.execute([*GIT, "patch-id", "--stable"], istream=_stdin(log))
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 

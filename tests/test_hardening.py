@@ -167,3 +167,21 @@ def test_after_export_apply_may_rebuild_the_branch(project, upstream, tmp_path):
     assert json.loads(project.manifest_path.read_text()) == json.loads(manifest)  # order kept
     report = apply(project, upstream, wd)
     assert report.ok and [p.status for p in report.patches] == ["applied", "applied"]
+
+
+def test_users_hooks_and_signing_config_change_nothing(project, upstream, tmp_path, monkeypatch):
+    clean = apply(project, upstream, tmp_path / "clean")
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    ran = tmp_path / "hooks-ran"
+    for hook in ("applypatch-msg", "pre-commit", "post-checkout", "reference-transaction"):
+        script = wd / ".git" / "hooks" / hook
+        script.write_text(f"#!/bin/sh\necho {hook} >> {ran}\nexit 1\n")
+        script.chmod(0o755)
+    config = tmp_path / "gitconfig"
+    config.write_text("[commit]\n\tgpgSign = true\n[gpg]\n\tprogram = /bin/false\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    report = apply(project, upstream, wd)
+    assert report.ok, report.to_json()
+    assert g(wd, "rev-parse", "HEAD") == g(tmp_path / "clean", "rev-parse", "HEAD")  # same shas
+    assert clean.ok and not ran.exists()

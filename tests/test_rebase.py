@@ -144,3 +144,47 @@ def test_export_refuses_commit_mixing_overlay_and_upstream_files(project, upstre
     g(wd, "commit", "-qam", "mixed\n\nUpstream-Status: Pending")
     with pytest.raises(errors.UsageError, match="split it"):
         export(project, wd)
+
+
+def data_files(project):
+    return {p.relative_to(project.root).as_posix(): p.read_bytes()
+            for p in project.root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("spoil, message", [
+    ("duplicate_subject", "share the subject"),
+    ("markers", "conflict markers"),
+    ("upstream_file", "upstream's pkg/mod.py, not ours"),
+    ("merge", "merge commit"),
+])
+def test_refused_export_writes_nothing(project, upstream, tmp_path, spoil, message):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    if spoil == "duplicate_subject":
+        (wd / "pkg/model.txt").write_text("fixup\n")
+        g(wd, "commit", "-qam", "model: change lines [4]\n\nUpstream-Status: Pending")
+    elif spoil == "markers":
+        (wd / "pkg/mod.py").write_text("<<<<<<< ours\nA = 1\n=======\nA = 2\n>>>>>>> theirs\n")
+        g(wd, "commit", "-qam", "oops")
+    elif spoil == "upstream_file":
+        g(wd, "checkout", "-q", "v1.0.0", "--", "pkg/mod.py")
+        g(wd, "commit", "-qm", "back to upstream's file")
+    else:
+        g(wd, "checkout", "-q", "-b", "side", "HEAD~1")
+        (wd / "pkg/side.txt").write_text("side\n")
+        g(wd, "add", "pkg/side.txt")
+        g(wd, "commit", "-qm", "side\n\nUpstream-Status: Pending")
+        g(wd, "checkout", "-q", "k3-overlay/9.9.9")
+        g(wd, "merge", "-q", "--no-edit", "side")
+    before = data_files(project)
+    with pytest.raises(errors.UsageError, match=message):
+        export(project, wd)
+    assert data_files(project) == before
+
+
+def test_export_refuses_an_overlay_laid_with_allow_drift(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(ref="v1.2.0", vllm_repo=str(upstream), workdir=wd,
+                                      allow_drift=True)).ok
+    with pytest.raises(errors.UsageError, match="--allow-drift"):
+        export(project, wd)
