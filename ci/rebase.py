@@ -72,25 +72,30 @@ def main(argv: list[str] | None = None) -> int:
             if path:
                 check_writable(path, option)
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
-        reports = run_rebase(Project(), refs, vllm_repo=args.vllm_repo,
+        reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
                              tests=None if args.no_tests else cpu_tier)
-        console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-        for report in reports:
-            write_human(report, console)
-            console.print()
-        if args.json:
-            write_json(reports, args.json)
-        if args.junit:
-            write_text(args.junit, junit_xml(reports))
-        if args.markdown:
-            write_text(args.markdown, markdown(reports))
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("rebase.py: interrupted", file=sys.stderr)
         return 130
-    return next((r.exit_code for r in reports if not r.ok), errors.OK)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    for report in reports:
+        write_human(report, console)
+        console.print()
+    code = next((r.exit_code for r in reports if not r.ok), errors.OK)
+    renderers = [(args.json, lambda path: write_json(reports, path)),
+                 (args.junit, lambda path: write_text(path, junit_xml(reports))),
+                 (args.markdown, lambda path: write_text(path, markdown(reports)))]
+    for path, write in renderers:
+        if path:
+            try:  # one report that cannot be written must not cost CI the others
+                write(path)
+            except errors.OverlayError as err:
+                print(f"rebase.py: error: {err}", file=sys.stderr)
+                code = code or err.exit_code
+    return code
 
 
 if __name__ == "__main__":

@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(project).parse_args(argv)
     progress.quiet = args.quiet
     signal.signal(signal.SIGTERM, _interrupt)  # a cancelled CI job cleans up like Ctrl-C
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `apply.py ... | head` ends quietly
     try:
+        if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
+                            or args.allow_drift):
+            raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
+                                    "work branch)")
         if args.json:
             check_writable(args.json, "--json")
         if args.export:
@@ -77,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
         return 130
-    if args.json:
-        write_json(report, args.json)
     # Wide when piped, so CI logs keep one line per patch or file.
     write_human(report, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+    if args.json:
+        try:
+            write_json(report, args.json)
+        except errors.OverlayError as err:  # the disk filled up since the check, say
+            print(f"apply.py: error: {err}", file=sys.stderr)
+            return report.exit_code or err.exit_code
     return report.exit_code
 
 
@@ -94,7 +103,8 @@ def _export(project: Project, workdir: Path) -> int:
     for name in result.patches:
         print(f"  {name}")
     for name in result.dropped:
-        print(f"  dropped {name} (not on the work branch: landed upstream or removed)")
+        print(f"  dropped {name} (no commit with its subject on the work branch: landed "
+              f"upstream, dropped or reworded)")
     print("overlay.json re-recorded at " + result.base)
     if result.range_diff:
         print("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip())

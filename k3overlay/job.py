@@ -71,6 +71,9 @@ def run_apply(project: Project, opts: Options) -> Report:
         else:
             report.ref_sha = source.ensure_ref(repo, origin, ref)
         base_sha = git.resolve(repo, manifest.base)
+        if base_sha is None:
+            report.notes.append(f"note: base {manifest.base} is not in this checkout (shallow or "
+                                f"foreign clone?): no patch-id or upstream-diff evidence")
         with git.temporary_worktree(repo, report.ref_sha) as tree:
             result_sha = build(project, manifest, patches, tree, report, base_sha)
         if opts.check:

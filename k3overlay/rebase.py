@@ -108,7 +108,8 @@ def rebase_to(project: Project, opts: Options) -> Report:
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
             report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "
-                                f"{workdir}, then run apply.py --rebase-to {opts.ref} again")
+                                f"{workdir}, then run apply.py --rebase-to {opts.ref} again (or "
+                                f"`git am --abort`, drop the patch from patches/series, re-run)")
             return report
     if _overlay_committed(repo, report.ref_sha, {f.path for f in manifest.files}):
         report.notes.append("the overlay is already committed on the branch (a resolution is "

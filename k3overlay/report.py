@@ -8,7 +8,6 @@ systems and pull-request comments.
 from __future__ import annotations
 
 import json
-import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,14 +124,20 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
 
 
 def check_writable(path: Path, option: str) -> None:
-    """Make sure a report file can be written, before any work is done (UsageError if not)."""
+    """Make sure a report file can be written, before any work is done (UsageError if not).
+
+    Opens it for appending rather than asking ``os.access``, which says yes to
+    root even on a read-only mount or /proc.
+    """
+    existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
     except OSError as err:
-        raise errors.UsageError(f"{option} {path}: cannot create its folder ({err.strerror})") from err
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (
-            path.exists() and not os.access(path, os.W_OK)):
-        raise errors.UsageError(f"{option} {path}: cannot write there")
+        raise errors.UsageError(f"{option} {path}: cannot write there ({err.strerror})") from err
+    if not existed:
+        path.unlink()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -20,7 +20,7 @@ from .project import cache_dir
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 # What git says when the remote answered but has no such ref (bad input, not a network fault).
 _NOT_FOUND = ("couldn't find remote ref", "not our ref", "no such ref", "invalid refspec",
-              "does not appear to be a git repository", "does not exist")
+              "does not appear to be a git repository", "does not exist", "not allowed")
 
 
 def check_ref(ref: str) -> None:

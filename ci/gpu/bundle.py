@@ -142,7 +142,12 @@ def main(argv=None) -> int:
                     help="upstream release whose SM90 table the benchmark measures against ours")
     args = ap.parse_args(argv)
 
+    if args.part_mib <= 0:
+        raise SystemExit("--part-mib must be > 0")
     if os.path.exists(args.out):
+        foreign = [f for f in os.listdir(args.out) if not re.fullmatch(r"part-\d{3}", f)]
+        if foreign:  # never delete what is not an earlier bundle
+            raise SystemExit(f"--out {args.out} holds other files ({foreign[0]}); pick an empty folder")
         shutil.rmtree(args.out)
     os.makedirs(args.out)
     work = tempfile.mkdtemp(prefix="k3bundle-")
@@ -153,11 +158,11 @@ def main(argv=None) -> int:
         download_wheels(wheels, args.python_version, args.requirements)
     tree = args.tree or patched_tree(os.path.join(work, "tree"))
     version = version_of(tree)
-    write_dist_info(tree, version)
+    write_dist_info(work, version)  # beside, not into, the user's checkout
     tree_xz = os.path.join(work, "vllm_tree.tar.xz")
     with tarfile.open(tree_xz, "w:xz", preset=6) as t:
         add_tree(t, os.path.join(tree, "vllm"), "vllm")
-        add_tree(t, os.path.join(tree, f"vllm-{version}.dist-info"), f"vllm-{version}.dist-info")
+        add_tree(t, os.path.join(work, f"vllm-{version}.dist-info"), f"vllm-{version}.dist-info")
     sys.path.insert(0, HERE)
     import upstream_tables
 
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
     csrc = os.path.join(tree, "csrc")  # upstream's CUDA sources, untouched by the overlay
     csrc_files = include_closure(csrc, os.path.relpath(os.path.join(tree, DSV3_SRC), csrc))
     wheel_files = sorted(f for f in os.listdir(wheels) if f.endswith(".whl"))
+    if not wheel_files:
+        raise SystemExit(f"no wheels in {wheels}: the runner could not import the CuTe DSL")
     with tarfile.open(payload, "w") as t:
         for f in wheel_files:
             t.add(os.path.join(wheels, f), arcname=f"wheels/{f}")
