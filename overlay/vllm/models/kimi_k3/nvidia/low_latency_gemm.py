@@ -595,7 +595,22 @@ def try_low_latency_gemm(
 # ------------------------------------------------------------------------ methods
 
 
-class KimiK3LowLatencyLinearMethod(UnquantizedLinearMethod):
+class _PlannedApply:
+    """``apply`` shared by both methods: the plan's call for this M, else the base method."""
+
+    _plan: dict[int, PlannedCall]
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = _planned_forward(self._plan, layer.weight, x, bias)
+        return super().apply(layer, x, bias) if out is None else out  # type: ignore[misc]
+
+
+class KimiK3LowLatencyLinearMethod(_PlannedApply, UnquantizedLinearMethod):
     """Unquantized linear method that first tries a precomputed ``{M: call}`` plan.
 
     Args:
@@ -611,15 +626,6 @@ class KimiK3LowLatencyLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self._plan = dict(plan)
         self._residual_plan = dict(residual_plan or {})
-
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        out = _planned_forward(self._plan, layer.weight, x, bias)
-        return super().apply(layer, x, bias) if out is None else out
 
     def apply_with_residual(
         self,
@@ -638,7 +644,7 @@ class KimiK3LowLatencyLinearMethod(UnquantizedLinearMethod):
         return shape_dynamic_skinny_gemm(x, weight, config, residual=residual)
 
 
-class KimiK3LowLatencyEmbeddingMethod(UnquantizedEmbeddingMethod):
+class KimiK3LowLatencyEmbeddingMethod(_PlannedApply, UnquantizedEmbeddingMethod):
     """LM-head method that first tries a precomputed ``{M: call}`` plan.
 
     Args:
@@ -648,15 +654,6 @@ class KimiK3LowLatencyEmbeddingMethod(UnquantizedEmbeddingMethod):
     def __init__(self, plan: Mapping[int, PlannedCall]) -> None:
         super().__init__()
         self._plan = dict(plan)
-
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        out = _planned_forward(self._plan, layer.weight, x, bias)
-        return super().apply(layer, x, bias) if out is None else out
 
 
 # ------------------------------------------------------------------- installation
