@@ -18,7 +18,6 @@ Exit code: 0 when every ref is clean, else the first failing ref's code
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 
@@ -26,9 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from rich.console import Console  # noqa: E402
-
 from k3overlay import errors, progress  # noqa: E402
+from k3overlay.cli import report_console, stop_like_ctrl_c  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
 from k3overlay.rebase import run_rebase  # noqa: E402
 from k3overlay.report import (  # noqa: E402
@@ -48,10 +46,6 @@ def cpu_tier(tree: Path) -> dict:
     return run_cpu_tier(tree)
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--onto", action="append", required=True, metavar="REF",
@@ -65,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_like_ctrl_c()
     outputs = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
     try:
         for path, option in outputs:
@@ -80,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rebase.py: interrupted", file=sys.stderr)
         return 130
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    console = report_console()
     for report in reports:
         write_human(report, console)
         console.print()

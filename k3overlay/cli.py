@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     project = Project()
     args = parser(project).parse_args(argv)
     progress.quiet = args.quiet
-    signal.signal(signal.SIGTERM, _interrupt)  # a cancelled CI job cleans up like Ctrl-C
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `apply.py ... | head` ends quietly
+    stop_like_ctrl_c()
     try:
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
@@ -82,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
         return 130
-    # Wide when piped, so CI logs keep one line per patch or file.
-    write_human(report, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+    write_human(report, report_console())
     if args.json:
         try:
             write_json(report, args.json)
@@ -91,6 +89,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"apply.py: error: {err}", file=sys.stderr)
             return report.exit_code or err.exit_code
     return report.exit_code
+
+
+def stop_like_ctrl_c() -> None:
+    """A cancelled CI job (SIGTERM) cleans up like Ctrl-C; a closed pipe ends quietly."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
+def report_console() -> Console:
+    """stdout for reports: wide when piped, so CI logs keep one line per patch or file."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -95,11 +95,6 @@ def clone(source: str, dest: Path) -> Repo:
     return Repo(dest)
 
 
-def fetch(repo: Repo, source: str, *refspecs: str) -> None:
-    """Fetch ``refspecs`` (and all tags) from ``source`` into ``repo``."""
-    run(repo, "fetch", "--quiet", "--tags", source, *refspecs)
-
-
 def resolve(repo: Repo, ref: str) -> str | None:
     """The commit sha ``ref`` names in ``repo``, or None if it names no commit."""
     ok, out = attempt(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
@@ -239,11 +234,6 @@ def read_blob(repo: Repo, sha: str) -> bytes:
                                 strip_newline_in_stdout=False)
     except GitCommandError as err:
         raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}") from err
-
-
-def hash_file(repo: Repo, path: Path) -> str:
-    """The blob sha git would record for the file at ``path`` (nothing written)."""
-    return run(repo, "hash-object", "--no-filters", str(path)).strip()
 
 
 def commit_paths(repo: Repo, sha: str) -> set[str]:

@@ -119,8 +119,7 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
         return git.resolve(repo, f"refs/tags/{ref}" if release_of(ref) else "FETCH_HEAD")
     if local:
         return local
-    error = _classify(output, what=f"ref {ref!r} not found in {source}")
-    raise error
+    raise _classify(output, what=f"ref {ref!r} not found in {source}")
 
 
 def _classify(git_output: str, what: str | None = None) -> UsageError | SourceError:

@@ -35,8 +35,9 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
         if not file.is_file():
             continue  # deleted by a patch: nothing to compile
         try:
-            modules[module_name(path)] = ast.parse(file.read_bytes(), filename=path)
-            compile(file.read_bytes(), path, "exec", dont_inherit=True)
+            parsed = ast.parse(file.read_bytes(), filename=path)
+            compile(parsed, path, "exec", dont_inherit=True)  # what parsing alone lets through
+            modules[module_name(path)] = parsed
         except SyntaxError as err:
             result.fail(f"{path}:{err.lineno}: does not compile: {err.msg}")
         except ValueError as err:  # e.g. a NUL byte
