@@ -391,21 +391,6 @@ def test_select_without_gpu_is_none_and_capability_overrides(monkeypatch) -> Non
     assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=(8, 0)) is None
 
 
-@pytest.mark.parametrize(
-    "capability,expected",
-    [
-        (SM100, "cute-dsl"),
-        (SM103, "cute-dsl"),
-        (SM90, None),
-        (SM107, None),
-        (None, None),
-    ],
-)
-def test_kda_qkvg_flashinfer_backend(monkeypatch, capability, expected) -> None:
-    pin_capability(monkeypatch, capability)
-    assert k3._kda_qkvg_flashinfer_backend() == expected
-
-
 @pytest.mark.parametrize("capability", [SM103, SM100, SM90])
 def test_routed_rows_cover_each_entry_once(monkeypatch, capability) -> None:
     pin_capability(monkeypatch, capability)
@@ -720,7 +705,12 @@ def test_fast_path_runs_the_planned_kernel(fake_cute, base_apply) -> None:
     [
         "1-D x",
         "3-D x",
-        "one-row slice",
+        "row stride off vector width",
+        "overlapping rows",
+        "transposed x",
+        "misaligned x",
+        "x 8-byte aligned, config wants 16",
+        "misaligned weight",
         "transposed weight",
         "fp16 x",
         "fp16 weight",
@@ -739,9 +729,18 @@ def test_unsupported_input_falls_back(monkeypatch, fake_cute, base_apply, case):
         x = bf16(K)
     elif case == "3-D x":
         x = bf16(1, 2, K)
-    elif case == "one-row slice":
-        plan = {1: k3.PlannedCall("cute", cfg(1, 32, 2))}
-        x = bf16(1, 2 * K)[:, :K]
+    elif case == "row stride off vector width":
+        x = bf16(2, K + 4)[:, :K]  # rows 260 apart; the config loads 8 at a time
+    elif case == "overlapping rows":
+        x = bf16(K + 8).as_strided((2, K), (8, 1))
+    elif case == "transposed x":
+        x = bf16(K, 2).t()
+    elif case == "misaligned x":
+        x = bf16(2 * K + 1)[1:].view(2, K)
+    elif case == "x 8-byte aligned, config wants 16":
+        x = bf16(2 * K + 4)[4:].view(2, K)
+    elif case == "misaligned weight":
+        weight = bf16(N * K + 8)[8 - 1 : N * K + 8 - 1].view(N, K)
     elif case == "transposed weight":
         weight = bf16(K, N).t()
     elif case == "fp16 x":
@@ -775,6 +774,79 @@ def test_guard_is_what_blocks_each_case(fake_cute, base_apply) -> None:
     # for a well-formed input, so each fallback there comes from its one defect.
     method = k3.KimiK3LowLatencyLinearMethod(PLAN)
     assert isinstance(method.apply(linear_layer(), bf16(2, K)), torch.Tensor)
+    assert len(fake_cute.calls) == 1
+
+
+class FakeCompiledSkinnyGemm(FakeSkinnyGemm):
+    """Also has the compiled entry point v0.28.0's wrapper calls, with its signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._compiled: dict = {}
+        self.compiles: list = []
+        self.launches: list = []
+
+    def _compile(self, dtype, config, has_residual) -> None:
+        self.compiles.append(config)
+
+        def entry(a, b, residual, out, stream):
+            self.launches.append((tuple(a.shape), a.stride(), residual is out, stream))
+            out.copy_((a.float() @ b.float().t()).to(out.dtype))
+
+        self._compiled[(dtype, config, has_residual)] = entry
+
+    @staticmethod
+    def _stream():
+        return "current stream"
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize("m", [1, 2])
+def test_row_strided_x_takes_the_compiled_kernel(monkeypatch, base_apply, m) -> None:
+    # KDA's F_A: [M, 128] columns of a wider output. The kernel takes a row stride that
+    # is a multiple of vector_width; the wrapper (and a packed copy) are bypassed.
+    fake = FakeCompiledSkinnyGemm()
+    monkeypatch.setattr(k3, "shape_dynamic_skinny_gemm", fake)
+    plan = {m: k3.PlannedCall("cute", cfg(m, 32, 2))}
+    x = bf16(m, K + 16)[:, :K]
+    method = k3.KimiK3LowLatencyLinearMethod(plan)
+    for _ in range(2):
+        out = method.apply(linear_layer(), x)
+        torch.testing.assert_close(out, product(x, WEIGHT))
+    assert fake.compiles == [plan[m].config]  # compiled once, then reused
+    assert fake.launches == [((m, K), (K + 16, 1), True, "current stream")] * 2
+    assert not fake.calls and not base_apply
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_row_strided_x_falls_back_without_the_compiled_entry_point(fake_cute, base_apply):
+    method = k3.KimiK3LowLatencyLinearMethod(PLAN)
+    assert method.apply(linear_layer(), bf16(2, K + 16)[:, :K]) == "base"
+    assert not fake_cute.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize("case", ["row-strided x", "x 8-byte aligned", "weight 8-byte aligned"])
+def test_dsv3_wants_packed_16_byte_aligned_operands(fake_dsv3, base_apply, case) -> None:
+    plan = {2: k3.PlannedCall("dsv3_fused_a", None)}
+    x, weight = bf16(2, K), WEIGHT
+    if case == "row-strided x":
+        x = bf16(2, K + 16)[:, :K]
+    elif case == "x 8-byte aligned":
+        x = bf16(2 * K + 4)[4:].view(2, K)
+    else:
+        weight = bf16(N * K + 4)[4:].view(N, K)
+    assert k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(weight), x) == "base"
+    assert not fake_dsv3.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_4_wide_cute_config_accepts_8_byte_alignment(fake_cute, base_apply) -> None:
+    # vector_width 4 loads 8 bytes: an x 8 bytes off a 16-byte boundary is legal for it.
+    plan = {2: k3.PlannedCall("cute", cfg(2, 32, 2, width=4))}
+    x = bf16(2 * K + 4)[4:].view(2, K)
+    out = k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(), x)
+    torch.testing.assert_close(out, product(x, WEIGHT))
     assert len(fake_cute.calls) == 1
 
 
@@ -822,7 +894,7 @@ def test_residual_fast_path(fake_cute) -> None:
 
 @pytest.mark.usefixtures("cpu_fast_path")
 @pytest.mark.parametrize(
-    "case", ["shape", "dtype", "device", "not packed", "M not planned", "bad x"]
+    "case", ["shape", "dtype", "device", "not packed", "M not planned", "bad x", "misaligned x"]
 )
 def test_bad_residual_falls_back_to_addmm(monkeypatch, fake_cute, case) -> None:
     x, residual = bf16(1, K), bf16(1, N)
@@ -837,7 +909,9 @@ def test_bad_residual_falls_back_to_addmm(monkeypatch, fake_cute, case) -> None:
     elif case == "M not planned":
         x, residual = bf16(2, K), bf16(2, N)
     elif case == "bad x":
-        x = bf16(1, 2 * K)[:, :K]
+        x = bf16(1, 2 * K)[:, :K]  # the residual epilogue goes through the wrapper: packed x
+    elif case == "misaligned x":
+        x = bf16(K + 1)[1:].view(1, K)
     sentinel = torch.zeros(1)
     seen = []
     monkeypatch.setattr(torch, "addmm", lambda *args: seen.append(args) or sentinel)

@@ -316,10 +316,13 @@ KIMI_K3_PROJECTIONS_SM100: ShapeTable = _table_from_rows(
     _blackwell_data.SM100_ROW_PROVENANCE,
 )
 
-#: SM90 (H200). Figures: ``low_latency_gemm_sm90.PROVENANCE`` (initially vLLM v0.29.0,
-#: authors, H200; CuTe rows re-checked on our H200 2026-11-29).
+#: SM90 (H200). Figures: ``low_latency_gemm_sm90.PROVENANCE`` (our tuner's H200 run), and
+#: ``ROW_PROVENANCE`` for shapes a later run tuned (e.g. the KDA row views).
 KIMI_K3_PROJECTIONS_SM90: ShapeTable = _table_from_rows(
-    "SM90", _sm90_data.ROWS, _sm90_data.PROVENANCE
+    "SM90",
+    _sm90_data.ROWS,
+    _sm90_data.PROVENANCE,
+    row_provenance=getattr(_sm90_data, "ROW_PROVENANCE", None),
 )
 
 #: Which table a compute capability uses. SM107 shares the SM103 object (not a copy,
@@ -430,17 +433,6 @@ def routed_rows(capability: Capability | None = None) -> tuple[RoutedRow, ...]:
     return tuple(sorted(rows, key=lambda r: (r.has_residual, r.n, r.k, r.num_tokens)))
 
 
-def _kda_qkvg_flashinfer_backend() -> str | None:
-    """FlashInfer BF16 GEMM backend for the KDA QKVG projection, or None.
-
-    ``"cute-dsl"`` on SM100 and SM103; None elsewhere, because FlashInfer's cute-dsl
-    BF16 GEMM rejects SM90 (and nothing else has been measured).
-    """
-    if _device_capability() in ((10, 0), (10, 3)):
-        return "cute-dsl"
-    return None
-
-
 # -------------------------------------------------------------------------- plans
 
 
@@ -482,6 +474,16 @@ def _runnable_residual_plan(spec: ProjectionSpec) -> dict[int, SkinnyGemmConfig]
 
 
 # -------------------------------------------------------------------------- guards
+#
+# try_low_latency_gemm and the planned methods promise to fall back, never to raise, so
+# every precondition a kernel enforces is checked here, before the call. v0.28.0's CuTe
+# kernel is compiled with each operand's row stride symbolic and divisible by
+# vector_width and its data pointer assumed aligned to vector_width elements (it raises
+# "Misaligned Tensor data" otherwise, seen on the H200 for views at element offsets
+# 1, 2 and 4); its Python wrapper also wants contiguous operands. dsv3_fused_a checks
+# packed strides itself but not alignment, and loads 16 bytes at a time.
+
+_DEFAULT_ALIGN_BYTES = 16  # dsv3_fused_a and any backend without a rule of its own
 
 
 def _is_packed_row_major(t: torch.Tensor) -> bool:
@@ -497,18 +499,72 @@ def _is_packed_row_major(t: torch.Tensor) -> bool:
     return t.stride() == (cols, 1)
 
 
+def _is_row_major(t: torch.Tensor) -> bool:
+    """True for a 2-D tensor of unit column stride whose rows do not overlap.
+
+    The row stride may exceed the width: e.g. KDA's F_A, a ``[M, 128]`` slice of the
+    packed projection's output.
+    """
+    if t.dim() != 2:
+        return False
+    rows, cols = t.shape
+    return t.stride(1) == 1 and (rows == 1 or t.stride(0) >= cols)
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
 def _runtime_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether activation ``x`` (M, K) and ``weight`` (N, K) may take a fast path.
 
-    Both must be packed row-major BF16 on the same CUDA device with equal K.
+    Both BF16 on the same CUDA device with equal K; ``weight`` packed row-major, ``x``
+    row-major with any row stride (see :func:`_operands_ok` for what each backend
+    then asks of it).
     """
-    if not (_is_packed_row_major(x) and _is_packed_row_major(weight)):
+    if not (_is_row_major(x) and _is_packed_row_major(weight)):
         return False
     if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16:
         return False
     if x.device.type != _FAST_PATH_DEVICE_TYPE or weight.device != x.device:
         return False
     return x.shape[1] == weight.shape[1]
+
+
+def _cute_rows_launchable() -> bool:
+    """Whether :func:`_launch_cute_rows` can reach the kernel's compiled entry point."""
+    kernel = shape_dynamic_skinny_gemm
+    return all(hasattr(kernel, name) for name in ("_compiled", "_compile", "_stream"))
+
+
+def _cute_operands_ok(config: SkinnyGemmConfig, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The CuTe kernel's own preconditions on x (M, K) and weight (N, K), any row stride."""
+    width = config.vector_width
+    align = width * x.element_size()
+    return (
+        x.stride(0) % width == 0
+        and weight.stride(0) % width == 0
+        and _aligned(x, align)
+        and _aligned(weight, align)
+    )
+
+
+def _operands_ok(call: PlannedCall, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``call``'s kernel accepts these operands (after :func:`_runtime_ok`).
+
+    CuTe: rows strided by a multiple of vector_width, pointers aligned to it; a row
+    stride wider than K goes through :func:`_launch_cute_rows`. Every other backend:
+    packed ``x`` and 16-byte aligned pointers.
+    """
+    if call.backend == "cute" and call.config is not None:
+        if not _cute_operands_ok(call.config, x, weight):
+            return False
+        return _is_packed_row_major(x) or _cute_rows_launchable()
+    return (
+        _is_packed_row_major(x)
+        and _aligned(x, _DEFAULT_ALIGN_BYTES)
+        and _aligned(weight, _DEFAULT_ALIGN_BYTES)
+    )
 
 
 def _residual_ok(
@@ -521,6 +577,21 @@ def _residual_ok(
         and tuple(residual.shape) == expected
         and residual.dtype is torch.bfloat16
         and x.device == residual.device
+    )
+
+
+def _residual_call_ok(
+    config: SkinnyGemmConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+) -> bool:
+    """Whether the fused-residual CuTe call (through its wrapper) accepts these inputs."""
+    return (
+        _runtime_ok(x, weight)
+        and _is_packed_row_major(x)
+        and _cute_operands_ok(config, x, weight)
+        and _residual_ok(x, weight, residual)
     )
 
 
@@ -542,6 +613,26 @@ def _launch(call: PlannedCall, x: torch.Tensor, weight: torch.Tensor) -> torch.T
     return out
 
 
+def _launch_cute_rows(
+    config: SkinnyGemmConfig, x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """CuTe GEMM for an ``x`` whose row stride exceeds K (e.g. KDA's F_A slice).
+
+    The compiled kernel takes any row stride that is a multiple of vector_width (checked
+    by :func:`_cute_operands_ok`); v0.28.0's Python wrapper admits only contiguous
+    operands, so this calls the compiled entry point itself, compiling the config
+    first where the warm-up has not. Saves the packed copy a wrapper call would need.
+    """
+    kernel = shape_dynamic_skinny_gemm
+    key = (x.dtype, config, False)
+    if key not in kernel._compiled:
+        kernel._compile(x.dtype, config, False)
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    # No residual: the output doubles as the unused residual operand, as in the wrapper.
+    kernel._compiled[key](x, weight, out, out, kernel._stream())
+    return out
+
+
 def _planned_forward(
     plan: Mapping[int, PlannedCall],
     weight: torch.Tensor,
@@ -553,7 +644,11 @@ def _planned_forward(
     if bias is not None or envs.VLLM_BATCH_INVARIANT or not _runtime_ok(x, weight):
         return None
     call = plan.get(x.shape[0])
-    return None if call is None else _launch(call, x, weight)
+    if call is None or not _operands_ok(call, x, weight):
+        return None
+    if call.backend == "cute" and not _is_packed_row_major(x):
+        return _launch_cute_rows(call.config, x, weight)
+    return _launch(call, x, weight)
 
 
 def try_low_latency_gemm(
@@ -564,14 +659,16 @@ def try_low_latency_gemm(
     """``x @ weight.T (+ residual)`` on the kernel the device's table picks, or None.
 
     Args:
-        x: activation, (M, K) BF16, packed row-major, CUDA.
+        x: activation, (M, K) BF16, row-major (unit column stride; a wider row
+            stride only where the routed kernel accepts it), CUDA.
         weight: local weight, (N, K) BF16, packed row-major, same device.
         residual: optional (M, N) BF16 packed tensor added in the CuTe epilogue.
 
     Returns:
         A new (M, N) BF16 tensor, or None when the caller must compute it itself: no
         table for this device, shape or M; a backend not built; an input failing the
-        checks above; or ``VLLM_BATCH_INVARIANT`` set. Never raises for those.
+        checks above or a precondition of the routed kernel (alignment, row stride:
+        see ``_operands_ok``); or ``VLLM_BATCH_INVARIANT`` set. Never raises for those.
 
     Builds the plan on every call; layers use the plan installed by
     :func:`enable_kimi_k3_low_latency_gemm` instead.
@@ -584,10 +681,8 @@ def try_low_latency_gemm(
         return None
     if residual is None:
         return _planned_forward(_runnable_plan(spec), weight, x, None)
-    config = None
-    if _residual_ok(x, weight, residual):
-        config = _runnable_residual_plan(spec).get(x.shape[0])
-    if config is None:
+    config = _runnable_residual_plan(spec).get(x.shape[0])
+    if config is None or not _residual_call_ok(config, x, weight, residual):
         return None
     return shape_dynamic_skinny_gemm(x, weight, config, residual=residual)
 
@@ -635,11 +730,10 @@ class KimiK3LowLatencyLinearMethod(_PlannedApply, UnquantizedLinearMethod):
     ) -> torch.Tensor:
         """``x @ layer.weight.T + residual``: (M, K) and (M, N) in, (M, N) out."""
         weight = layer.weight
-        usable = _runtime_ok(x, weight) and _residual_ok(x, weight, residual)
         config = None
-        if usable and not envs.VLLM_BATCH_INVARIANT:
+        if not envs.VLLM_BATCH_INVARIANT:
             config = self._residual_plan.get(x.shape[0])
-        if config is None:
+        if config is None or not _residual_call_ok(config, x, weight, residual):
             return torch.addmm(residual, x, weight.t())
         return shape_dynamic_skinny_gemm(x, weight, config, residual=residual)
 
