@@ -4,8 +4,9 @@ Runs, with pytest in a subprocess (cwd and PYTHONPATH = the tree):
 
 * vLLM's own ``tests/kernels/test_bf16_skinny_gemm.py``, our compatibility suite
   (its expectations updated by our patches where the overlay changes behaviour);
-* our ``tests/kernels/test_kimi_k3_low_latency_gemm.py`` and ``..._gpu.py`` (from
-  ``overlay/``; the GPU file skips without a GPU, and must say why).
+* our ``tests/kernels/test_kimi_k3_low_latency_gemm.py``, ``test_kimi_k3_kda_projection.py``
+  and their ``..._gpu.py`` files (from ``overlay/``; the GPU files skip without a GPU, and
+  must say why).
 
 The ``pytest_no_accelerator`` plugin next to this file keeps vLLM's per-test device
 cleanup from erroring without a GPU, so GPU cases report as skipped with their reason.
@@ -30,6 +31,8 @@ TEST_FILES = (
     "tests/kernels/test_bf16_skinny_gemm.py",
     "tests/kernels/test_kimi_k3_low_latency_gemm.py",
     "tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py",  # must skip cleanly, with reasons
+    "tests/kernels/test_kimi_k3_kda_projection.py",
+    "tests/kernels/test_kimi_k3_kda_projection_gpu.py",  # likewise
 )
 COUNT_KEYS = ("passed", "failed", "skipped", "errors")
 

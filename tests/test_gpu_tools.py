@@ -21,25 +21,34 @@ import space  # noqa: E402
 import tune_cache  # noqa: E402
 
 RESULTS = ROOT / "ci" / "gpu" / "results" / "tune_sm90.json"
+# A later run that tuned the KDA row views only (ci/gpu/kda/device.sh).
+KDA_RESULTS = ROOT / "ci" / "gpu" / "results" / "tune_sm90_kda.json"
 TABLE = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia" / "low_latency_gemm_sm90.py"
 
 
-def test_committed_sm90_table_is_rendered_from_the_committed_run():
-    text = render_table.render(json.loads(RESULTS.read_text()), "ci/gpu/results/tune_sm90.json")
+def test_committed_sm90_table_is_rendered_from_the_committed_runs():
+    added = ((json.loads(KDA_RESULTS.read_text()), "ci/gpu/results/tune_sm90_kda.json"),)
+    text = render_table.render(json.loads(RESULTS.read_text()), "ci/gpu/results/tune_sm90.json", added)
     assert text == TABLE.read_text()
 
 
-def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes():
-    run = json.loads(RESULTS.read_text())
+def _table() -> dict:
     namespace: dict = {}
     exec(compile(TABLE.read_text(), str(TABLE), "exec"), namespace)  # a data-only module
-    rows = namespace["ROWS"]
+    return namespace
+
+
+def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes():
+    runs = [json.loads(RESULTS.read_text()), json.loads(KDA_RESULTS.read_text())]
+    rows = _table()["ROWS"]
     assert {1, 2} <= set(rows[(7168, 14336)])  # eh_proj routes at M1 and M2 on SM90
-    decisions = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
-    columns = run["measurements_columns"]
+    # The later run's rows replace the first's for the shapes it covers.
+    decisions = {(r["N"], r["K"], r["M"]): r for run in runs for r in run["rows"]}
+    columns = runs[0]["measurements_columns"]
     timed = {(m["N"], m["K"], m["M"], tuple(m["cfg"]) if m["cfg"] else None, m["pass"])
-             for m in (dict(zip(columns, values)) for values in run["measurements"])}
-    bar = run["criteria"]["win_both_passes"]
+             for run in runs for m in (dict(zip(columns, values)) for values in run["measurements"])}
+    bar = runs[0]["criteria"]["win_both_passes"]
+    assert all(run["criteria"]["win_both_passes"] == bar for run in runs)
     routed = 0
     for (n, k), per_m in rows.items():
         for m, (backend, cfg) in per_m.items():
@@ -50,7 +59,17 @@ def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes():
             assert {(n, k, m, cfg, 1), (n, k, m, cfg, 2)} <= timed
             assert space.illegal_reason(cfg, n, k, m) is None
             routed += 1
-    assert routed == sum(1 for r in run["rows"] if r["status"] == "routed")
+    assert routed == sum(1 for r in decisions.values() if r["status"] == "routed")
+
+
+def test_kda_rows_name_their_own_run():
+    table = _table()
+    kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
+    assert {(6144, 7168), (144, 7168)} <= set(table["ROWS"])
+    for shape in ((6144, 7168), (144, 7168)):
+        assert table["ROW_PROVENANCE"][shape]["run_id"] == kda_run
+        assert "tune_sm90_kda.json" in table["ROW_PROVENANCE"][shape]["source"]
+    assert set(table["ROW_PROVENANCE"]) <= set(table["ROWS"])
 
 
 @pytest.mark.parametrize("n, k", [(7168, 14336), (1536, 7168), (768, 128), (2112, 7168)])

@@ -5,9 +5,14 @@
 line, so re-running it on the committed JSON reproduces the committed module
 byte for byte. Shapes with no winner at an M are simply absent for that M.
 
-Usage: ``python ci/gpu/render_table.py RESULTS.json [OUT.py]`` (default OUT:
-``overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py``); ``--check``
-exits 1 if OUT differs from what the JSON renders to.
+A later run that tuned only some shapes (``tune.py --shape``) is added with
+``--add RUN.json``: every shape it covers takes its rows from that run, and the
+module's ``ROW_PROVENANCE`` names that run for those shapes (``PROVENANCE`` stays the
+first run's).
+
+Usage: ``python ci/gpu/render_table.py RESULTS.json [--add RUN.json ...] [OUT.py]``
+(default OUT: ``overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py``);
+``--check`` exits 1 if OUT differs from what the JSONs render to.
 """
 
 from __future__ import annotations
@@ -27,11 +32,10 @@ def _cfg_text(cfg) -> str:
     return f"({bs}, {opb}, {ku}, {vw}, {'None' if sk is None else sk})"
 
 
-def render(results: dict, results_path: str = "ci/gpu/results/tune_sm90.json") -> str:
-    """Module source for ``results`` (the tuner's JSON). Raises KeyError if malformed."""
+def _provenance(results: dict, results_path: str) -> dict:
     p = results["provenance"]
     arch = "SM" + p["capability"].replace(".", "") if p.get("capability") else ""
-    prov = {
+    return {
         "gpu": f"{p['gpu']} ({arch})" if arch else p["gpu"],
         "source": f"ci/gpu/tune.py run {p['run_id']} -> {results_path}",
         "date": p["date"],
@@ -39,11 +43,37 @@ def render(results: dict, results_path: str = "ci/gpu/results/tune_sm90.json") -
         "cutlass_dsl": p["cutlass_dsl"],
         "run_id": p["run_id"],
     }
+
+
+def _routed(results: dict) -> dict:
+    """``{(N, K): {M: (backend, cfg, speedups)}}`` of a run's routed rows."""
     table: dict = {}
     for r in results["rows"]:
         if r.get("status") == "routed" and r.get("winner"):
             w = r["winner"]
             table.setdefault((r["N"], r["K"]), {})[r["M"]] = (w["backend"], w["cfg"], w["speedup"])
+    return table
+
+
+def render(
+    results: dict,
+    results_path: str = "ci/gpu/results/tune_sm90.json",
+    added: tuple[tuple[dict, str], ...] = (),
+) -> str:
+    """Module source for ``results`` (the tuner's JSON) plus ``added`` ``(JSON, path)`` runs.
+
+    Raises KeyError if a JSON is malformed.
+    """
+    p = results["provenance"]
+    prov = _provenance(results, results_path)
+    table = _routed(results)
+    row_prov: dict = {}
+    for run, path in added:
+        covered = {(r["N"], r["K"]) for r in run["rows"]}
+        table = {shape: row for shape, row in table.items() if shape not in covered}
+        table.update(_routed(run))
+        row_prov.update(dict.fromkeys(covered, _provenance(run, path)))
+    row_prov = {shape: src for shape, src in row_prov.items() if shape in table}
     crit = results.get("criteria", {})
     lines = [
         '"""SM90 (H200) table for low_latency_gemm: measured, not hand-written.',
@@ -60,9 +90,16 @@ def render(results: dict, results_path: str = "ci/gpu/results/tune_sm90.json") -
         "PROVENANCE = {",
     ]
     lines += [f"    {k!r}: {prov[k]!r}," for k in PROV_KEYS]
+    lines += ["}", ""]
+    if row_prov:
+        lines += ["# Shapes tuned by a later run: (N, K) -> the provenance of that run.",
+                  "ROW_PROVENANCE = {"]
+        for shape in sorted(row_prov):
+            lines.append(f"    {shape}: {{")
+            lines += [f"        {k!r}: {row_prov[shape][k]!r}," for k in PROV_KEYS]
+            lines.append("    },")
+        lines += ["}", ""]
     lines += [
-        "}",
-        "",
         "# (N, K) -> {M: (backend, cfg)}; backend \"cute\" or \"dsv3_fused_a\"; cfg for cute =",
         "# (block_size, outputs_per_block, k_unroll, vector_width, static_k) and None for",
         "# dsv3_fused_a.",
@@ -80,13 +117,23 @@ def render(results: dict, results_path: str = "ci/gpu/results/tune_sm90.json") -
     return "\n".join(lines).replace("'", '"') + "\n"
 
 
+def _repo_path(path: str) -> str:
+    # The module names each JSON by its repo path, whatever path it was read from.
+    return "ci/gpu/results/" + os.path.basename(path)
+
+
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     args = [a for a in argv if a != "--check"]
+    added = []
+    while "--add" in args:
+        i = args.index("--add")
+        added.append(args[i + 1])
+        del args[i : i + 2]
     src = args[0]
     out = args[1] if len(args) > 1 else DEFAULT_OUT
-    # The docstring names the JSON by its repo path, whatever path it was read from.
-    text = render(json.load(open(src)), "ci/gpu/results/" + os.path.basename(src))
+    runs = tuple((json.load(open(path)), _repo_path(path)) for path in added)
+    text = render(json.load(open(src)), _repo_path(src), runs)
     if check:
         same = os.path.exists(out) and open(out).read() == text
         print("up to date" if same else f"{out} differs from {src}")

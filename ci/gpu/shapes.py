@@ -5,7 +5,9 @@ the activation ``x`` is ``[M, K]``) with the projection(s) it serves and the
 tensor-parallel layout it comes from. Source of the list: the shapes keyed in
 vLLM v0.28.0's ``vllm/models/kimi_k3/nvidia/low_latency_gemm.py`` (TP8 and TP16
 entries) plus the MTP ``eh_proj`` (7168x14336) that our patch 0001 makes a
-``ReplicatedLinear``. Names are labels only; nothing dispatches on them.
+``ReplicatedLinear``, and the two row views of the TP8 packed KDA weight that
+``kda_projection.py`` runs as GEMMs of their own. Names are labels only; nothing
+dispatches on them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ SHAPES: dict[tuple[int, int], tuple[str, str]] = {
     (4608, 1536): ("q_b_proj", "TP8"),
     (3584, 7168): ("routed_expert_down_proj", "TP8+TP16"),
     (6288, 7168): ("in_proj_qkvgfab", "TP8"),
+    # KDA decode projections on two streams (kda_projection.py): row views of the packed
+    # in_proj_qkvgfab weight.
+    (6144, 7168): ("kda_qkvg (in_proj_qkvgfab rows 0..6143)", "TP8"),
+    (144, 7168): ("kda_f_a_beta (in_proj_qkvgfab rows 6144..6287)", "TP8"),
     (12448, 7168): ("in_proj_qkvgfab", "TP8"),
     (7168, 768): ("shared_down_proj / o_proj", "TP8+TP16"),
     (7168, 1536): ("o_proj", "TP8"),
@@ -47,6 +53,7 @@ SHAPES: dict[tuple[int, int], tuple[str, str]] = {
 }
 
 EH_PROJ: tuple[int, int] = (7168, 14336)
+KDA_SHAPES: tuple[tuple[int, int], ...] = ((6144, 7168), (144, 7168))
 
 
 def weight_bytes(n: int, k: int) -> int:

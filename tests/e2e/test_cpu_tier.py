@@ -24,3 +24,4 @@ def test_vllm_and_our_kernel_tests_pass_on_patched_base(applied, tmp_path):
     assert counts["passed"] >= 85, counts
     assert "ran" in files.get("test_bf16_skinny_gemm", set()), sorted(files)
     assert "ran" in files.get("test_kimi_k3_low_latency_gemm", set()), sorted(files)
+    assert "ran" in files.get("test_kimi_k3_kda_projection", set()), sorted(files)

@@ -803,7 +803,8 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
     the current device's table. Its method is replaced by one holding the ``{M:
     call}`` plan for that shape (entries whose backend is not built are dropped).
     CuTe warm-up is requested only for the configs of shapes actually installed, so
-    a TP8 model never compiles the TP16 configs.
+    a TP8 model never compiles the TP16 configs. Then the KDA layers are set up for
+    their two-stream decode projections (``kda_projection.enable_kda_projection_overlap``).
 
     Args:
         module: model (or sub-model) to walk; changed in place.
@@ -828,6 +829,10 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
         (config for spec in installed for _, config in spec.cute_configs),
         (config for spec in installed for _, config in spec.residual_configs),
     )
+    # KDA decode projections on two streams; imported here, it imports this module.
+    from vllm.models.kimi_k3.nvidia.kda_projection import enable_kda_projection_overlap
+
+    enable_kda_projection_overlap(module, dtype)
     logger.debug(
         "Kimi-K3 low-latency GEMM: %d layers planned from the %s table",
         len(installed),

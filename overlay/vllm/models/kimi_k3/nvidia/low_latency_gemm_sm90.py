@@ -17,10 +17,33 @@ PROVENANCE = {
     "run_id": "h200-20261130",
 }
 
+# Shapes tuned by a later run: (N, K) -> the provenance of that run.
+ROW_PROVENANCE = {
+    (144, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": "ci/gpu/tune.py run h200-20261130-kda -> ci/gpu/results/tune_sm90_kda.json",
+        "date": "2026-11-30",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261130-kda",
+    },
+    (6144, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": "ci/gpu/tune.py run h200-20261130-kda -> ci/gpu/results/tune_sm90_kda.json",
+        "date": "2026-11-30",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261130-kda",
+    },
+}
+
 # (N, K) -> {M: (backend, cfg)}; backend "cute" or "dsv3_fused_a"; cfg for cute =
 # (block_size, outputs_per_block, k_unroll, vector_width, static_k) and None for
 # dsv3_fused_a.
 ROWS = {
+    (144, 7168): {
+        1: ("cute", (224, 1, 4, 8, None)),  # 3.51x / 3.57x
+    },
     (768, 128): {
         1: ("cute", (32, 4, 1, 4, None)),  # 1.71x / 1.76x
         2: ("cute", (32, 4, 1, 4, None)),  # 1.68x / 1.91x
@@ -146,6 +169,9 @@ ROWS = {
         1: ("cute", (64, 6, 2, 8, None)),  # 1.37x / 1.31x
         2: ("cute", (96, 3, 1, 8, 1536)),  # 1.35x / 1.25x
         3: ("cute", (96, 4, 2, 4, None)),  # 1.15x / 1.12x
+    },
+    (6144, 7168): {
+        1: ("cute", (224, 2, 4, 4, None)),  # 1.25x / 1.25x
     },
     (6288, 7168): {
         1: ("cute", (224, 2, 4, 4, None)),  # 1.25x / 1.22x
