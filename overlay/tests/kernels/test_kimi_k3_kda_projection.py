@@ -21,26 +21,18 @@ from torch import nn
 from vllm.models.kimi_k3.nvidia import kda_projection as kp
 from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
 
+# The capability pin and the CPU fast-path fixture of the low-latency GEMM tests.
+from .test_kimi_k3_low_latency_gemm import cpu_fast_path, pin_capability  # noqa: F401
+
 SM103, SM107, SM100, SM90 = (10, 3), (10, 7), (10, 0), (9, 0)
 BF16 = torch.bfloat16
 PACKED, F_B = kp.KDA_PACKED_SHAPE, kp.KDA_F_B_SHAPE
-
-
-def pin_capability(monkeypatch: pytest.MonkeyPatch, capability) -> None:
-    monkeypatch.setattr(llg, "_device_capability", lambda: capability)
 
 
 def pin_tokens(monkeypatch: pytest.MonkeyPatch, capability, tokens) -> None:
     """Give ``capability`` the measured set ``tokens`` (and no other architecture any)."""
     where = kp.OverlapTokens(frozenset(tokens), "test figure")
     monkeypatch.setattr(kp, "KDA_OVERLAP_TOKENS", {capability: where})
-
-
-@pytest.fixture
-def cpu_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let CPU tensors count as on the GPU, as the low-latency GEMM tests do."""
-    monkeypatch.setattr(llg, "_FAST_PATH_DEVICE_TYPE", "cpu")
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
 
 
 @pytest.fixture
@@ -249,7 +241,8 @@ def test_weights_off_the_gpu_do_not_qualify() -> None:
     assert list(kp.qualifying_layers(_model())) == []
 
 
-def test_our_planned_method_still_counts_as_plain_bf16(cpu_fast_path) -> None:
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_our_planned_method_still_counts_as_plain_bf16() -> None:
     layer = FakeKDA()
     layer.in_proj_qkvgfab.quant_method = llg.KimiK3LowLatencyLinearMethod({})
     assert kp._qualifies(layer)
