@@ -2,13 +2,15 @@
 """The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
 
     python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
-        [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests]
+        [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests] [--wheels DIR]
 
 For each ref, in a throwaway clone (the user's checkout is never touched):
 every patch classified (applied / applied-3way / landed-upstream / conflict),
 every drifted overlay file 3-way merged (merged / conflict) with upstream's
 own diff, the result verified, and the CPU test tier (vLLM's skinny-GEMM
-test file and ours, see ``ci/cpu_tier.py``) run on what applied.
+test file and ours, see ``ci/cpu_tier.py``) run on what applied. With
+``--wheels DIR``, each ref that applied also gets its internal wheel built
+into DIR (``apply.py --build-wheel``'s repack), reported as ``wheel``.
 
 Exit code: 0 when every ref is clean, else the first failing ref's code
 (3 patch conflict, 4 overlay drift/conflict, 5 verify or tests failed,
@@ -38,6 +40,7 @@ from k3overlay.report import (  # noqa: E402
     write_text,
 )
 from k3overlay.source import default_mirror  # noqa: E402
+from k3overlay.wheel import WheelOptions  # noqa: E402
 
 
 def cpu_tier(tree: Path) -> dict:
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--junit", type=Path, metavar="FILE")
     p.add_argument("--markdown", type=Path, metavar="FILE")
     p.add_argument("--no-tests", action="store_true", help="skip the CPU test tier")
+    p.add_argument("--wheels", type=Path, metavar="DIR",
+                   help="build each applied ref's wheel into DIR (name, size, sha256 reported)")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_writable(path, option)
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
         reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                             tests=None if args.no_tests else cpu_tier)
+                             tests=None if args.no_tests else cpu_tier,
+                             wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code

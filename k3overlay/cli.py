@@ -11,15 +11,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import errors, progress
+from . import errors, git, progress
 from .export import export
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
+from .wheel import METHODS, REPACK, WheelOptions, build_for
 
-EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout, 3 patch conflict,
-4 overlay drift, 5 verification failed, 6 vLLM source unreachable"""
+EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
+soundly), 3 patch conflict, 4 overlay drift, 5 verification failed (or the wheel's checks),
+6 vLLM source unreachable or not matching the index's sha256"""
 
 
 def parser(project: Project) -> argparse.ArgumentParser:
@@ -47,6 +49,19 @@ def parser(project: Project) -> argparse.ArgumentParser:
     mode.add_argument("--export", action="store_true",
                       help="maintainers: regenerate patches/ and overlay.json from the work branch")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    wheel = p.add_argument_group("internal wheels (README: Internal vLLM wheels)")
+    wheel.add_argument("--build-wheel", action="store_true",
+                       help="after applying, build vllm-X.Y.Z+k3ov.<VERSION> from the work branch, "
+                            "reusing the release's compiled code; it is checked before it is kept")
+    default_dir = project.default_wheel_dir.relative_to(project.root)
+    wheel.add_argument("--wheel-dir", type=Path, metavar="DIR",
+                       help=f"where wheels go (default: {default_dir})")
+    wheel.add_argument("--release-wheel", type=Path, metavar="PATH",
+                       help="the vLLM release wheel to reuse, for air-gapped use (default: the "
+                            "package index's, cached and checked against its sha256)")
+    wheel.add_argument("--wheel-build", choices=METHODS,
+                       help="repack (default): the release wheel with our Python files put in; "
+                            "vllm: vLLM's own precompiled build (needs the CUDA torch the tree pins)")
     return p
 
 
@@ -60,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
                                     "work branch)")
+        wheel_opts = _wheel_options(args, project)
         if args.json:
             check_writable(args.json, "--json")
         if args.export:
@@ -81,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
         return 130
+    if wheel_opts and report.ok:
+        report.wheel = _build_wheel(project, report, wheel_opts)
     write_human(report, report_console())
     if args.json:
         try:
@@ -89,6 +107,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"apply.py: error: {err}", file=sys.stderr)
             return report.exit_code or err.exit_code
     return report.exit_code
+
+
+def _wheel_options(args: argparse.Namespace, project: Project) -> WheelOptions | None:
+    """The wheel build asked for, checked before any work is done (UsageError if unusable)."""
+    if not args.build_wheel:
+        if args.wheel_dir or args.release_wheel or args.wheel_build:
+            raise errors.UsageError("--wheel-dir, --release-wheel and --wheel-build go with --build-wheel")
+        return None
+    if args.check or args.rebase_to or args.export:
+        raise errors.UsageError("--build-wheel builds from the work branch apply.py publishes; "
+                                "it does not go with --check, --rebase-to or --export")
+    if args.release_wheel and not args.release_wheel.is_file():
+        raise errors.UsageError(f"--release-wheel {args.release_wheel}: no such file")
+    wheel_dir = (args.wheel_dir or project.default_wheel_dir).resolve()
+    try:
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise errors.UsageError(f"--wheel-dir {wheel_dir}: cannot create it ({err.strerror})") from err
+    return WheelOptions(wheel_dir, args.wheel_build or REPACK,
+                        args.release_wheel and args.release_wheel.resolve())
+
+
+def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
+    """Build the wheel of the work branch just published; an error is also said on stderr."""
+    repo = git.open_repo(Path(report.workdir))
+    result = build_for(project, repo, report, git.branch_tip(repo, report.branch), opts)
+    if "error" in result:
+        print(f"apply.py: error: {result['error']}", file=sys.stderr)
+    return result
 
 
 def stop_like_ctrl_c() -> None:

@@ -8,7 +8,7 @@ OK = 0
 USAGE = 2  # bad input or usage; also an unsafe checkout (dirty, am in progress, foreign branch)
 CONFLICT = 3  # a patch of the series does not apply, even 3-way
 DRIFT = 4  # upstream changed a file the overlay replaces
-VERIFY = 5  # the patched tree failed verification
+VERIFY = 5  # the patched tree failed verification, or a built wheel failed its checks
 SOURCE = 6  # the vLLM source could not be fetched (index, network, git remote)
 
 
@@ -28,3 +28,9 @@ class SourceError(OverlayError):
     """The vLLM source could not be fetched (package index, network, git remote)."""
 
     exit_code = SOURCE
+
+
+class BuildError(OverlayError):
+    """A wheel could not be built, or the built wheel failed its checks."""
+
+    exit_code = VERIFY

@@ -9,6 +9,7 @@ naming the git verb and git's own first line of complaint.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -234,6 +235,34 @@ def read_blob(repo: Repo, sha: str) -> bytes:
                                 strip_newline_in_stdout=False)
     except GitCommandError as err:
         raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}") from err
+
+
+def tree_files(repo: Repo, sha: str, folder: str) -> dict[str, str]:
+    """``{path: blob sha}`` of every regular file under ``folder`` at commit ``sha``
+    (links and submodules left out)."""
+    out = run(repo, "ls-tree", "-r", "-z", "--full-tree", sha, "--", folder)
+    files = {}
+    for entry in out.split("\0"):
+        meta, _, path = entry.partition("\t")
+        if path and meta.split(" ")[0] in ("100644", "100755"):
+            files[path] = meta.split(" ")[2]
+    return files
+
+
+def blob_hash(data: bytes, *, width: int = 40) -> str:
+    """The blob id git gives ``data`` (``width`` 40: SHA-1 repositories, 64: SHA-256 ones)."""
+    digest = hashlib.sha1 if width == 40 else hashlib.sha256
+    return digest(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def commit_time(repo: Repo, sha: str) -> int:
+    """Committer date of commit ``sha``, seconds since the epoch."""
+    return int(run(repo, "show", "-s", "--format=%ct", sha).strip())
+
+
+def archive(repo: Repo, sha: str, dest: Path) -> None:
+    """Write commit ``sha``'s tree as a tar file ``dest`` (``git archive``)."""
+    run(repo, "archive", "--format=tar", "-o", str(dest), sha)
 
 
 def commit_paths(repo: Repo, sha: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""Progress on long steps (download, unpack, am), on stderr so stdout stays the report."""
+"""Progress on long steps (download, unpack, am, wheel pack), on stderr so stdout stays the report."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)  # one line a st
 quiet = False
 
 
+def say(message: str) -> None:
+    """One line of progress (a cache re-fetch, say) unless ``-q``."""
+    if not quiet:
+        console.print(message)
+
+
 @contextlib.contextmanager
 def step(message: str) -> Iterator[None]:
     """Say ``message`` now and how long it took when done (seconds)."""
@@ -24,8 +30,9 @@ def step(message: str) -> Iterator[None]:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")
 
 
-class DownloadBar:
-    """A pypi-simple ProgressTracker drawing a rich bar (bytes) for one download."""
+class ByteBar:
+    """A rich bar counting bytes: a download (it is a pypi-simple ProgressTracker),
+    or the members of a wheel being packed or checked."""
 
     def __init__(self, total: int | None, label: str) -> None:
         self._progress = Progress(
@@ -35,7 +42,7 @@ class DownloadBar:
         )
         self._task = self._progress.add_task(label, total=total)
 
-    def __enter__(self) -> DownloadBar:
+    def __enter__(self) -> ByteBar:
         self._progress.start()
         return self
 

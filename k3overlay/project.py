@@ -56,6 +56,11 @@ class Project:
         """Patched checkout when none is given: ``work/vllm`` under this repo (git-ignored)."""
         return self.root / "work" / "vllm"
 
+    @property
+    def default_wheel_dir(self) -> Path:
+        """Where ``--build-wheel`` puts wheels when not told: ``work/wheels`` (git-ignored)."""
+        return self.root / "work" / "wheels"
+
 
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``)."""

@@ -24,16 +24,19 @@ from .job import BASE_KEY, Options, build, classify_overlay, commit_overlay, rec
 from .project import COMMITTER, Project
 from .report import Report
 from .verify import verify
+from .wheel import WheelOptions, build_for
 
 TestRunner = Callable[[Path], dict]
 
 
 def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
-               tests: TestRunner | None = None) -> list[Report]:
+               tests: TestRunner | None = None, wheels: WheelOptions | None = None) -> list[Report]:
     """One report per ref in ``refs``; nothing of the user's is touched.
 
     ``tests(tree)`` runs the test tier on the patched tree and returns counts
-    (``passed``, ``failed``, ``skipped``, ``errors``). A ref that cannot be
+    (``passed``, ``failed``, ``skipped``, ``errors``). With ``wheels``, each
+    ref whose series and overlay applied and verified gets its wheel built
+    (``wheel.build_for``; the report's ``wheel``). A ref that cannot be
     found yields a report with ``error`` rather than stopping the others.
     Raises OverlayError for a bad series/manifest or an unreachable source.
     """
@@ -44,13 +47,13 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     try:
         repo = source.clone(origin, scratch / "vllm")
         base_sha = source.ensure_ref(repo, origin, manifest.base)
-        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests)
+        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests, wheels)
                 for ref in refs]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests) -> Report:
+def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests, wheels) -> Report:
     report = Report(project.version, manifest.base, ref)
     try:  # one bad or unknown ref must not cost the other refs their reports
         origin = source.locate(vllm_repo, [ref])
@@ -59,9 +62,11 @@ def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests) -> R
         report.error, report.error_code = str(err), err.exit_code
         return report
     with git.temporary_worktree(repo, report.ref_sha) as tree:
-        build(project, manifest, patches, tree, report, base_sha, merge=True, best_effort=True)
+        sha = build(project, manifest, patches, tree, report, base_sha, merge=True, best_effort=True)
         if tests is not None:
             report.tests = tests(Path(tree.working_tree_dir))
+        if wheels is not None and sha is not None:
+            report.wheel = build_for(project, tree, report, sha, wheels)
     return report
 
 

@@ -29,6 +29,7 @@ class Report:
 
     ``allow_drift``: drift was accepted by the user, so it does not fail the job.
     ``tests``: pass/fail/skip counts of a test run, when the job ran one.
+    ``wheel``: the wheel built from the result (``wheel.build_for``), or why none was.
     ``error``: a one-line reason when the job stopped early (bad input etc.).
     """
 
@@ -43,6 +44,7 @@ class Report:
     verify: VerifyResult | None = None
     allow_drift: bool = False
     tests: dict | None = None
+    wheel: dict | None = None
     error: str = ""
     error_code: int = errors.OK
     notes: list[str] = field(default_factory=list)
@@ -63,6 +65,8 @@ class Report:
             return errors.VERIFY
         if self.tests is not None and (self.tests.get("failed") or self.tests.get("errors")):
             return errors.VERIFY
+        if self.wheel is not None and "error" in self.wheel:
+            return self.wheel["exit_code"]
         return errors.OK
 
     @property
@@ -93,6 +97,8 @@ class Report:
         }
         if self.tests is not None:
             data["tests"] = self.tests
+        if self.wheel is not None:
+            data["wheel"] = self.wheel
         if self.error:
             data["error"] = self.error
         return data
@@ -179,6 +185,10 @@ def write_human(report: Report, console: Console) -> None:
         t = report.tests
         console.print(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                       f"{t.get('skipped', 0)} skipped, {t.get('errors', 0)} errors")
+    if report.wheel is not None:
+        w = report.wheel
+        console.print(f"wheel: [red]not built[/red]: {w['error']}" if "error" in w else
+                      f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})")
     for note in report.notes:
         console.print(note)
     if report.ok:
@@ -256,6 +266,10 @@ def markdown(reports: list[Report]) -> str:
             lines += ["", f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> "
                       f"since {r.base_ref} ({f.status})</summary>", "", "```diff",
                       *_clip(f.upstream_diff), "```", "</details>"]
+        if r.wheel is not None:
+            w = r.wheel
+            lines += ["", f"{r.ref}: wheel not built: {w['error']}" if "error" in w else
+                      f"{r.ref}: wheel `{w['name']}`, {w['size']:,} bytes, sha256 `{w['sha256']}`"]
         if r.error:
             lines += ["", f"{r.ref}: {r.error}"]
     return "\n".join(lines) + "\n"

@@ -12,8 +12,9 @@ import re
 from pathlib import Path
 
 from . import git
+from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
-from .mirror import ReleaseMirror, release_of
+from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
 
@@ -34,10 +35,14 @@ def check_ref(ref: str) -> None:
         raise UsageError(f"bad ref {ref!r}: give a tag, branch or commit sha")
 
 
+def release_files() -> ReleaseFiles:
+    """vLLM's release files, cached under the cache directory (index: ``$PIP_INDEX_URL`` if set)."""
+    return ReleaseFiles(cache_dir(), os.environ.get("PIP_INDEX_URL"))
+
+
 def default_mirror() -> ReleaseMirror:
-    """The release mirror under the cache directory (index from ``$PIP_INDEX_URL`` if set)."""
-    root = cache_dir()
-    return ReleaseMirror(root / "mirror.git", root / "sdists", os.environ.get("PIP_INDEX_URL"))
+    """The release mirror under the cache directory, fed from ``release_files()``."""
+    return ReleaseMirror(cache_dir() / MIRROR_NAME, release_files())
 
 
 def locate(vllm_repo: str | None, refs: list[str]) -> str:

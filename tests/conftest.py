@@ -134,3 +134,16 @@ def snapshot(repo: Path) -> dict:
         "worktrees": g(repo, "worktree", "list", "--porcelain"),
         "config": (repo / ".git" / "config").read_text(),
     }
+
+
+@pytest.fixture
+def fake_index(monkeypatch):
+    """A package index on 127.0.0.1 (``tests/fake_index.py``), set as ``$PIP_INDEX_URL``."""
+    from .fake_index import FakeIndex, serve
+
+    index = FakeIndex()
+    server = serve(index)
+    monkeypatch.setenv("PIP_INDEX_URL", index.url)
+    yield index
+    server.shutdown()
+    server.server_close()

@@ -1,0 +1,181 @@
+"""vLLM's published release files (sdists, wheels), cached and checked on every use.
+
+Files come from the package index (``$PIP_INDEX_URL`` is honoured) through
+pypi-simple, which reads the same Simple API pip reads. Each is kept under the
+cache directory (``sdists/``, ``wheels/``) and, every time it is used, not only
+when it was downloaded, checked against the sha256 the index publishes: a
+cached file that was truncated, tampered with or half-written is deleted and
+fetched again. If the fresh copy does not match either, or the archive cannot
+be read even after one fresh fetch, the job stops with a SourceError (exit 6),
+one line, and nothing unverified is ever used.
+
+Why not ``pip download``: for vLLM's sdist it prepares metadata by running
+vLLM's own build (it wants a CUDA torch), i.e. it executes upstream code just
+to fetch a tarball.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import requests
+from packaging.tags import sys_tags
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError, PyPISimple
+
+from .errors import SourceError, UsageError
+from .progress import ByteBar, say, step
+
+PROJECT = "vllm"
+T = TypeVar("T")
+
+
+class ReleaseFiles:
+    """vLLM's release files on the package index at ``index_url`` (None: PyPI),
+    cached under ``cache`` (``cache/sdists``, ``cache/wheels``)."""
+
+    def __init__(self, cache: Path, index_url: str | None = None) -> None:
+        self.cache = cache
+        self.index_url = index_url
+        self._page: list[DistributionPackage] | None = None
+
+    def packages(self) -> list[DistributionPackage]:
+        """Every file the index lists for vLLM (read once per instance). SourceError offline."""
+        if self._page is None:
+            try:
+                with self._index() as index:
+                    self._page = list(index.get_project_page(PROJECT).packages)
+            except requests.RequestException as err:
+                raise SourceError(f"cannot reach the package index: {_reason(err)}") from err
+        return self._page
+
+    def sdist(self, version: Version) -> DistributionPackage:
+        """The release sdist of ``version``. UsageError if the index has none."""
+        found = [p for p in self.packages() if p.package_type == "sdist" and _version(p) == version]
+        if not found:
+            raise UsageError(f"vLLM {version} has no release sdist on the package index")
+        return found[0]
+
+    def wheel(self, version: Version) -> DistributionPackage:
+        """The release wheel of ``version`` that best fits this interpreter and platform.
+
+        UsageError if the index has none that installs here (then give
+        ``--release-wheel``).
+        """
+        tags: dict[str, DistributionPackage] = {}
+        for pkg in self.packages():
+            if pkg.package_type == "wheel" and _version(pkg) == version and not pkg.is_yanked:
+                try:
+                    _, _, _, file_tags = parse_wheel_filename(pkg.filename)
+                except InvalidWheelFilename:
+                    continue
+                for tag in file_tags:
+                    tags.setdefault(str(tag), pkg)
+        for tag in sys_tags():  # most specific first, as pip ranks them
+            if str(tag) in tags:
+                return tags[str(tag)]
+        raise UsageError(f"vLLM {version} has no release wheel for this platform on the package "
+                         f"index; give one with --release-wheel")
+
+    def latest(self) -> Version:
+        """The newest final release with an sdist on the index. SourceError offline."""
+        found = {_version(p) for p in self.packages() if p.package_type == "sdist" and not p.is_yanked}
+        finals = [v for v in found if v is not None and not v.is_prerelease and not v.is_devrelease]
+        if not finals:
+            raise SourceError("the package index lists no vLLM release sdist")
+        return max(finals)
+
+    def use(self, pkg: DistributionPackage, read: Callable[[Path], T]) -> T:
+        """``read(path)`` of ``pkg``'s file, verified against the index's sha256 first.
+
+        A cached file that does not match is deleted and downloaded again; an
+        archive ``read`` cannot open (it raises SourceError) is deleted and
+        fetched again once. Raises SourceError (exit 6) when the second copy
+        fails too, or the index cannot be reached.
+        """
+        for attempt in (1, 2):
+            path = self.fetch(pkg)
+            try:
+                return read(path)
+            except SourceError as err:
+                path.unlink(missing_ok=True)
+                if attempt == 2:
+                    raise SourceError(f"{pkg.filename} from the package index matches its sha256 "
+                                      f"but cannot be read, even fetched again: {err}") from err
+                say(f"{pkg.filename} cannot be read ({err}); fetching it again")
+        raise AssertionError("unreachable")
+
+    def fetch(self, pkg: DistributionPackage) -> Path:
+        """The path of ``pkg``'s file, downloaded unless a cached copy matches the index's sha256.
+
+        Raises SourceError if the index publishes no sha256 for it, the download
+        does not match, or the index cannot be reached.
+        """
+        expected = pkg.digests.get("sha256")
+        if not expected:
+            raise SourceError(f"the package index publishes no sha256 for {pkg.filename}; "
+                              f"refusing to use it unchecked")
+        target = self._path(pkg)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # two jobs on one cache must not write one file
+            if target.exists():
+                if file_sha256(target) == expected:
+                    return target
+                say(f"cached {target.name} does not match the index's sha256; fetching it again")
+                target.unlink()
+            self._download(pkg, target)
+        return target
+
+    def _download(self, pkg: DistributionPackage, target: Path) -> None:
+        """Download ``pkg`` to ``target``, verified; only a complete, matching file lands there."""
+        partial = target.with_name(target.name + ".part")
+        try:
+            with step(f"downloading {pkg.filename}"), self._index() as index:
+                index.download_package(pkg, partial, verify=True,
+                                       progress=lambda total: ByteBar(total, pkg.filename))
+        except BaseException as err:
+            partial.unlink(missing_ok=True)
+            if isinstance(err, requests.RequestException):
+                raise SourceError(f"cannot download {pkg.filename}: {_reason(err)}") from err
+            if isinstance(err, (DigestMismatchError, NoDigestsError)):
+                raise SourceError(f"{pkg.filename} from the package index does not match its "
+                                  f"sha256") from err
+            raise
+        os.replace(partial, target)
+
+    def _path(self, pkg: DistributionPackage) -> Path:
+        name = pkg.filename
+        if Path(name).name != name or name.startswith("."):  # the index names the file we write
+            raise SourceError(f"the package index names a file {name!r}; refusing to write it")
+        return self.cache / ("sdists" if pkg.package_type == "sdist" else "wheels") / name
+
+    def _index(self) -> PyPISimple:
+        return PyPISimple(**({"endpoint": self.index_url} if self.index_url else {}))
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of the file at ``path``, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _version(pkg: DistributionPackage) -> Version | None:
+    try:
+        return Version(pkg.version) if pkg.version else None
+    except InvalidVersion:
+        return None
+
+
+def _reason(err: requests.RequestException) -> str:
+    """The first line of a requests error (they can run to a page of urllib3 detail)."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
