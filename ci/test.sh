@@ -12,7 +12,7 @@ $PY -m pip install -q --disable-pip-version-check -e '.[test]' 'torch==2.13.0'
 
 # The patched pinned base: its requirements/common.txt is what vLLM's tests import.
 $PY apply.py -q --check >/dev/null  # fails loudly here if the base cannot be fetched or patched
-mirror="${XDG_CACHE_HOME:-$HOME/.cache}/vllm-k3-overlay/mirror.git"
+mirror=$($PY -c 'from k3overlay.source import default_mirror; print(default_mirror().path)')
 base=$($PY -c 'import json; print(json.load(open("overlay.json"))["base"])')
 git --git-dir="$mirror" show "$base:requirements/common.txt" > .venv/vllm-common.txt
 $PY -m pip install -q --disable-pip-version-check -r .venv/vllm-common.txt pytest tblib

@@ -4,7 +4,8 @@ Modules, one concept each:
   errors    exit codes and the one-line errors a user sees
   git       project-agnostic git verbs over GitPython
   project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
-  mirror    a local git mirror of vLLM release sdists, one tagged commit per release
+  downloads vLLM's release files (sdists, wheels), cached, checked against the index on every use
+  mirror    a local git mirror of vLLM release sdists, one tagged root commit per release
   source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)
   series    the patch series: read, check headers, apply with a 3-way fallback, classify
   manifest  the overlay manifest: drift against recorded upstream blobs, laying files, 3-way merge
@@ -12,4 +13,6 @@ Modules, one concept each:
   report    the result as human text, JSON, JUnit XML and markdown
   job       the apply job wiring the above together
   export    regenerate patches/ and the manifest from a maintainer's work branch
+  wheel     internal vLLM wheels from the patched tree (repack, or vLLM's precompiled build)
+  wheelcheck  checks of a built wheel against its release wheel and the tree
 """

@@ -17,7 +17,7 @@ from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
-from .wheel import METHODS, REPACK, WheelOptions, build_for
+from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
 
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
 soundly), 3 patch conflict, 4 overlay drift, 5 verification failed (or the wheel's checks),
@@ -135,6 +135,8 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
     result = build_for(project, repo, report, git.branch_tip(repo, report.branch), opts)
     if "error" in result:
         print(f"apply.py: error: {result['error']}", file=sys.stderr)
+    else:
+        report.notes.append(f"its provenance record, where it is installed: {PRINT_RECORD}")
     return result
 
 

@@ -64,6 +64,8 @@ RECORD_FORMAT = 1
 # makes the release wheel's .so files (or its dependency list) wrong for the tree.
 BUILD_INPUTS = ("csrc/", "cmake/", "rust/", "requirements/", "CMakeLists.txt", "setup.py",
                 "setup.cfg", "pyproject.toml", "build_rust.sh", "rust-toolchain.toml")
+# vLLM's build: for CUDA, the compiled code taken from a release wheel rather than built.
+VLLM_BUILD_ENV = {"VLLM_TARGET_DEVICE": "cuda", "VLLM_USE_PRECOMPILED": "1"}
 PRINT_RECORD = ("python -c \"import importlib.util, pathlib; print(pathlib.Path(importlib.util."
                 "find_spec('vllm').origin).with_name('k3_overlay.json').read_text())\"")
 
@@ -99,6 +101,22 @@ def build_for(project: Project, repo: git.Repo, report: Report, result_sha: str,
         return {"error": str(err), "exit_code": err.exit_code}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a wheel will be, every refusal already passed.
+
+    ``put``: wheel path -> new content (None: deleted); the tree's changes under
+    ``vllm/`` and ``stamp``. ``stamp``: our ``vllm/_version.py`` and provenance
+    record. ``epoch``: the date of every entry (seconds, UTC).
+    """
+
+    release_wheel: Path
+    version: Version
+    put: dict[str, bytes | None]
+    stamp: dict[str, bytes]
+    epoch: int
+
+
 def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opts: WheelOptions,
           files: ReleaseFiles) -> BuiltWheel:
     """Build and check the wheel of patched commit ``result_sha`` (on ``report.ref_sha``).
@@ -107,6 +125,28 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
     environment cannot do it, SourceError (exit 6) when the release wheel
     cannot be fetched, BuildError (exit 5) when the build or a check fails.
     """
+    p = plan(project, repo, report, result_sha, opts, files)
+    try:
+        opts.wheel_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"wheel folder {opts.wheel_dir}: cannot create it ({err.strerror})") from err
+    with tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir) as tmp:
+        if opts.method == VLLM:
+            built = _vllm_build(repo, result_sha, p, Path(tmp))
+        else:
+            built = Path(tmp) / wheel_name(p.release_wheel.name, p.version)
+            repack(p.release_wheel, built, p.version, p.put, p.epoch)
+        with step(f"checking {built.name}"):
+            wheelcheck.check(built, p.release_wheel, p.version, p.put)
+        final = opts.wheel_dir / built.name
+        os.replace(built, final)  # only a checked wheel lands in the wheel folder
+    return BuiltWheel(final, final.stat().st_size, file_sha256(final), opts.method)
+
+
+def plan(project: Project, repo: git.Repo, report: Report, result_sha: str, opts: WheelOptions,
+         files: ReleaseFiles) -> Plan:
+    """Check that a wheel of ``result_sha`` can be built soundly, fetch the release wheel
+    (or take ``opts.release_wheel``) and say what goes in. Raises as ``build`` does."""
     release = release_version(repo, report.ref, report.ref_sha)
     version = local_version(release, project.version)
     changes = changed_files(repo, report.ref_sha, result_sha)
@@ -120,21 +160,7 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
              RECORD_PATH: record_bytes(record)}
     put = {p: data for p, data in changes.items() if p.startswith(PACKAGE)} | stamp
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or git.commit_time(repo, result_sha))
-    try:
-        opts.wheel_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"wheel folder {opts.wheel_dir}: cannot create it ({err.strerror})") from err
-    with tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir) as tmp:
-        if opts.method == VLLM:
-            built = _vllm_build(repo, result_sha, release_wheel, version, stamp, Path(tmp), epoch)
-        else:
-            built = Path(tmp) / wheel_name(release_wheel.name, version)
-            repack(release_wheel, built, version, put, epoch)
-        with step(f"checking {built.name}"):
-            wheelcheck.check(built, release_wheel, version, put)
-        final = opts.wheel_dir / built.name
-        os.replace(built, final)  # only a checked wheel lands in the wheel folder
-    return BuiltWheel(final, final.stat().st_size, file_sha256(final), opts.method)
+    return Plan(release_wheel, version, put, stamp, epoch)
 
 
 def release_version(repo: git.Repo, ref: str, ref_sha: str) -> Version:
@@ -493,23 +519,22 @@ def check_build_env(pin: str, torch: tuple[str, str | None] | None) -> None:
                          f"{fix}")
 
 
-def _vllm_build(repo: git.Repo, result_sha: str, release_wheel: Path, version: Version,
-                stamp: dict[str, bytes], tmp: Path, epoch: int) -> Path:
-    """vLLM's precompiled build of ``result_sha`` in a ``git archive`` export, then ``stamp``
-    (our ``_version.py`` and the provenance record) put in (``repack``); returns the wheel
-    (in ``tmp``). Raises BuildError if the build fails or gives another version."""
+def _vllm_build(repo: git.Repo, result_sha: str, p: Plan, tmp: Path) -> Path:
+    """vLLM's precompiled build of ``result_sha`` in a ``git archive`` export, then
+    ``p.stamp`` put in (``repack``); returns the wheel (in ``tmp``). Raises BuildError
+    if the build fails or gives another version."""
     export, out, log = tmp / "src", tmp / "out", tmp / "vllm-build.log"
     with step(f"exporting {result_sha[:12]} with git archive"):
         git.archive(repo, result_sha, tmp / "src.tar")
         with tarfile.open(tmp / "src.tar") as archive:
             archive.extractall(export, filter="data")
-    python_tag = release_wheel.name.removesuffix(".whl").split("-")[-3]
-    config = tmp / "dist.cfg"
-    config.write_text(f"[bdist_wheel]\npy_limited_api = {python_tag}\n")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cuda", "VLLM_USE_PRECOMPILED": "1",
-           "VLLM_PRECOMPILED_WHEEL_LOCATION": str(release_wheel),
-           "VLLM_VERSION_OVERRIDE": str(version), "DIST_EXTRA_CONFIG": str(config),
-           "SOURCE_DATE_EPOCH": str(epoch)}
+    env = {**os.environ, **VLLM_BUILD_ENV, "VLLM_PRECOMPILED_WHEEL_LOCATION": str(p.release_wheel),
+           "VLLM_VERSION_OVERRIDE": str(p.version), "SOURCE_DATE_EPOCH": str(p.epoch)}
+    python_tag, abi, _ = p.release_wheel.name.removesuffix(".whl").split("-")[-3:]
+    if abi == "abi3":  # tag the wheel as the release is (cp38-abi3), not for this interpreter
+        config = tmp / "dist.cfg"
+        config.write_text(f"[bdist_wheel]\npy_limited_api = {python_tag}\n")
+        env["DIST_EXTRA_CONFIG"] = str(config)
     command = [sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps",
                "--no-build-isolation", "--wheel-dir", str(out), str(export)]
     with step("vLLM's precompiled build (pip wheel, VLLM_USE_PRECOMPILED=1)"), open(log, "w") as f:
@@ -520,8 +545,8 @@ def _vllm_build(repo: git.Repo, result_sha: str, release_wheel: Path, version: V
         shutil.copyfile(log, kept)
         last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
         raise BuildError(f"vLLM's build failed (exit {code}): {last[:200]} (log: {kept})")
-    if parse_wheel_filename(built[0].name)[1] != version:
-        raise BuildError(f"vLLM's build gave {built[0].name}, not version {version}")
+    if parse_wheel_filename(built[0].name)[1] != p.version:
+        raise BuildError(f"vLLM's build gave {built[0].name}, not version {p.version}")
     stamped = tmp / built[0].name
-    repack(built[0], stamped, version, stamp, epoch)
+    repack(built[0], stamped, p.version, p.stamp, p.epoch)
     return stamped

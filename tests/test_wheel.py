@@ -63,6 +63,26 @@ TREE = {
     "requirements/common.txt": "numpy\n",
     "pyproject.toml": '[build-system]\nrequires = ["setuptools", "torch == 2.13.0"]\n',
     "tests/t.py": "T = 1\n",
+    # A stand-in for vLLM's setup.py: what VLLM_USE_PRECOMPILED does, in miniature (the
+    # compiled extension copied from the release wheel it is pointed at).
+    "setup.py": """import os, zipfile
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class WithPrecompiled(build_py):
+    def run(self):
+        super().run()
+        assert os.environ["VLLM_USE_PRECOMPILED"] == "1"
+        with zipfile.ZipFile(os.environ["VLLM_PRECOMPILED_WHEEL_LOCATION"]) as release:
+            data = release.read("vllm/_C.abi3.so")
+        with open(os.path.join(self.build_lib, "vllm", "_C.abi3.so"), "wb") as f:
+            f.write(data)
+
+
+setup(name="vllm", version=os.environ["VLLM_VERSION_OVERRIDE"], packages=["vllm", "vllm.conf"],
+      package_data={"vllm.conf": ["*.json"]}, cmdclass={"build_py": WithPrecompiled})
+""",
 }
 LOCAL = Version("0.1.0+k3ov.9.9.9")
 SO = bytes(range(256)) * 64  # the release's compiled extension
@@ -397,6 +417,30 @@ def test_vllm_build_refuses_a_torch_without_cuda_before_downloading(setup, tmp_p
         build(project, repo, report, tip, WheelOptions(tmp_path / "w", method=VLLM),
               source.release_files())
     assert "\n" not in str(err.value)
+
+
+def test_vllm_build_runs_in_an_export_and_gets_the_same_checks(setup, tmp_path, monkeypatch):
+    """The plumbing of --wheel-build vllm, with TREE's stand-in setup.py and a torch said
+    to have CUDA: export, build environment, stamping, checks."""
+    monkeypatch.setattr("k3overlay.wheel.torch_in", lambda python: ("2.13.0+cu130", "13.0"))
+    project, release, repo, report, tip = setup
+    built = build_in(setup, tmp_path / "wheels", method=VLLM)
+    assert built.path.name == "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl" and built.method == VLLM
+    assert member(built.path, "vllm/_C.abi3.so") == SO and member(built.path, "vllm/a.py") == b"A = 2\n"
+    assert json.loads(member(built.path, "vllm/k3_overlay.json"))["build"]["method"] == VLLM
+    assert b"'0.1.0+k3ov.9.9.9'" in member(built.path, "vllm/_version.py")
+    assert not (Path(repo.working_tree_dir) / "build").exists() and not git.is_dirty(repo)
+
+
+def test_a_failed_vllm_build_is_exit_5_with_its_log(setup, tmp_path, monkeypatch):
+    monkeypatch.setattr("k3overlay.wheel.torch_in", lambda python: ("2.13.0+cu130", "13.0"))
+    monkeypatch.delenv("VLLM_USE_PRECOMPILED", raising=False)
+    monkeypatch.setattr("k3overlay.wheel.VLLM_BUILD_ENV", {"VLLM_USE_PRECOMPILED": "0"})
+    with pytest.raises(errors.BuildError, match=r"vLLM's build failed \(exit 1\).*log: ") as err:
+        build_in(setup, tmp_path / "wheels", method=VLLM)
+    assert "\n" not in str(err.value)
+    assert "AssertionError" in (tmp_path / "wheels" / "vllm-build.log").read_text()
+    assert [p.name for p in (tmp_path / "wheels").iterdir()] == ["vllm-build.log"]
 
 
 @pytest.mark.parametrize("torch, message", [
