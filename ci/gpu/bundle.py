@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import io
 import json
 import os
@@ -52,17 +51,10 @@ UPSTREAM_MODULE = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
 sys.path.insert(0, REPO)
 from k3overlay import git, source  # noqa: E402
 from k3overlay import manifest as overlay_manifest  # noqa: E402
+from k3overlay.downloads import file_sha256  # noqa: E402
 from k3overlay.job import Options, run_apply  # noqa: E402
 from k3overlay.mirror import release_of  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def download_wheels(dest: str, python_version: str, req: str) -> None:
@@ -200,14 +192,14 @@ def main(argv=None) -> int:
             p = os.path.join(d, f"bundle.part{i:03d}")
             with open(p, "wb") as o:
                 o.write(chunk)
-            parts.append({"name": os.path.basename(p), "bytes": len(chunk), "sha256": sha256(p)})
+            parts.append({"name": os.path.basename(p), "bytes": len(chunk), "sha256": file_sha256(Path(p))})
             i += 1
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                          capture_output=True, text=True).stdout.strip()
     manifest = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "repo_commit": git, "vllm_version": version, "python": args.python_version,
-        "payload_sha256": sha256(payload), "payload_bytes": os.path.getsize(payload),
+        "payload_sha256": file_sha256(Path(payload)), "payload_bytes": os.path.getsize(payload),
         "parts": parts, "wheels": wheel_files, "csrc": csrc_files,
     }
     for i in range(len(parts)):
