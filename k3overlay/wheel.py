@@ -230,12 +230,12 @@ def check_release(repo: git.Repo, ref_sha: str, wheel: Path, release: Version) -
             raise UsageError(f"{wheel.name} already holds {RECORD_PATH}")
         if any(p.startswith(f"{archive.parsed_filename.group('namever')}.data/") for p in members):
             raise UsageError(f"{wheel.name} has a .data folder; repacking handles wheels without one")
-        bad = [p for p, blob in sorted(expected.items())
+        bad = [f"{p} is not in it" if p not in members else f"{p} differs"
+               for p, blob in sorted(expected.items())
                if p not in members or git.blob_hash(archive.read(members[p]), width=width) != blob]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise UsageError(f"{wheel.name} is not the vLLM {release} the tree came from: {bad[0]} "
-                         f"differs{more}")
+        raise UsageError(f"{wheel.name} is not the vLLM {release} the tree came from: {bad[0]}{more}")
 
 
 def _member(wheel: Path, path: str) -> bytes:
@@ -250,7 +250,10 @@ def _member(wheel: Path, path: str) -> bytes:
 def _release_wheel(local: Path | None, files: ReleaseFiles, release: Version) -> Path:
     """The release wheel: ``local`` (``--release-wheel``) or the index's, cached and verified."""
     if local is None:
-        return files.use(files.wheel(release), readable)
+        try:
+            return files.use(files.wheel(release), readable)
+        except SourceError as err:
+            raise SourceError(f"{err} (offline, give the release wheel with --release-wheel)") from err
     if not local.is_file():
         raise UsageError(f"--release-wheel {local}: no such file")
     try:
