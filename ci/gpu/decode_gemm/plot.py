@@ -49,42 +49,44 @@ def panels_from_sweep(run: dict) -> tuple[list, list]:
                     (f"ours, swap-AB Triton (run {rid})", grid("us"), None)]
 
 
+def _fill(shapes: list, per: dict, cell) -> tuple:
+    """``(grid, marks)``: ``cell(row) -> (fraction, mark or None)`` for every (shape, M)."""
+    grid = np.full((len(shapes), len(MS)), np.nan)
+    marks = []
+    for i, s in enumerate(shapes):
+        for j, m in enumerate(MS):
+            r = per.get((*s, m))
+            if r is not None:
+                grid[i, j], mark = cell(r)
+                if mark:
+                    marks.append((i, j, mark))
+    return grid, marks
+
+
 def panel_today(today: dict, shapes: list) -> tuple:
     """Today's table (best of its CuTe row and cuBLAS) from another run's JSON."""
     per = {(r["N"], r["K"], r["M"]): r for r in today["rows"]}
-    g = np.full((len(shapes), len(MS)), np.nan)
-    marks = []
-    for i, s in enumerate(shapes):
-        for j, m in enumerate(MS):
-            r = per.get((*s, m))
-            if r is None:
-                continue
-            us = r["cublas_us"]
-            if r.get("ours_us"):
-                us = min(us, r["ours_us"])
-                marks.append((i, j, "."))
-            g[i, j] = r["roof_us"] / us
-    return ("today's table, CuTe rows dotted (reference run, not this one)", g, marks)
+
+    def cell(r):
+        us = min(r["cublas_us"], r.get("ours_us") or r["cublas_us"])
+        return r["roof_us"] / us, "." if r.get("ours_us") else None
+
+    return ("today's table, CuTe rows dotted (reference run, not this one)", *_fill(shapes, per, cell))
 
 
 def panels_from_figures(run: dict) -> tuple[list, list]:
-    """cuBLAS, today's table and the new table of one figures run."""
+    """cuBLAS and the table rendered from one figures run, its backends lettered."""
     per = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
     shapes = _order({k[:2] for k in per})
     rid = run["provenance"]["run_id"]
-    cub = np.full((len(shapes), len(MS)), np.nan)
-    new = cub.copy()
-    marks = []
-    for i, s in enumerate(shapes):
-        for j, m in enumerate(MS):
-            r = per.get((*s, m))
-            if r is None:
-                continue
-            cub[i, j] = r["roof_us"] / r["cublas_us"][1]
-            w = r.get("winner")
-            new[i, j] = r["roof_us"] / (w["us"][1] if w else r["cublas_us"][1])
-            if w:
-                marks.append((i, j, LETTER.get(w["backend"], "?")))
+    cub, _ = _fill(shapes, per, lambda r: (r["roof_us"] / r["cublas_us"][1], None))
+
+    def routed(r):
+        w = r.get("winner")
+        us = w["us"][1] if w else r["cublas_us"][1]
+        return r["roof_us"] / us, LETTER.get(w["backend"], "?") if w else None
+
+    new, marks = _fill(shapes, per, routed)
     return shapes, [(f"cuBLAS (run {rid})", cub, None),
                     (f"table rendered from run {rid} (S swap-AB, C CuTe, L ll_bf16, T tinygemm)",
                      new, marks)]

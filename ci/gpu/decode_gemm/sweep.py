@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -37,20 +36,12 @@ REL_TOL = 1e-2
 
 
 def provenance(run_id: str) -> dict:
-    """GPU, capability, date and the versions that make the kernels."""
-    import torch
+    """The tuner's provenance (GPU, capability, date, versions) plus Triton's version."""
     import triton
+    import tune
 
-    cap = torch.cuda.get_device_capability(0)
-    return {
-        "gpu": torch.cuda.get_device_name(0),
-        "capability": f"{cap[0]}.{cap[1]}",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "run_id": run_id,
-    }
+    return {**tune.provenance(run_id), "triton": triton.__version__,
+            "kernel": "swap_ab_gemm.py (Triton)"}
 
 
 def _compile_job(args):
