@@ -5,6 +5,8 @@
 #   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
+#   decode SECONDS       issue 12: every backend on every shape x M (decode_gemm/figures.py),
+#                        the SM90 table rendered from that run, the GPU tests, same process
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -66,5 +68,15 @@ except Exception:
   [ -n "${SKIP_BENCH:-}" ] || python3 "$HERE/bench.py" --ours overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
      --v029 $K3_TOOLS/k3/priors.json --tune "$HERE/results/tune_sm90.json" \
      --json "$OUT/bench_sm90.json" --md "$OUT/bench_sm90.md" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
+decode)
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (our kernel included)
+  mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py /tmp/k3t/tests/kernels/
+  python3 "$HERE/decode_gemm/figures.py" --out "$OUT/decode_gemm_sm90.json" \
+     --sweep "$HERE/results/swap_ab_sweep_sm90.json" --tune "$HERE/results/tune_sm90.json" \
+     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py --deadline-s "${1:-300}" \
+     --render $SITE/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
+     --pytest /tmp/k3t/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py 2>&1 \
+     | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$" ;;
 esac
 echo "[device_run] $step done in $(( $(date +%s) - START ))s"

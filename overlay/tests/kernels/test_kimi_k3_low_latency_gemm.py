@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import regex as re
@@ -20,9 +21,11 @@ import torch
 from torch import nn
 
 from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import SkinnyGemmConfig
+from vllm.models.kimi_k3.nvidia import swap_ab_gemm
 from vllm.models.kimi_k3.nvidia import low_latency_gemm as k3
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_sm90 as sm90_data
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_tables as blackwell_data
+from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.platforms.interface import DeviceCapability
 
 SM103, SM107, SM100, SM90 = (10, 3), (10, 7), (10, 0), (9, 0)
@@ -197,8 +200,11 @@ def test_sm90_data_module_keeps_the_tuner_format() -> None:
         assert isinstance(n, int) and isinstance(k, int)
         for m, (backend, config) in row.items():
             assert backend in k3.BACKENDS
-            assert (config is None) == (backend == "dsv3_fused_a")
-            assert config is None or len(config) == 5
+            assert (config is None) == (backend in ("dsv3_fused_a", "tinygemm"))
+            if backend in ("cute", "swap_ab"):
+                assert len(config) == 5 and all(isinstance(v, int | None) for v in config)
+            if backend == "ll_bf16":
+                assert config[0] in ("splitk", "dotprod")
 
 
 @pytest.mark.parametrize(
@@ -280,14 +286,82 @@ def test_every_dsv3_routed_shape_is_compiled_into_the_op() -> None:
         (((1, k3.PlannedCall("cute", cfg(1, 32, 2, static_k=512))),), (), "static_k"),
         (((1, k3.PlannedCall("dsv3_fused_a", cfg(1, 32, 2))),), (), "no config"),
         (((1, k3.PlannedCall("cublas", None)),), (), "unknown backend"),
+        (((1, k3.PlannedCall("swap_ab", None)),), (), "needs a SwapAbConfig"),
+        (((1, k3.PlannedCall("swap_ab", cfg(1, 32, 2))),), (), "needs a SwapAbConfig"),
+        (((1, k3.PlannedCall("swap_ab", SwapAbConfig(48, 128, 1, 4, 4))),), (), "block_n"),
+        (((1, k3.PlannedCall("swap_ab", SwapAbConfig(64, 128, 3, 4, 4))),), (), "split_k"),
+        (((1, k3.PlannedCall("ll_bf16", None)),), (), "needs an LLBf16Config"),
+        (((1, k3.PlannedCall("ll_bf16", k3.LLBf16Config("other"))),), (), "LLBf16Config"),
+        (((1, k3.PlannedCall("tinygemm", k3.LLBf16Config("splitk", 2, 4))),), (), "no config"),
         ((), ((1, cfg(1, 96, 2)),), "block_size"),
         ((), ((1, cfg(1, 32, 2)), (1, cfg(1, 64, 2))), "twice"),
     ],
 )
 def test_spec_rejects_configs_that_cannot_run(winners, residual, message) -> None:
-    # (N, K) = (64, 256): 32 x 8 divides K, 2 divides N; 96 x 8 and 5 do not.
+    # (N, K) = (64, 256): 32 x 8 divides K, 2 divides N; 96 x 8 and 5 do not; two
+    # K tiles of 128 cannot be split three ways.
     with pytest.raises(ValueError, match=message):
         k3.ProjectionSpec(64, 256, winners, residual)
+
+
+@pytest.mark.parametrize(
+    "n,k,message",
+    [(64, 96, "tinygemm needs K % 64"), (72, 256, "tinygemm needs K % 64 == 0 and N % 16")],
+)
+def test_spec_rejects_tinygemm_shapes_it_cannot_run(n, k, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        k3.ProjectionSpec(n, k, ((1, k3.PlannedCall("tinygemm", None)),))
+
+
+def test_spec_rejects_ll_bf16_on_unaligned_k() -> None:
+    call = k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", 2, 4))
+    with pytest.raises(ValueError, match="K % 8"):
+        k3.ProjectionSpec(64, 260, ((1, call),))
+
+
+@pytest.mark.parametrize("k,split_k,ok", [(128, 2, False), (256, 2, False), (512, 2, True),
+                                          (7168, 28, True), (7168, 29, False)])
+def test_spec_rejects_ll_bf16_splits_without_k_tiles(k, split_k, ok) -> None:
+    # A split with no 256-wide K tile hung the H200 (K = 128, split_k = 2).
+    call = k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", split_k, 4))
+    if ok:
+        k3.ProjectionSpec(64, k, ((1, call),))
+    else:
+        with pytest.raises(ValueError, match="> K tiles"):
+            k3.ProjectionSpec(64, k, ((1, call),))
+
+
+def test_new_backends_build_valid_specs() -> None:
+    winners = (
+        (1, k3.PlannedCall("swap_ab", SwapAbConfig(64, 128, 2, 4, 4))),
+        (2, k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", 2, 4))),
+        (3, k3.PlannedCall("ll_bf16", k3.LLBf16Config("dotprod", block_size=256))),
+        (4, k3.PlannedCall("tinygemm", None)),
+    )
+    spec = k3.ProjectionSpec(64, 512, winners)
+    assert [spec.winner(m).backend for m in (1, 2, 3, 4)] == [
+        "swap_ab", "ll_bf16", "ll_bf16", "tinygemm"
+    ]  # fmt: skip
+    assert spec.cute_configs == () and spec.cute_config(1) is None
+
+
+@pytest.mark.parametrize(
+    "backend,data,expected",
+    [
+        ("swap_ab", (64, 256, 4, 4, 4), SwapAbConfig(64, 256, 4, 4, 4)),
+        ("ll_bf16", ("splitk", 2, 4), k3.LLBf16Config("splitk", split_k=2, num_stages=4)),
+        ("ll_bf16", ("dotprod", 256), k3.LLBf16Config("dotprod", block_size=256)),
+        ("cute", (32, 2, 1, 8, None), SkinnyGemmConfig(3, 32, 2, 1, 8, None)),
+        ("tinygemm", None, None),
+    ],
+)
+def test_config_from_data(backend, data, expected) -> None:
+    assert k3.config_from_data(backend, 3, data) == expected
+
+
+def test_config_from_data_rejects_unknown_ll_bf16_forms() -> None:
+    with pytest.raises(ValueError, match="neither splitk nor dotprod"):
+        k3.config_from_data("ll_bf16", 1, ("splitk", 2))
 
 
 def test_valid_spec_is_frozen() -> None:
@@ -866,6 +940,99 @@ def test_dsv3_call_gets_the_column_major_weight(fake_dsv3, base_apply) -> None:
     out = k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(), x)
     assert fake_dsv3.calls == [(4, (1, K))]
     torch.testing.assert_close(out, product(x, WEIGHT))
+
+
+class FakeLLBf16:
+    """Stands in for vLLM's LLBf16Gemm: fp32 output, records the compile keys asked for."""
+
+    keys: list = []
+
+    class CompileKey(NamedTuple):
+        backend: str
+        M: int = 0
+        K: int = 0
+        bs: int = 0
+        split_k: int = 0
+        num_stages: int = 0
+
+    def __call__(self, x, weight):
+        m, k = x.shape
+        FakeLLBf16.keys.append(self.dispatch(M=m, K=k, N=weight.shape[0]))
+        return x.float() @ weight.float().t()
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize(
+    "config,key",
+    [
+        (k3.LLBf16Config("splitk", 2, 4), ("splitk", 0, 0, 0, 2, 4)),
+        (k3.LLBf16Config("dotprod", block_size=256), ("dotprod", 4, K, 256, 0, 0)),
+    ],
+)
+def test_ll_bf16_runs_its_pinned_config_and_casts(monkeypatch, base_apply, config, key):
+    monkeypatch.setattr(k3.ll_bf16, "LLBf16Gemm", FakeLLBf16)
+    k3._ll_bf16_runner.cache_clear()
+    FakeLLBf16.keys = []
+    x = bf16(4, K)
+    plan = {4: k3.PlannedCall("ll_bf16", config)}
+    out = k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(), x)
+    k3._ll_bf16_runner.cache_clear()
+    assert [tuple(key_) for key_ in FakeLLBf16.keys] == [key]
+    assert out.dtype is BF16
+    torch.testing.assert_close(out, product(x, WEIGHT))
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_swap_ab_and_tinygemm_calls(monkeypatch, base_apply) -> None:
+    seen = []
+
+    def fake_swap_ab(x, weight, config, residual=None, *, pdl=None):
+        seen.append(("swap_ab", x.shape[0], config))
+        return product(x, weight)
+
+    def fake_tinygemm(x, weight, out, use_pdl=False):
+        seen.append(("tinygemm", x.shape[0], use_pdl))
+        out.copy_(product(x, weight))
+
+    monkeypatch.setattr(k3.swap_ab_gemm, "swap_ab_gemm", fake_swap_ab)
+    monkeypatch.setattr(k3, "_tinygemm_op", lambda: fake_tinygemm)
+    config = SwapAbConfig(64, 128, 2, 4, 4)
+    plan = {1: k3.PlannedCall("swap_ab", config), 2: k3.PlannedCall("tinygemm", None)}
+    method = k3.KimiK3LowLatencyLinearMethod(plan)
+    for m in (1, 2):
+        x = bf16(m, K)
+        torch.testing.assert_close(method.apply(linear_layer(), x), product(x, WEIGHT))
+    # tinygemm without PDL: FlashInfer's kernel hangs unless everything before it uses PDL.
+    assert seen == [("swap_ab", 1, config), ("tinygemm", 2, False)]
+    assert not base_apply
+
+
+def test_availability_of_the_new_backends(monkeypatch) -> None:
+    monkeypatch.setattr(k3, "HAS_TRITON", False)
+    assert not k3._backend_available("swap_ab")
+    monkeypatch.setattr(k3, "HAS_TRITON", True)
+    assert k3._backend_available("swap_ab")
+    monkeypatch.setattr(k3, "_tinygemm_op", lambda: None)
+    assert not k3._backend_available("tinygemm")
+    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: False)
+    assert not k3._backend_available("ll_bf16")
+
+
+def test_compile_ahead_compiles_only_on_cuda(monkeypatch) -> None:
+    warmed = []
+    monkeypatch.setattr(k3.swap_ab_gemm, "warmup", lambda *a, **kw: warmed.append(a))
+    monkeypatch.setattr(k3, "HAS_TRITON", True)
+    config = SwapAbConfig(64, 128, 2, 4, 4)
+    spec = k3.ProjectionSpec(N, K, ((1, k3.PlannedCall("swap_ab", config)),))
+    assert k3._compile_ahead(spec, torch.device("cpu")) == 0
+    assert k3._compile_ahead(spec, torch.device("meta")) == 0
+    assert not warmed
+    assert k3._compile_ahead(spec, torch.device("cuda", 0)) == 1
+    assert warmed == [(config, N, K, torch.device("cuda", 0))]
+
+
+def test_swap_ab_module_is_the_one_dispatched() -> None:
+    assert k3.swap_ab_gemm is swap_ab_gemm
 
 
 @pytest.mark.usefixtures("cpu_fast_path")

@@ -12,9 +12,13 @@ For every (N, K, M) that the current device's table routes to a fast backend
 * the fused ``+ residual`` epilogue of the row's CuTe config is right, and
   ``try_low_latency_gemm(..., residual)`` routes or returns None exactly as the
   table's residual rows say;
-* the same call captured in a CUDA graph and replayed on new inputs is right;
+* the same call captured in a CUDA graph, over two weight copies, and replayed on
+  rotating new inputs is right every time (for the swap-AB kernel this also shows
+  its split-K counters reset themselves between launches);
+* every swap-AB config the table uses is right with its fused ``+ residual``, and
+  under PDL when one launch's output is the next one's input inside a graph;
 * ``enable_kimi_k3_low_latency_gemm`` on a small module tree installs a plan on
-  the routed layer only, launches the CuTe kernel at a routed M and falls back
+  the routed layer only, launches the planned backend at a routed M and falls back
   to the layer's normal GEMM at an M the table leaves to cuBLAS.
 
 Speed is not asserted here (see ``ci/gpu/bench.py``). Without a CUDA GPU, the
@@ -177,6 +181,7 @@ def test_cuda_graph_capture_and_replay(row):
         pytest.skip(f"{row.backend} not built here")
     m, n, k = row.num_tokens, row.n, row.k
     x, w = _inputs(m, n, k, seed=11 * n + k + m)
+    _, w2 = _inputs(m, n, k, seed=13 * n + k + m)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -184,15 +189,52 @@ def test_cuda_graph_capture_and_replay(row):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = llg.try_low_latency_gemm(x, w)
-    assert out is not None
-    for i in range(2):
+        outs = [llg.try_low_latency_gemm(x, w), llg.try_low_latency_gemm(x, w2)]
+    assert None not in outs
+    for i in range(3):  # rotating inputs: every replay reads a fresh x
         fresh, _ = _inputs(m, n, k, seed=1000 + i)
         x.copy_(fresh)
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_close(outs[0], x, w, what=f"{_id(row)} graph replay {i}")
+        _check_close(outs[1], x, w2, what=f"{_id(row)} graph replay {i}, 2nd weight")
+
+
+SWAP_AB_CONFIGS = sorted({(r.config, r.n, r.k) for r in ROWS if r.backend == "swap_ab"})
+
+
+@pytest.mark.parametrize("config,n,k", SWAP_AB_CONFIGS, ids=lambda v: str(v))
+def test_swap_ab_residual_and_pdl_chain(config, n, k):
+    from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab
+
+    for m in (1, 7, 16):
+        x, w = _inputs(m, n, k, seed=5 * n + k + m)
+        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        out = sab.swap_ab_gemm(x, w, config, residual)
+        _check_close(out, x, w, residual, what=f"{config} residual M={m}")
+    # Under PDL the second launch may start before the first ends; it must still read
+    # the first one's output (griddepcontrol.wait before its first read of x).
+    m = 8
+    x, w = _inputs(m, n, k, seed=17)
+    _, w_next = _inputs(m, k, n, seed=19)  # (k, n): maps the first output back to K
+    nxt = config if sab.config_error(config, k, n) is None else sab.SwapAbConfig(64, 64, 1, 4, 3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sab.swap_ab_gemm(sab.swap_ab_gemm(x, w, config), w_next, nxt)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sab.swap_ab_gemm(sab.swap_ab_gemm(x, w, config), w_next, nxt)
+    for i in range(3):
+        x.copy_(_inputs(m, n, k, seed=2000 + i)[0])
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check_close(out, x, w, what=f"{_id(row)} graph replay {i}")
+        mid = (x.double() @ w.double().t()).to(torch.bfloat16)
+        _check_close(out, mid, w_next, what=f"{config} PDL chain replay {i}")
 
 
 def test_enable_routes_and_falls_back(monkeypatch):
@@ -201,10 +243,10 @@ def test_enable_routes_and_falls_back(monkeypatch):
     routed_ms: dict = {}
     for r in ROWS:
         routed_ms.setdefault((r.n, r.k), set()).add(r.num_tokens)
-    # Smallest weight whose shape has both a CuTe M and an M left to cuBLAS.
-    cute_rows = [r for r in ROWS if r.backend == "cute" and len(routed_ms[(r.n, r.k)]) < 16]
-    assert cute_rows, "no shape with both a CuTe row and a cuBLAS M to exercise"
-    row = min(cute_rows, key=lambda r: (r.n * r.k, r.num_tokens))
+    # Smallest weight whose shape has both a routed M and an M left to cuBLAS.
+    mixed = [r for r in ROWS if _available(r) and len(routed_ms[(r.n, r.k)]) < 16]
+    assert mixed, "no shape with both a routed row and a cuBLAS M to exercise"
+    row = min(mixed, key=lambda r: (r.n * r.k, r.num_tokens))
     unrouted_m = max(m for m in range(1, 17) if m not in routed_ms[(row.n, row.k)])
     assert llg.select_kimi_k3_backend(unrouted_m, row.n, row.k) is None
 
@@ -232,21 +274,21 @@ def test_enable_routes_and_falls_back(monkeypatch):
     assert type(tree.inner[0].quant_method) is UnquantizedLinearMethod
 
     calls = []
-    real_call = type(sg.shape_dynamic_skinny_gemm).__call__
+    real_launch = llg._launch
 
-    def spy(self, *args, **kwargs):
-        calls.append(args[2] if len(args) > 2 else kwargs.get("config"))
-        return real_call(self, *args, **kwargs)
+    def spy(call, x, weight):
+        calls.append(call)
+        return real_launch(call, x, weight)
 
-    monkeypatch.setattr(type(sg.shape_dynamic_skinny_gemm), "__call__", spy)
+    monkeypatch.setattr(llg, "_launch", spy)
     w = tree.routed.weight
-    for m, expect_cute in ((row.num_tokens, True), (unrouted_m, False)):
+    for m, expect_routed in ((row.num_tokens, True), (unrouted_m, False)):
         calls.clear()
         x, _ = _inputs(m, row.n, row.k, seed=m)
         out = tree.routed(x)
-        assert len(calls) == (1 if expect_cute else 0), f"M={m}: CuTe calls {calls}"
-        if expect_cute:
-            assert calls[0] == row.config
+        assert len(calls) == (1 if expect_routed else 0), f"M={m}: planned calls {calls}"
+        if expect_routed:
+            assert calls[0] == (row.backend, row.config)
         _check_close(out, x, w, what=f"module M={m}")
     calls.clear()
     x = torch.randn(row.num_tokens, 256, device="cuda", dtype=torch.bfloat16)

@@ -4,7 +4,7 @@
 
 At decode, M (the token count of a step) is 1..16 and every dense BF16 projection of
 Kimi-K3 is bound by streaming its weight from HBM. cuBLAS picks kernels built for
-larger M and leaves 10-60% of that bandwidth unused; two skinny kernels do better:
+larger M and leaves 10-60% of that bandwidth unused; these kernels can do better:
 
 * ``"cute"``: vLLM's CuTe DSL skinny GEMM
   (:mod:`vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm`), specialised by a
@@ -12,6 +12,13 @@ larger M and leaves 10-60% of that bandwidth unused; two skinny kernels do bette
   optionally, a compile-time K); it can also fuse ``+ residual`` into its epilogue.
 * ``"dsv3_fused_a"``: ``torch.ops._C.dsv3_fused_a_gemm``, usable only where vLLM's
   ``_C`` extension was built with it.
+* ``"swap_ab"``: our Triton swap-AB split-K kernel
+  (:mod:`vllm.models.kimi_k3.nvidia.swap_ab_gemm`), specialised by a
+  :class:`~vllm.models.kimi_k3.nvidia.swap_ab_gemm.SwapAbConfig`.
+* ``"ll_bf16"``: vLLM's CuTe DSL ``ll_bf16`` router GEMM
+  (:mod:`vllm.model_executor.kernels.linear.cute_dsl.ll_bf16`) pinned to one
+  :class:`LLBf16Config`; it writes fp32, so a cast to bf16 follows (one more launch).
+* ``"tinygemm"``: FlashInfer's ``tinygemm_bf16`` (SM90+), where FlashInfer is installed.
 
 Which one wins depends on the GPU, the weight shape and M, so the decision is a table
 of measurements, one per GPU architecture (never merged, their winners differ):
@@ -53,6 +60,7 @@ from torch import nn
 import vllm._custom_ops as ops
 from vllm import envs
 from vllm.logger import init_logger
+from vllm.model_executor.kernels.linear.cute_dsl import ll_bf16
 from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import (
     SkinnyGemmConfig,
     shape_dynamic_skinny_gemm,
@@ -67,12 +75,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_sm90 as _sm90_data
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_tables as _blackwell_data
+from vllm.models.kimi_k3.nvidia import swap_ab_gemm
+from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON
 
 logger = init_logger(__name__)
 
-Backend = Literal["cute", "dsv3_fused_a"]
-BACKENDS: tuple[Backend, ...] = ("cute", "dsv3_fused_a")
+Backend = Literal["cute", "dsv3_fused_a", "swap_ab", "ll_bf16", "tinygemm"]
+BACKENDS: tuple[Backend, ...] = ("cute", "dsv3_fused_a", "swap_ab", "ll_bf16", "tinygemm")
 Shape = tuple[int, int]  # local (N, K) of a weight
 Capability = tuple[int, int]  # (major, minor) CUDA compute capability
 
@@ -84,11 +95,33 @@ DECODE_TOKEN_COUNTS = range(1, 17)
 _FAST_PATH_DEVICE_TYPE = "cuda"
 
 
+class LLBf16Config(NamedTuple):
+    """One compiled variant of vLLM's ``ll_bf16`` GEMM.
+
+    Attributes:
+        variant: ``"splitk"`` (shape-dynamic split-K kernel) or ``"dotprod"``
+            (dot-product kernel compiled per M and K).
+        split_k: K splits of the split-K kernel (0 for dotprod).
+        num_stages: pipeline stages of the split-K kernel (0 for dotprod).
+        block_size: threads per block of the dot-product kernel (0 for splitk).
+    """
+
+    variant: Literal["splitk", "dotprod"]
+    split_k: int = 0
+    num_stages: int = 0
+    block_size: int = 0
+
+
+Config = SkinnyGemmConfig | SwapAbConfig | LLBf16Config
+# K tile of vLLM v0.28.0's ll_bf16 split-K kernel (its _compile_splitk's tile_k).
+_LL_BF16_TILE_K = 256
+
+
 class PlannedCall(NamedTuple):
-    """One resolved (shape, M) decision: the backend and, for CuTe, its config."""
+    """One resolved (shape, M) decision: the backend and its config (None if it has none)."""
 
     backend: Backend
-    config: SkinnyGemmConfig | None
+    config: Config | None
 
 
 class RoutedRow(NamedTuple):
@@ -98,7 +131,7 @@ class RoutedRow(NamedTuple):
     k: int
     num_tokens: int
     backend: Backend
-    config: SkinnyGemmConfig | None
+    config: Config | None
     has_residual: bool
 
 
@@ -122,6 +155,38 @@ def _check_cute_config(shape: Shape, m: int, config: SkinnyGemmConfig | None) ->
         raise ValueError(f"{where}: static_k={config.static_k} but K={k}")
 
 
+def _check_call(shape: Shape, m: int, call: PlannedCall) -> None:
+    """Raise ValueError unless ``call`` can run a (M, K) x (N, K)^T GEMM of ``shape``."""
+    n, k = shape
+    where = f"{shape} at M={m}"
+    backend, config = call
+    if backend == "cute":
+        _check_cute_config(shape, m, config)
+    elif backend == "swap_ab":
+        if not isinstance(config, SwapAbConfig):
+            raise ValueError(f"{where}: a swap_ab entry needs a SwapAbConfig")
+        why = swap_ab_gemm.config_error(config, n, k)
+        if why:
+            raise ValueError(f"{where}: {why}")
+    elif backend == "ll_bf16":
+        if not isinstance(config, LLBf16Config) or config.variant not in ("splitk", "dotprod"):
+            raise ValueError(f"{where}: an ll_bf16 entry needs an LLBf16Config")
+        if k % 8:
+            raise ValueError(f"{where}: ll_bf16 needs K % 8 == 0")
+        # Its split-K kernel (K tiles of 256, taken round-robin) primes a pipeline
+        # stage in every split; a split with no K tile was seen to hang the GPU on
+        # the H200 (K = 128, split_k = 2). vLLM's own dispatch never asks for it.
+        if config.variant == "splitk" and -(-k // _LL_BF16_TILE_K) < config.split_k:
+            raise ValueError(f"{where}: ll_bf16 split_k={config.split_k} > K tiles")
+    elif backend in ("dsv3_fused_a", "tinygemm"):
+        if config is not None:
+            raise ValueError(f"{where}: {backend} takes no config")
+        if backend == "tinygemm" and (k % 64 or n % 16):
+            raise ValueError(f"{where}: tinygemm needs K % 64 == 0 and N % 16 == 0")
+    else:
+        raise ValueError(f"{where}: unknown backend {backend!r}")
+
+
 def _check_token_count(shape: Shape, m: int) -> None:
     if m not in DECODE_TOKEN_COUNTS:
         raise ValueError(f"{shape}: M={m} is outside {DECODE_TOKEN_COUNTS}")
@@ -141,9 +206,13 @@ class ProjectionSpec:
 
     Raises:
         ValueError: on construction, if an M is outside 1..16 or listed twice, a
-            backend is unknown, or a CuTe config cannot run this shape (K must be a
+            backend is unknown, or a config cannot run this shape: CuTe (K must be a
             multiple of ``block_size * vector_width``, N of ``outputs_per_block``,
-            ``num_rows`` must equal M and ``static_k``, if set, must equal K).
+            ``num_rows`` must equal M and ``static_k``, if set, must equal K),
+            swap_ab (``swap_ab_gemm.config_error``), ll_bf16 (an
+            :class:`LLBf16Config`, K % 8 == 0, split-K no wider than K's 256-wide
+            tiles), tinygemm (no config, K % 64 == 0,
+            N % 16 == 0), dsv3_fused_a (no config).
     """
 
     n: int
@@ -159,13 +228,7 @@ class ProjectionSpec:
                 raise ValueError(f"{shape}: an M is listed twice: {token_counts}")
         for m, call in self.winners:
             _check_token_count(shape, m)
-            if call.backend == "cute":
-                _check_cute_config(shape, m, call.config)
-            elif call.backend == "dsv3_fused_a":
-                if call.config is not None:
-                    raise ValueError(f"{shape} at M={m}: dsv3_fused_a takes no config")
-            else:
-                raise ValueError(f"{shape} at M={m}: unknown backend {call.backend!r}")
+            _check_call(shape, m, call)
         for m, config in self.residual_configs:
             _check_token_count(shape, m)
             _check_cute_config(shape, m, config)
@@ -264,13 +327,38 @@ def _skinny_config(
     )
 
 
+def config_from_data(backend: str, m: int, cfg: Any) -> Config | None:
+    """A data module's config tuple -> the config object ``backend`` takes at M = ``m``.
+
+    ``cute``: ``(block_size, outputs_per_block, k_unroll, vector_width, static_k)``;
+    ``swap_ab``: ``(block_n, block_k, split_k, num_warps, num_stages)``; ``ll_bf16``:
+    ``("splitk", split_k, num_stages)`` or ``("dotprod", block_size)``; None stays None.
+
+    Raises:
+        ValueError: for an ll_bf16 tuple of neither form.
+    """
+    if cfg is None:
+        return None
+    if backend == "cute":
+        return _skinny_config(m, cfg)
+    if backend == "swap_ab":
+        return SwapAbConfig(*cfg)
+    if backend == "ll_bf16":
+        if cfg[0] == "splitk" and len(cfg) == 3:
+            return LLBf16Config("splitk", split_k=cfg[1], num_stages=cfg[2])
+        if cfg[0] == "dotprod" and len(cfg) == 2:
+            return LLBf16Config("dotprod", block_size=cfg[1])
+        raise ValueError(f"ll_bf16 config {cfg!r} is neither splitk nor dotprod")
+    return tuple(cfg)  # rejected by ProjectionSpec with the shape and M named
+
+
 def _spec_from_rows(
     shape: Shape,
     row: Mapping[int, tuple[str, Any]],
     residual_row: Mapping[int, Any],
 ) -> ProjectionSpec:
     winners = tuple(
-        (m, PlannedCall(backend, None if cfg is None else _skinny_config(m, cfg)))
+        (m, PlannedCall(backend, config_from_data(backend, m, cfg)))
         for m, (backend, cfg) in sorted(row.items())
     )
     residual = tuple(
@@ -452,9 +540,25 @@ def _dsv3_fused_a_built() -> bool:
     return hasattr(torch.ops._C, "dsv3_fused_a_gemm")
 
 
+@functools.cache
+def _tinygemm_op() -> Any | None:
+    """FlashInfer's ``tinygemm_bf16``, or None where FlashInfer does not import."""
+    try:
+        from flashinfer.gemm import tinygemm_bf16
+    except Exception:  # ImportError, or a FlashInfer built for another CUDA
+        return None
+    return tinygemm_bf16
+
+
 def _backend_available(backend: Backend) -> bool:
     if backend == "cute":
         return shape_dynamic_skinny_gemm.is_available()
+    if backend == "swap_ab":
+        return HAS_TRITON
+    if backend == "ll_bf16":
+        return ll_bf16.is_available()
+    if backend == "tinygemm":
+        return _tinygemm_op() is not None
     return _dsv3_fused_a_built()
 
 
@@ -604,10 +708,39 @@ def _dsv3_use_pdl() -> bool:
     return current_platform.is_arch_support_pdl()
 
 
+@functools.cache
+def _ll_bf16_runner(config: LLBf16Config) -> Any:
+    """vLLM's ``LLBf16Gemm`` with its per-shape dispatch pinned to ``config``.
+
+    Overriding ``dispatch`` (a public method) keeps the kernel's own compile cache,
+    input checks and launch; nothing of the kernel is copied.
+    """
+
+    class _Pinned(ll_bf16.LLBf16Gemm):
+        def dispatch(self, *, M: int, K: int, N: int) -> Any:
+            if config.variant == "splitk":
+                return self.CompileKey(
+                    backend="splitk",
+                    split_k=config.split_k,
+                    num_stages=config.num_stages,
+                )
+            return self.CompileKey(backend="dotprod", M=M, K=K, bs=config.block_size)
+
+    return _Pinned()
+
+
 def _launch(call: PlannedCall, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if call.backend == "cute":
         return shape_dynamic_skinny_gemm(x, weight, call.config)
+    if call.backend == "swap_ab":
+        return swap_ab_gemm.swap_ab_gemm(x, weight, call.config)
+    if call.backend == "ll_bf16":
+        return _ll_bf16_runner(call.config)(x, weight).to(torch.bfloat16)
     out = x.new_empty((x.shape[0], weight.shape[0]))
+    if call.backend == "tinygemm":
+        # Without PDL: FlashInfer's kernel hangs unless every kernel before it uses PDL.
+        _tinygemm_op()(x, weight, out, use_pdl=False)
+        return out
     # The op wants the weight as a column-major (K, N) operand: weight.t() is that view.
     ops.dsv3_fused_a_gemm(out, x, weight.t(), enable_pdl=_dsv3_use_pdl())
     return out
@@ -794,6 +927,33 @@ def _request_cute_warmup(
     return bool(configs or residual_configs)
 
 
+def _compile_ahead(spec: ProjectionSpec, device: torch.device) -> int:
+    """Compile the swap_ab / ll_bf16 / tinygemm kernels of ``spec``'s runnable plan now.
+
+    They compile on first use otherwise, which must not happen inside CUDA-graph
+    capture (CuTe has its own deferred warm-up, :func:`_request_cute_warmup`).
+    Nothing is compiled for a weight that is not on a CUDA device yet (e.g. ``meta``);
+    vLLM's eager warm-up runs then compile before capture. Returns how many (M, call)
+    entries were compiled.
+    """
+    if device.type != "cuda":
+        return 0
+    compiled = 0
+    for m, call in _runnable_plan(spec).items():
+        if call.backend == "swap_ab":
+            swap_ab_gemm.warmup(call.config, spec.n, spec.k, device)
+        elif call.backend == "ll_bf16":
+            _ll_bf16_runner(call.config).warmup(shapes=[(spec.k, spec.n)], m_values=[m])
+        elif call.backend == "tinygemm":
+            x = torch.zeros((m, spec.k), dtype=torch.bfloat16, device=device)
+            w = torch.zeros((16, spec.k), dtype=torch.bfloat16, device=device)
+            _launch(call, x, w)  # FlashInfer JIT-builds its module on first call
+        else:
+            continue
+        compiled += 1
+    return compiled
+
+
 def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> int:
     """Give every matching layer under ``module`` a shape-planned decode GEMM.
 
@@ -802,9 +962,10 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
     ``UnquantizedEmbeddingMethod``, and its local weight shape (N, K) has a row in
     the current device's table. Its method is replaced by one holding the ``{M:
     call}`` plan for that shape (entries whose backend is not built are dropped).
-    CuTe warm-up is requested only for the configs of shapes actually installed, so
-    a TP8 model never compiles the TP16 configs. Then the KDA layers are set up for
-    their two-stream decode projections (``kda_projection.enable_kda_projection_overlap``).
+    CuTe warm-up is requested, and the other backends compiled, only for the shapes
+    actually installed, so a TP8 model never compiles the TP16 configs. Then the KDA
+    layers are set up for their two-stream decode projections
+    (``kda_projection.enable_kda_projection_overlap``).
 
     Args:
         module: model (or sub-model) to walk; changed in place.
@@ -817,6 +978,7 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
     if dtype is not torch.bfloat16 or table is None:
         return 0
     installed: list[ProjectionSpec] = []
+    devices: set[tuple[ProjectionSpec, torch.device]] = set()
     for layer in module.modules():
         shape = _local_shape(layer)
         spec = None if shape is None else table.get(shape)
@@ -824,11 +986,14 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
         if method is not None:
             layer.quant_method = method
             installed.append(spec)
+            devices.add((spec, layer.weight.device))
     _request_cute_warmup(
         dtype,
         (config for spec in installed for _, config in spec.cute_configs),
         (config for spec in installed for _, config in spec.residual_configs),
     )
+    for spec, device in devices:
+        _compile_ahead(spec, device)
     # KDA decode projections on two streams; imported here, it imports this module.
     from vllm.models.kimi_k3.nvidia.kda_projection import enable_kda_projection_overlap
 
@@ -851,9 +1016,9 @@ def request_low_latency_warmup(weight: torch.Tensor) -> bool:
         weight: the local (N, K) weight; only its shape and dtype are read.
 
     Returns:
-        True if at least one config was requested; False for non-BF16 or non-2-D
-        weights, a device without a table, a shape without a row, a row with no
-        CuTe entries, or CuTe not installed.
+        True if at least one config was requested or compiled; False for non-BF16 or
+        non-2-D weights, a device without a table, a shape without a row, or a row
+        none of whose backends is installed.
     """
     table = device_table()
     if table is None or weight.dtype is not torch.bfloat16 or weight.dim() != 2:
@@ -861,8 +1026,9 @@ def request_low_latency_warmup(weight: torch.Tensor) -> bool:
     spec = table.get(tuple(weight.shape))
     if spec is None:
         return False
-    return _request_cute_warmup(
+    requested = _request_cute_warmup(
         weight.dtype,
         (config for _, config in spec.cute_configs),
         (config for _, config in spec.residual_configs),
     )
+    return _compile_ahead(spec, weight.device) > 0 or requested

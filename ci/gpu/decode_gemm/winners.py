@@ -1,0 +1,129 @@
+"""Pick each (shape, M)'s backend from a figures run (pure; no GPU).
+
+A row's candidates are every backend timed in both passes of that run; a candidate
+wins only if it beat cuBLAS (timed alongside, in the same pass) by >= ``WIN`` in pass
+1 *and* pass 2, and among those the smallest mean ``us / cublas_us`` wins, the same
+rule as the CuTe tuner (``ci/gpu/aggregate.py``). The output rows have the tuner's
+shape (``status``, ``winner.backend/cfg/us/speedup``), so ``render_table.py`` renders
+either.
+
+Also here: which of today's CuTe rows a figures run re-times (:func:`cute_queue`),
+ranked from earlier runs' figures, most promising against ours first.
+"""
+
+from __future__ import annotations
+
+import math
+
+WIN = 1.05
+
+
+def _geo(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def winner(row: dict) -> dict | None:
+    """The row's winner ``{backend, cfg, us, speedup, relerr}``, or None (cuBLAS)."""
+    c1, c2 = row["cublas_us"]
+    if not (c1 and c2):
+        return None
+    best = None
+    for cand in row["candidates"]:
+        u1, u2 = cand["us"]
+        if not (u1 and u2) or cand.get("status") != "ok":
+            continue
+        s1, s2 = c1 / u1, c2 / u2
+        if s1 < WIN or s2 < WIN:
+            continue
+        key = ((1 / s1 + 1 / s2) / 2, cand["backend"], str(cand["cfg"]))
+        if best is None or key < best[0]:
+            best = (key, cand, s1, s2)
+    if best is None:
+        return None
+    _, cand, s1, s2 = best
+    return {
+        "backend": cand["backend"], "cfg": cand["cfg"], "us": list(cand["us"]),
+        "speedup": [round(s1, 4), round(s2, 4)], "relerr": cand.get("relerr"),
+    }
+
+
+def decide(results: dict) -> dict:
+    """``results`` with ``status``/``winner`` set on every row and a ``summary``."""
+    for row in results["rows"]:
+        row["winner"] = winner(row)
+        row["status"] = "routed" if row["winner"] else "cublas"
+    results["summary"] = summary(results)
+    return results
+
+
+def fastest(row: dict, backend: str, pass_: int = 1) -> float | None:
+    """Fastest time of ``backend`` in pass ``pass_`` (1 or 2) on this row, µs."""
+    ts = [c["us"][pass_ - 1] for c in row["candidates"]
+          if c["backend"] == backend and c.get("status") == "ok" and c["us"][pass_ - 1]]
+    return min(ts) if ts else None
+
+
+def routed_us(row: dict) -> float:
+    """µs of what the table runs on this row in pass 2 (cuBLAS when nothing won)."""
+    w = row.get("winner")
+    return w["us"][1] if w else row["cublas_us"][1]
+
+
+def summary(results: dict) -> dict:
+    """Targets of issue 12 over the run's rows, each from this run's figures alone."""
+    rows = results["rows"]
+    big = [r for r in rows if r["weight_bytes"] >= 20e6]
+    small = [r for r in rows if r["weight_bytes"] < 8e6]
+    floor = min(results["trivial_us"].values())
+    frac = {id(r): r["roof_us"] / routed_us(r) for r in rows}
+    return {
+        "rows": len(rows),
+        "routed_by_backend": {b: sum(1 for r in rows if (r["winner"] or {}).get("backend") == b)
+                              for b in sorted({c["backend"] for r in rows for c in r["candidates"]})},
+        "geomean_vs_cublas_all_rows": _round(_geo([r["cublas_us"][1] / routed_us(r) for r in rows])),
+        "geomean_vs_cublas_swap_ab_all_rows": _round(_geo(
+            [r["cublas_us"][1] / fastest(r, "swap_ab", 2) for r in rows if fastest(r, "swap_ab", 2)])),
+        "ge20MB_rows": len(big),
+        "ge20MB_at_90pct_roof": sum(1 for r in big if frac[id(r)] >= 0.9),
+        "ge20MB_below_90pct": [[r["N"], r["K"], r["M"], round(frac[id(r)], 3)]
+                               for r in big if frac[id(r)] < 0.9],
+        "routed_slower_than_cublas": [[r["N"], r["K"], r["M"]] for r in rows
+                                      if r["winner"] and min(r["winner"]["speedup"]) < 1.0],
+        "trivial_floor_us": floor,
+        "lt8MB_rows": len(small),
+        "lt8MB_within_1p2_of_trivial": sum(1 for r in small if routed_us(r) <= 1.2 * floor),
+        "lt8MB_worst_vs_trivial": _round(max((routed_us(r) / floor for r in small), default=None)),
+    }
+
+
+def _round(x):
+    return None if x is None else round(x, 4)
+
+
+def cute_queue(table_rows: dict, tune: dict, sweep: dict, margin: float = 1.15) -> list:
+    """Today's CuTe rows worth re-timing next to ours, most promising first.
+
+    ``table_rows``: today's SM90 ``ROWS``; ``tune``: the tuner JSON that measured them;
+    ``sweep``: our sweep JSON. A row is kept when its CuTe time (tuner pass 2, scaled by
+    the ratio of the two runs' cuBLAS times) is under ``margin`` x ours (sweep). Returns
+    ``[(N, K, M, cfg, ratio)]`` sorted by ratio: a pruning order for one run's time
+    budget, never a measurement of its own.
+    """
+    ours, cub_s = {}, {}
+    for s in sweep["shapes"]:
+        for p in s["per_m"]:
+            ours[(s["N"], s["K"], p["M"])] = p.get("us")
+            cub_s[(s["N"], s["K"], p["M"])] = p["cublas_us"]
+    tuned = {(r["N"], r["K"], r["M"]): r for r in tune["rows"]}
+    out = []
+    for (n, k), per_m in table_rows.items():
+        for m, (backend, cfg) in per_m.items():
+            r, key = tuned.get((n, k, m)), (n, k, m)
+            if backend != "cute" or not r or not r.get("winner") or not ours.get(key):
+                continue
+            scaled = r["winner"]["us"][1] * cub_s[key] / r["cublas_us"][1]
+            ratio = scaled / ours[key]
+            if ratio < margin:
+                out.append((n, k, m, tuple(cfg), round(ratio, 4)))
+    return sorted(out, key=lambda t: (t[4], t[:3]))
