@@ -12,6 +12,9 @@ except ModuleNotFoundError as err:  # run outside the venv README command 1 make
     print(f"apply.py: error: missing dependency {err.name!r}; run `.venv/bin/pip install -e .` "
           f"and use .venv/bin/python (README, quick start)", file=sys.stderr)
     sys.exit(2)
+except KeyboardInterrupt:  # Ctrl-C while starting up: nothing was done yet
+    print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

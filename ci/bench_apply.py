@@ -13,6 +13,7 @@ verify, cleanup).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def raw_am(repo: git.Repo, sha: str, patches: list[series.Patch]) -> float:
     with git.temporary_worktree(repo, sha) as tree:
         subprocess.run(["git", "am", "--3way", *[str(p.path) for p in patches]],
                        cwd=tree.working_tree_dir, check=True, capture_output=True,
-                       env=git.environ(GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="b@b"))
+                       env={**os.environ, "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "b@b"})
     return time.perf_counter() - start
 
 

@@ -66,10 +66,33 @@ def parser(project: Project) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    project = Project()
-    args = parser(project).parse_args(argv)
-    progress.quiet = args.quiet
+    """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
     stop_like_ctrl_c()
+    args = None
+    try:
+        project = Project()
+        args = parser(project).parse_args(argv)
+        progress.quiet = args.quiet
+        return _run(project, args)
+    except KeyboardInterrupt:
+        print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)
+        return 130
+
+
+def _left_as_it_was(args: argparse.Namespace | None) -> str:
+    """What an interrupt left unchanged, for the mode that was running (all true statements:
+    each mode's last writing step is finished before an interrupt is acted on)."""
+    if args is not None and args.rebase_to:
+        return ("--rebase-to may have stopped part-way in the checkout: see `git status` there, "
+                "then run it again")
+    if args is not None and args.export:
+        return "patches/, overlay/ and overlay.json were left as they were"
+    if args is None or args.check:
+        return "the checkout was left as it was"
+    return "the checkout's branches, HEAD and files were left as they were"
+
+
+def _run(project: Project, args: argparse.Namespace) -> int:
     try:
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
@@ -94,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, args.json)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
-        return 130
     if wheel_opts and report.ok:
-        report.wheel = _build_wheel(project, report, wheel_opts)
+        try:
+            report.wheel = _build_wheel(project, report, wheel_opts)
+        except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
+            print(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
+                  f"written", file=sys.stderr)
+            return 130
     write_human(report, report_console())
     if args.json:
         try:

@@ -14,7 +14,6 @@ Everything is checked before anything is written: a refused export leaves
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,9 @@ from . import git
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
-from .job import BASE_KEY, record
+from .files import write_in_tree
+from .interrupts import deferred
+from .job import BASE_KEY, locked, record
 from .project import COMMITTER, Project
 from .verify import verify
 
@@ -46,8 +47,14 @@ def export(project: Project, workdir: Path) -> ExportResult:
     an overlay file is missing, still has conflict markers, is upstream's
     rather than ours, or was laid over upstream's changes with
     ``--allow-drift``; the branch fails verification; or this repository has
-    uncommitted changes in the files export rewrites.
+    uncommitted changes in the files export rewrites. The writing itself is
+    not cut short by Ctrl-C, and holds the checkout's lock like apply does.
     """
+    with locked(workdir):
+        return _export(project, workdir)
+
+
+def _export(project: Project, workdir: Path) -> ExportResult:
     _refuse_dirty_project(project)
     repo = git.open_repo(workdir)
     op = git.operation_in_progress(repo)
@@ -73,18 +80,24 @@ def export(project: Project, workdir: Path) -> ExportResult:
         new = _write_patches(repo, commits, old_patches, Path(tmp))
         new_patches = [series_mod.read_patch(path) for path in new]  # validates Upstream-Status
         result.range_diff = _range_diff(repo, (manifest.base, old_patches), (base_sha, new_patches))
-        # Checked; now write.
-        for old in project.patches_dir.glob("*.patch"):
-            old.unlink()
-        for path in new:
-            shutil.copyfile(path, project.patches_dir / path.name)
-    (project.patches_dir / "series").write_text("".join(f"{p.name}\n" for p in new_patches))
-    for path, content in overlay.items():
-        (project.overlay_dir / path).write_bytes(content)
+        patch_files = {path.name: path.read_bytes() for path in new}
+    modes = git.tree_entries(repo, "HEAD", sorted(overlay))
     files = tuple(manifest_mod.OverlayFile(f.path, git.blob_at(repo, base_sha, f.path)
                                            or manifest_mod.NEW) for f in manifest.files)
-    manifest_mod.save(manifest_mod.Manifest(base_ref, files), project.manifest_path)
-    record(repo, branch, base_ref)  # what the branch holds is in patches/ now: apply may rebuild it
+    # Checked; now write, each file whole (temporary file + rename), never through a link.
+    with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
+        for name, content in patch_files.items():
+            write_in_tree(project.patches_dir, name, content)
+        write_in_tree(project.patches_dir, "series",
+                      "".join(f"{p.name}\n" for p in new_patches).encode())
+        for old in project.patches_dir.glob("*.patch"):
+            if old.name not in patch_files:
+                old.unlink()
+        for path, content in overlay.items():
+            write_in_tree(project.overlay_dir, path, content,
+                          executable=modes[path][0] == "100755")
+        manifest_mod.save(manifest_mod.Manifest(base_ref, files), project.manifest_path)
+        record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}
     result.dropped = [p.name for p in old_patches if p.subject not in kept]

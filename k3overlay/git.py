@@ -1,34 +1,104 @@
-"""Git verbs over GitPython, one small function each.
+"""Git verbs, one small function each, run the same way whoever runs them.
 
 Project agnostic: nothing here knows about vLLM, Kimi-K3 or this repo's
-layout. Arguments are built as explicit lists. Every ``GitCommandError`` is
-turned into a ``GitError`` here, so a message a user sees is ours: one line
-naming the git verb and git's own first line of complaint.
+layout. Arguments are built as explicit lists. Every failure is turned into a
+``GitError`` here, so a message a user sees is ours: one line naming the git
+verb and git's own first line of complaint.
+
+Every git process gets the same footing (``_environment``, ``GIT``): the
+user's global and system config and ``GIT_*`` variables are shut out and the
+settings the tool parses or records are pinned, so ``color.ui=always``, a DCO
+hook or ``diff.noprefix`` cannot change a verdict or a sha. What a user needs
+to *reach* a repository (credential helpers, proxies, ``url.*.insteadOf``,
+``safe.directory``) and their identity (their reflog lines stay theirs; the
+tool's own commits carry a fixed one) is carried over from their config.
+
+Processes are started here rather than through GitPython's ``execute``, which
+can neither drop an inherited variable nor stop its child on Ctrl-C; GitPython
+still opens repositories. On an interrupt the child's whole process group is
+terminated and waited for before the interrupt goes on, so no git keeps writing
+after the tool has cleaned up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import hashlib
 import os
+import re
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import git as gitpython
-from git.exc import GitCommandError, InvalidGitRepositoryError, NoSuchPathError
+from git.exc import InvalidGitRepositoryError, NoSuchPathError
 
 from .errors import OverlayError
+from .interrupts import deferred
 
 Repo = gitpython.Repo
 
+# Settings the tool relies on, whatever any config file says (``-c`` beats them all,
+# the checkout's own .git/config included): what git prints is what we parse, what it
+# commits is reproducible, and nothing of the user's runs inside the tool's git.
+PINNED = {
+    # the user's hooks, fsmonitor and signing never run (and would break reproducible shas)
+    "core.hooksPath": "/dev/null", "core.fsmonitor": "false",
+    "commit.gpgSign": "false", "tag.gpgSign": "false", "log.showSignature": "false",
+    "protocol.ext.allow": "never", "submodule.recurse": "false",
+    "fetch.recurseSubmodules": "false",
+    # output we parse: no colour, plain a/ b/ prefixes, unquoted paths, English
+    "color.ui": "never", "color.diff": "never", "color.status": "never", "color.branch": "never",
+    "color.decorate": "never", "color.advice": "never", "color.remote": "never",
+    "color.interactive": "never", "color.grep": "never", "color.showBranch": "never",
+    "core.quotePath": "false", "diff.noprefix": "false", "diff.mnemonicPrefix": "false",
+    "diff.srcPrefix": "a/", "diff.dstPrefix": "b/", "diff.relative": "false",
+    "log.decorate": "false", "log.abbrevCommit": "false", "log.showRoot": "true",
+    "advice.detachedHead": "false",
+    # diffs and patch-ids comparable with upstream's: git's default algorithm and context
+    "diff.algorithm": "myers", "diff.context": "3", "diff.interHunkContext": "0",
+    "diff.indentHeuristic": "true", "diff.suppressBlankEmpty": "false",
+    # patches applied exactly as written: whitespace, line ends, message, conflicts
+    "apply.whitespace": "nowarn", "apply.ignoreWhitespace": "no",
+    "core.whitespace": "blank-at-eol,blank-at-eof,space-before-tab",
+    "core.autocrlf": "false", "core.safecrlf": "false", "core.eol": "lf",
+    "am.messageId": "false", "am.keepcr": "false", "am.threeWay": "false",
+    "mailinfo.scissors": "false", "merge.conflictStyle": "merge", "merge.renormalize": "false",
+    "rerere.enabled": "false", "rerere.autoUpdate": "false",
+    "commit.cleanup": "strip", "core.commentChar": "#",
+    "i18n.commitEncoding": "UTF-8", "i18n.logOutputEncoding": "UTF-8",
+    "user.useConfigOnly": "false", "init.defaultBranch": "main",
+    # what is ignored or filtered is decided by the tree alone, not by the user's files
+    "core.excludesFile": "/dev/null", "core.attributesFile": "/dev/null",
+    # format-patch writes the same file for the same commit on every machine
+    "format.signOff": "false", "format.coverLetter": "false", "format.numbered": "auto",
+    "format.subjectPrefix": "PATCH", "format.suffix": ".patch", "format.useAutoBase": "false",
+    "format.thread": "false", "format.forceInBodyFrom": "false",
+    "format.encodeEmailHeaders": "true", "format.noprefix": "false", "format.notes": "false",
+    "format.filenameMaxLength": "64",
+    # nothing left running behind us in the user's checkout
+    "gc.auto": "0", "gc.autoDetach": "false", "maintenance.auto": "false",
+    # paths git itself refuses on other systems are refused here too
+    "core.protectNTFS": "true", "core.protectHFS": "true",
+}
+GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={value}")))
 
-# Every git command runs with these: the user's hooks (a DCO check, a post-checkout
-# script) must not change what the tool decides, and the tool's commits are not the
-# user's to sign (signing would also break reproducible shas).
-GIT = ("git", "-c", "core.hooksPath=/dev/null", "-c", "commit.gpgSign=false",
-       "-c", "tag.gpgSign=false", "-c", "protocol.ext.allow=never")
+# Carried over from the user's own (global/system) config: reaching a repository, and
+# who they are. Canonical key names, as ``git config --get-regexp`` prints them.
+_CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(insteadof|pushinsteadof)"
+                      r"|core\.(sshcommand|askpass)|safe\.directory)$")
+# Inherited variables kept: identity (reflog lines in the user's checkout stay theirs)
+# and transport (ssh, proxies, certificates). Every other GIT_* variable is dropped:
+# GIT_DIR, GIT_INDEX_FILE, GIT_CONFIG_PARAMETERS, … would redirect or reconfigure us.
+_KEPT_VARIABLES = re.compile(r"^GIT_((AUTHOR|COMMITTER)_(NAME|EMAIL)|SSH|SSH_COMMAND|SSH_VARIANT"
+                             r"|ASKPASS|SSL_CAINFO|SSL_CAPATH|SSL_NO_VERIFY|PROXY_COMMAND"
+                             r"|PROXY_SSL_.+|HTTP_.+|TERMINAL_PROMPT|EXEC_PATH)$")
+_STOP_WAIT_S = 5  # a terminated git gets this long to remove its own half-made files
 
 
 class GitError(OverlayError):
@@ -53,19 +123,106 @@ def _unquote(line: str) -> str:
 
 def run(repo: Repo, *args: str, env: dict[str, str] | None = None) -> str:
     """Run ``git ARGS`` in ``repo``; return stdout. Raises GitError on failure."""
-    try:
-        return repo.git.execute([*GIT, *args], env=env, strip_newline_in_stdout=False)
-    except GitCommandError as err:
-        raise GitError(f"git {args[0]} failed: {first_line(str(err.stderr))}") from err
+    status, out, err = _execute(args, cwd=_cwd(repo), env=env)
+    if status != 0:
+        raise GitError(f"git {args[0]} failed: {first_line(_text(err))}")
+    return _text(out)
 
 
 def attempt(repo: Repo, *args: str, env: dict[str, str] | None = None) -> tuple[bool, str]:
-    """Run ``git ARGS``; return (succeeded, stdout + stderr). Never raises."""
-    status, out, err = repo.git.execute(
-        [*GIT, *args], env=env, with_extended_output=True, with_exceptions=False,
-        strip_newline_in_stdout=False,
-    )
-    return status == 0, out + err
+    """Run ``git ARGS``; return (succeeded, stdout + stderr). Raises only when git cannot start."""
+    status, out, err = _execute(args, cwd=_cwd(repo), env=env)
+    return status == 0, _text(out) + _text(err)
+
+
+def _cwd(repo: Repo) -> str:
+    return repo.working_tree_dir or repo.git_dir
+
+
+def _text(data: bytes) -> str:
+    # surrogateescape: a file name that is not UTF-8 goes back to git byte for byte
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
+             env: dict[str, str] | None = None, stdin: bytes | None = None) -> tuple[int, bytes, bytes]:
+    """Run git with the tool's pinned settings in ``cwd``; return (status, stdout, stderr).
+
+    ``env`` adds variables (identity, dates, an index file) on top of the
+    isolated environment. The child runs in its own process group, so a
+    terminal's Ctrl-C reaches only us; on any interrupt we terminate that group,
+    wait for it, and re-raise. Raises GitError if git cannot be started (no
+    git, or ``cwd`` is gone: never silently run somewhere else).
+    """
+    with tempfile.TemporaryFile() as given:  # a file, not a pipe: git may stop reading early
+        given.write(stdin or b"")
+        given.seek(0)
+        try:
+            proc = subprocess.Popen(
+                [*GIT, *args], cwd=cwd, env=_environment(env), start_new_session=True,
+                stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as err:
+            raise GitError(f"cannot run git {args[0]} in {cwd}: {err.strerror}") from err
+        try:
+            out, err = proc.communicate()
+        except BaseException:
+            _stop(proc)
+            raise
+    return proc.returncode, out, err
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate a git child and everything it started, and wait until they are gone."""
+    with deferred(then_raise=False):  # a second Ctrl-C must not cut the wait short
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a grandchild that outlived git itself
+
+
+def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+    """The environment of every git child: the user's, less their git config and GIT_* state."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GIT_") or _KEPT_VARIABLES.match(k)}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_ATTR_NOSYSTEM="1",
+               LC_ALL="C", LANGUAGE="C")
+    env.setdefault("GIT_TERMINAL_PROMPT", "0")  # nobody is there to answer a prompt
+    carried = _carried_config(*(os.environ.get(k, "") for k in (
+        "HOME", "XDG_CONFIG_HOME", "GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")))
+    env["GIT_CONFIG_COUNT"] = str(len(carried))  # not -c: a token in http.extraHeader stays off ps
+    for i, (key, value) in enumerate(carried):
+        env[f"GIT_CONFIG_KEY_{i}"], env[f"GIT_CONFIG_VALUE_{i}"] = key, value
+    env.update(extra or {})
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
+    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order.
+
+    ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_CONFIG_PARAMETERS",
+                                                            "GIT_CONFIG_COUNT")}
+    entries = []
+    for scope in ("--system", "--global"):  # system first: global wins, as in git
+        try:
+            proc = subprocess.run(["git", "config", scope, "--includes", "--null", "--get-regexp",
+                                   "."], env={**env, "LC_ALL": "C"}, cwd=os.path.abspath(os.sep),
+                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for record in _text(proc.stdout).split("\0"):
+            key, _, value = record.partition("\n")
+            if _CARRIED.match(key):
+                entries.append((key, value))
+    return tuple(entries)
 
 
 def open_repo(path: Path) -> Repo:
@@ -81,18 +238,19 @@ def open_repo(path: Path) -> Repo:
 
 def init_bare(path: Path) -> Repo:
     """Open the bare repository at ``path``, creating it if missing."""
-    if (path / "HEAD").exists():
-        return Repo(path)
-    return Repo.init(path, bare=True, mkdir=True)
+    if not (path / "HEAD").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        status, _, err = _execute(["init", "--quiet", "--bare", "--", str(path)], cwd=path)
+        if status != 0:
+            raise GitError(f"git init failed: {first_line(_text(err))}")
+    return Repo(path)
 
 
 def clone(source: str, dest: Path) -> Repo:
     """Clone ``source`` (a URL or a path) into ``dest``. Raises GitError on failure."""
-    status, _, err = gitpython.Git().execute(
-        [*GIT, "clone", "--quiet", "--", source, str(dest)],
-        with_extended_output=True, with_exceptions=False)
+    status, _, err = _execute(["clone", "--quiet", "--", source, str(dest)], cwd=dest.parent)
     if status != 0:
-        raise GitError(f"git clone {source} failed: {first_line(err)}")
+        raise GitError(f"git clone {source} failed: {first_line(_text(err))}")
     return Repo(dest)
 
 
@@ -154,28 +312,75 @@ _WORKTREE_PREFIX = "k3-worktree-"
 def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
     """A detached linked worktree of ``repo`` at ``sha``, removed on exit.
 
-    Only our own worktree entries are ever removed: never ``git worktree
-    prune``, which would also drop a user's entries for moved folders.
-    Leftovers of a run that was killed are removed first.
+    The worktree lives in a fresh temporary folder holding ``owner.lock``, which
+    this process keeps locked while the worktree exists: a leftover of a run that
+    was killed (lock free) is removed first, one of a run still working (lock
+    held) is left alone. Only our own entries are ever removed: never ``git
+    worktree prune``, which would also drop a user's entries for moved folders.
+    Removal is not cut short by Ctrl-C (it is finished, then the interrupt goes on).
     """
     _remove_stale_worktrees(repo)
     parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
-    path = parent / "tree"
+    owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(owner, fcntl.LOCK_EX)
     try:
-        run(repo, "worktree", "add", "--quiet", "--detach", str(path), sha)
-        yield Repo(path)
+        run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
+        yield Repo(parent / "tree")
     finally:
-        attempt(repo, "worktree", "remove", "--force", "--force", str(path))
-        shutil.rmtree(parent, ignore_errors=True)
+        with deferred():
+            _remove_worktree(repo, parent)
+            os.close(owner)
 
 
 def _remove_stale_worktrees(repo: Repo) -> None:
-    listing = run(repo, "worktree", "list", "--porcelain")
-    for line in listing.splitlines():
-        path = line.removeprefix("worktree ")
-        if line.startswith("worktree ") and f"/{_WORKTREE_PREFIX}" in path and Path(path).is_dir():
-            attempt(repo, "worktree", "remove", "--force", "--force", path)
-            shutil.rmtree(Path(path).parent, ignore_errors=True)
+    """Remove our temporary worktrees of ``repo`` whose owning process is gone."""
+    admin = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
+    for gitdir_file in sorted(admin.glob("worktrees/*/gitdir")):
+        with contextlib.suppress(OSError):
+            tree = Path(gitdir_file.read_text().strip()).parent
+            parent = tree.parent
+            if tree.name != "tree" or not parent.name.startswith(_WORKTREE_PREFIX):
+                continue  # not ours
+            with _owner_gone(parent) as gone:
+                if gone:
+                    with deferred():
+                        _remove_worktree(repo, parent)
+
+
+@contextlib.contextmanager
+def _owner_gone(parent: Path) -> Iterator[bool]:
+    """True (and the owner lock, held for the block) if no live process owns ``parent``."""
+    try:
+        fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield True  # folder gone (a cleaned /tmp) or never locked: nobody can own it
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _remove_worktree(repo: Repo, parent: Path) -> None:
+    """Remove our worktree at ``parent/tree``: git's entry for it, and the folder.
+
+    If ``git worktree remove`` cannot (the folder is half made or already gone),
+    the entry is deleted from ``$GIT_COMMON_DIR/worktrees`` by hand, ours only.
+    """
+    tree = parent / "tree"
+    attempt(repo, "worktree", "remove", "--force", "--force", str(tree))
+    ok, admin = attempt(repo, "rev-parse", "--path-format=absolute", "--git-common-dir")
+    if ok:
+        for gitdir_file in Path(admin.strip()).glob("worktrees/*/gitdir"):
+            with contextlib.suppress(OSError):
+                if Path(gitdir_file.read_text().strip()).parent == tree:
+                    shutil.rmtree(gitdir_file.parent)
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 def apply_check(repo: Repo, patch: Path, *, reverse: bool = False) -> bool:
@@ -211,10 +416,55 @@ def unmerged_paths(repo: Repo) -> list[str]:
     return sorted(set(out.split()))
 
 
-def stage(repo: Repo, paths: list[str]) -> None:
-    """``git add`` these paths."""
-    if paths:
-        run(repo, "add", "--", *paths)
+def stage_exact(repo: Repo, files: dict[str, tuple[bytes, bool]]) -> None:
+    """Stage each ``path: (bytes, executable)`` exactly: those bytes, mode 100755 or 100644.
+
+    Written as blobs without filters and put in the index by hand, so no ignore
+    rule (``.gitignore``, ``info/exclude``, ``core.excludesFile``), attribute
+    (eol, ``ident``, a filter) or ``core.fileMode`` can leave a file out or change it.
+    """
+    for path, (data, executable) in files.items():
+        blob = hash_blob(repo, data)
+        run(repo, "update-index", "--add", "--cacheinfo",
+            f"{'100755' if executable else '100644'},{blob},{path}")
+
+
+def hash_blob(repo: Repo, data: bytes) -> str:
+    """Write ``data`` into ``repo`` as a blob, byte for byte (no filters); return its sha."""
+    status, out, err = _execute(["hash-object", "-w", "--no-filters", "--stdin"], cwd=_cwd(repo),
+                                stdin=data)
+    if status != 0:
+        raise GitError(f"git hash-object failed: {first_line(_text(err))}")
+    return _text(out).strip()
+
+
+def tree_entries(repo: Repo, ref: str, paths: list[str]) -> dict[str, tuple[str, str]]:
+    """``path: (mode, sha)`` at commit ``ref`` for each of ``paths`` that exists there.
+
+    Modes as git writes them: 100644/100755 file, 120000 link, 040000 folder,
+    160000 submodule. A path below something that is not a folder is absent.
+    """
+    out = run(repo, "ls-tree", "-z", "--full-tree", ref, "--", *paths) if paths else ""
+    entries = {}
+    for record in out.split("\0"):
+        meta, tab, path = record.partition("\t")
+        if tab:
+            mode, _, sha = meta.split(" ")
+            entries[path] = (mode, sha)
+    return entries
+
+
+def object_type(repo: Repo, ref: str) -> str | None:
+    """What ``ref`` names: ``commit``, ``tree``, ``blob`` or ``tag``; None if nothing."""
+    ok, sha = attempt(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", ref)
+    ok, out = attempt(repo, "cat-file", "-t", sha.strip()) if ok else (False, "")
+    return out.strip() if ok else None
+
+
+def reachable_from_refs(repo: Repo, sha: str) -> bool:
+    """True if some branch, tag or other ref (not HEAD, not a reflog) holds commit ``sha``."""
+    return bool(run(repo, "for-each-ref", "--count=1", "--format=%(refname)", f"--contains={sha}")
+                .strip())
 
 
 def staged_changes(repo: Repo) -> bool:
@@ -230,11 +480,10 @@ def blob_at(repo: Repo, ref: str, path: str) -> str | None:
 
 def read_blob(repo: Repo, sha: str) -> bytes:
     """The bytes of blob ``sha``. Raises GitError if ``repo`` lacks it."""
-    try:
-        return repo.git.execute([*GIT, "cat-file", "blob", sha], stdout_as_string=False,
-                                strip_newline_in_stdout=False)
-    except GitCommandError as err:
-        raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}") from err
+    status, out, _ = _execute(["cat-file", "blob", sha], cwd=_cwd(repo))
+    if status != 0:
+        raise GitError(f"blob {sha[:8]} is not in {repo.git_dir}")
+    return out
 
 
 def tree_files(repo: Repo, sha: str, folder: str) -> dict[str, str]:
@@ -278,15 +527,15 @@ def changed_paths(repo: Repo, old: str, new: str) -> list[str]:
 
 def diff(repo: Repo, old: str, new: str, path: str) -> str:
     """Unified diff of ``path`` between commits ``old`` and ``new``."""
-    return run(repo, "diff", "--no-color", "--no-renames", old, new, "--", path)
+    return run(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
+               old, new, "--", path)
 
 
-def commit_all(repo: Repo, message: str, *, env: dict[str, str]) -> str:
-    """Stage every change in the work tree and commit it; return HEAD's sha after.
+def commit_staged(repo: Repo, message: str, *, env: dict[str, str]) -> str:
+    """Commit what is staged; return HEAD's sha after.
 
     Nothing to commit is not an error: HEAD stays where it was.
     """
-    run(repo, "add", "--all")
     if staged_changes(repo):
         run(repo, "commit", "--quiet", "--no-verify", "-m", message, env=env)
     return run(repo, "rev-parse", "HEAD").strip()
@@ -294,12 +543,8 @@ def commit_all(repo: Repo, message: str, *, env: dict[str, str]) -> str:
 
 def merge_file(ours: Path, base: Path, theirs: Path) -> tuple[bool, bytes]:
     """3-way merge of three files with ``git merge-file``; return (clean, merged bytes)."""
-    status, out, _ = gitpython.Git().execute(
-        [*GIT, "merge-file", "-p", "-L", "ours", "-L", "base", "-L", "theirs",
-         str(ours), str(base), str(theirs)],
-        with_extended_output=True, with_exceptions=False, stdout_as_string=False,
-        strip_newline_in_stdout=False,
-    )
+    status, out, _ = _execute(["merge-file", "-p", "-L", "ours", "-L", "base", "-L", "theirs",
+                               str(ours), str(base), str(theirs)], cwd=base.parent)
     if status < 0:
         raise GitError(f"git merge-file failed on {ours}")
     return status == 0, out
@@ -335,6 +580,8 @@ def format_patch(repo: Repo, sha: str, outdir: Path, number: int = 1) -> Path:
     the commit's author date, which ``git am`` preserves.
     """
     out = run(repo, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index",
+              "--no-attach", "--no-thread", "--no-to", "--no-cc", "--no-add-header", "--no-from",
+              "--no-notes",
               f"--start-number={number}", "-o", str(outdir), sha)
     return Path(out.strip().splitlines()[-1])
 
@@ -345,10 +592,9 @@ def range_diff(repo: Repo, old: str, new: str) -> str:
 
 
 def environ(**extra: str) -> dict[str, str]:
-    """The current environment plus ``extra`` (for identity and dates on commits)."""
-    env = dict(os.environ)
-    env.update(extra)
-    return env
+    """Variables for one git call (identity, dates), set on top of the tool's own
+    environment for git (see ``_environment``); not a whole environment."""
+    return dict(extra)
 
 
 def snapshot(repo: Repo, directory: Path, message: str, parents: list[str], *,
@@ -370,7 +616,7 @@ def snapshot(repo: Repo, directory: Path, message: str, parents: list[str], *,
 
 def patch_id(repo: Repo, diff_text: str) -> str | None:
     """``git patch-id --stable`` of one diff, or None if it holds no change."""
-    out = repo.git.execute([*GIT, "patch-id", "--stable"], istream=_stdin(diff_text))
+    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo), stdin=diff_text.encode())[1])
     return out.split()[0] if out.strip() else None
 
 
@@ -379,17 +625,11 @@ def patch_ids(repo: Repo, rev_range: str, paths: list[str]) -> set[str]:
     log = run(repo, "log", "--no-merges", "-p", "--format=commit %H", rev_range, "--", *paths)
     if not log.strip():
         return set()
-    out = repo.git.execute([*GIT, "patch-id", "--stable"], istream=_stdin(log))
+    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo),
+                         stdin=log.encode(errors="surrogateescape"))[1])
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
 def is_ancestor(repo: Repo, old: str, new: str) -> bool:
     """True if commit ``old`` is an ancestor of (or equal to) ``new``."""
     return attempt(repo, "merge-base", "--is-ancestor", old, new)[0]
-
-
-def _stdin(text: str):
-    stream = tempfile.TemporaryFile()
-    stream.write(text.encode())
-    stream.seek(0)
-    return stream

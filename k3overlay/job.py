@@ -2,8 +2,9 @@
 
 All patching happens in a temporary worktree at the ref; the user's checkout
 is touched only at the very end, and only when everything succeeded: its
-work branch is pointed at the result and checked out. With ``check`` the
-last step is skipped, so the checkout stays exactly as it was.
+work branch is pointed at the result and checked out (a step Ctrl-C does not
+cut in half). With ``check`` the last step is skipped, so the checkout stays
+exactly as it was. One job at a time per work directory (``lock``).
 
 Commits are made with a fixed identity and dates taken from the patches and
 the ref, so the same series on the same ref gives the same shas: a re-run is
@@ -14,16 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import errors, git, source
+from . import errors, git, progress, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
+from .interrupts import deferred
+from .lock import workdir_lock
 from .progress import step
 from .project import COMMITTER, IDENTITY, Project
 from .report import Report
@@ -61,6 +63,21 @@ def run_apply(project: Project, opts: Options) -> Report:
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift)
 
+    with locked(workdir):
+        _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
+    return report
+
+
+@contextlib.contextmanager
+def locked(workdir: Path) -> Iterator[None]:
+    """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it."""
+    with workdir_lock(workdir, say=lambda text: progress.console.print(f"[dim]…[/dim] {text}")):
+        yield
+
+
+def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manifest,
+                  patches: list[series_mod.Patch], ref: str, branch: str, workdir: Path,
+                  report: Report) -> None:
     existing = source.open_existing(workdir)
     if existing is not None and not opts.check:
         refuse_unsafe(existing, branch)
@@ -79,9 +96,11 @@ def run_apply(project: Project, opts: Options) -> Report:
         if opts.check:
             report.notes.append("--check: nothing was written to the checkout")
         elif result_sha:
-            with _uninterrupted():
+            with deferred(then_raise=False) as received:  # the last step: finish it, then stop
                 _publish(repo, branch, result_sha, report)
-    return report
+            if received:
+                report.notes.append("interrupted while switching the checkout: the switch was "
+                                    "finished first")
 
 
 @contextlib.contextmanager
@@ -102,30 +121,16 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         try:
             yield source.clone(origin, scratch / "vllm")
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            with deferred():
+                shutil.rmtree(scratch, ignore_errors=True)
         return
+    repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
     try:
-        yield source.clone(origin, workdir)
+        yield repo
     except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        with deferred():
+            shutil.rmtree(workdir, ignore_errors=True)
         raise
-
-
-@contextlib.contextmanager
-def _uninterrupted() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM until the block is done: a half-switched checkout is
-    worse than stopping a second later."""
-    received: list[int] = []
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda number, _frame: received.append(number))
-                for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if received:
-            raise KeyboardInterrupt
 
 
 def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
@@ -145,8 +150,8 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
     blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
     if blocked and not best_effort:
         return None
-    manifest_mod.lay(tree_dir, project.overlay_dir, report.overlay)
-    sha = commit_overlay(tree, project, report)
+    laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
+    sha = commit_overlay(tree, project, report, laid)
     report.verify = verify(tree_dir, git.changed_paths(tree, report.ref_sha, sha))
     return None if blocked or not report.verify.ok else sha
 
@@ -177,10 +182,11 @@ def classify_overlay(tree: git.Repo, project: Project, manifest: manifest_mod.Ma
     return results
 
 
-def commit_overlay(tree: git.Repo, project: Project, report: Report) -> str:
-    """Commit whatever ``lay`` wrote, dated like HEAD so the sha is reproducible."""
+def commit_overlay(tree: git.Repo, project: Project, report: Report,
+                   laid: dict[str, tuple[bytes, bool]]) -> str:
+    """Commit exactly what ``lay`` wrote, dated like HEAD so the sha is reproducible."""
     when = git.run(tree, "show", "-s", "--format=%cI", "HEAD").strip()
-    return git.commit_all(tree, _overlay_message(project, report), env=git.environ(
+    return manifest_mod.commit_laid(tree, laid, _overlay_message(project, report), env=git.environ(
         **IDENTITY, GIT_AUTHOR_DATE=when, GIT_COMMITTER_DATE=when))
 
 
@@ -197,6 +203,11 @@ def refuse_unsafe(repo: git.Repo, branch: str) -> None:
         raise UsageError(f"{repo.working_tree_dir} has a {op} in progress; finish or abort it first")
     if git.is_dirty(repo):
         raise UsageError(f"{repo.working_tree_dir} has uncommitted changes; commit or stash them "
+                         f"first (or use --check)")
+    head = git.resolve(repo, "HEAD")
+    if head and git.current_branch(repo) is None and not git.reachable_from_refs(repo, head):
+        raise UsageError(f"HEAD is detached at {head}, which no branch or tag holds: switching "
+                         f"away would leave it only in the reflog; `git branch NAME {head[:12]}` "
                          f"first (or use --check)")
     tip = git.branch_tip(repo, branch)
     if tip is None:

@@ -15,15 +15,19 @@ copying our file over would silently throw upstream's work away: that is drift.
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import git
 from .errors import UsageError
+from .files import write_atomically, write_in_tree
 
 NEW = "new"
+REGULAR_MODES = ("100644", "100755")
+_MODE_WORDS = {"120000": "a symbolic link", "040000": "a folder", "160000": "a submodule"}
 ADDED = "added"
 REPLACED = "replaced"
 DRIFT = "drift"
@@ -66,16 +70,15 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     ``base_blob`` that is neither a 40-hex sha nor ``new``.
     """
     try:
-        data = json.loads(manifest_path.read_text())
+        data = json.loads(manifest_path.read_bytes())
         files = tuple(OverlayFile(f["path"], f["base_blob"]) for f in data["files"])
         manifest = Manifest(data["base"], files)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"cannot read overlay manifest {manifest_path}: {err}") from err
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        raise UsageError(f"cannot read overlay manifest {manifest_path}: {_one_line(err)}") from err
     if not isinstance(manifest.base, str) or not manifest.base:
         raise UsageError(f"overlay manifest: 'base' must be a ref name, not {manifest.base!r}")
     for f in files:
-        if not isinstance(f.path, str) or not f.path or f.path.startswith("/") \
-                or ".." in f.path.split("/"):
+        if not _plain_path(f.path):
             raise UsageError(f"overlay manifest: bad path {f.path!r}")
         if f.base_blob != NEW and not (isinstance(f.base_blob, str) and len(f.base_blob) == 40
                                        and _is_hex(f.base_blob)):
@@ -85,6 +88,8 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
         raise UsageError(f"overlay manifest lists a path twice: "
                          f"{sorted({p for p in paths if paths.count(p) > 1})[0]}")
     listed = {f.path for f in files}
+    for path in sorted(listed):
+        _refuse_link(overlay_dir, path)
     present = {p.relative_to(overlay_dir).as_posix() for p in overlay_dir.rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     if listed - present:
@@ -96,11 +101,41 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     return manifest
 
 
+def _plain_path(path: object) -> bool:
+    """A relative ``/`` path of printable characters with no empty, ``.``, ``..`` or ``.git``
+    part (any case, NTFS/HFS trailing dots and spaces too): one that stays inside a tree
+    and out of its repository."""
+    if not isinstance(path, str) or not path or not path.isprintable() or "\\" in path:
+        return False
+    return all(part not in ("", ".", "..") and part.lower().rstrip(". ") != ".git"
+               for part in path.split("/"))
+
+
+def _refuse_link(overlay_dir: Path, path: str) -> None:
+    """Raise UsageError if ``overlay/path``, or a folder on its way, is a link or no file."""
+    parts = path.split("/")
+    for depth in range(1, len(parts) + 1):
+        here = overlay_dir.joinpath(*parts[:depth])
+        try:
+            mode = here.lstat().st_mode
+        except OSError:
+            return  # missing: the completeness check below names it
+        if stat.S_ISLNK(mode):
+            raise UsageError(f"overlay/{'/'.join(parts[:depth])} is a symbolic link: overlay "
+                             f"files and their folders must be real ones")
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"overlay/{path} is not a regular file")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def save(manifest: Manifest, manifest_path: Path) -> None:
-    """Write ``manifest`` (files in their given order, stable formatting)."""
+    """Write ``manifest`` (files in their given order, stable formatting), atomically."""
     data = {"base": manifest.base,
             "files": [{"path": f.path, "base_blob": f.base_blob} for f in manifest.files]}
-    manifest_path.write_text(json.dumps(data, indent=2) + "\n")
+    write_atomically(manifest_path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def _is_hex(text: str) -> bool:
@@ -108,11 +143,18 @@ def _is_hex(text: str) -> bool:
 
 
 def check(repo: git.Repo, ref: str, manifest: Manifest) -> list[FileResult]:
-    """Classify each overlay file against upstream at ``ref``: added, replaced or drift."""
+    """Classify each overlay file against upstream at ``ref``: added, replaced or drift.
+
+    A destination that upstream made a link, a folder or a submodule (or that
+    lies below one, or below a file) is ``conflict``: we never write through it.
+    """
     return [_check_one(repo, ref, f) for f in manifest.files]
 
 
 def _check_one(repo: git.Repo, ref: str, f: OverlayFile) -> FileResult:
+    problem = destination_problem(repo, ref, f.path)
+    if problem:
+        return FileResult(f.path, CONFLICT, f"{problem}; not written through")
     blob = git.blob_at(repo, ref, f.path)
     if f.base_blob == NEW:
         if blob is None:
@@ -132,23 +174,82 @@ def upstream_diff(repo: git.Repo, base: str, ref: str, path: str) -> str:
     return git.diff(repo, base, ref, path)
 
 
-def lay(tree: Path, overlay_dir: Path, results: list[FileResult], *,
-        with_conflicts: bool = False) -> None:
-    """Write each overlay file of ``results`` into ``tree``.
+def destination_problem(repo: git.Repo, ref: str, path: str) -> str | None:
+    """Why ``path`` at commit ``ref`` is no place to write a file, or None if it is.
 
-    Our file for added/replaced/drift, the merge for merged. A conflicted
-    file keeps upstream's version unless ``with_conflicts``, which writes the
-    merge with its conflict markers for a maintainer to resolve.
+    Fine: a regular file (100644/100755) or nothing, below folders or nothing.
+    Not: a link, folder or submodule at ``path``, or anything but a folder above it.
     """
-    for result in results:
-        if result.status == CONFLICT and not (with_conflicts and result.merged is not None):
-            continue
-        dest = tree / result.path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if result.merged is not None:
-            dest.write_bytes(result.merged)
-        else:
-            shutil.copyfile(overlay_dir / result.path, dest)
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+    entries = git.tree_entries(repo, ref, prefixes)
+    for prefix in prefixes[:-1]:
+        mode = entries.get(prefix, ("040000",))[0]
+        if mode != "040000":
+            return (f"{prefix} is {_MODE_WORDS.get(mode, 'a file')} at {ref[:12]}, "
+                    f"not a folder")
+    mode = entries.get(path, ("100644",))[0]
+    if mode not in REGULAR_MODES:
+        return f"{path} is {_MODE_WORDS.get(mode, f'mode {mode}')} at {ref[:12]}, not a file"
+    return None
+
+
+def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
+        with_conflicts: bool = False) -> dict[str, tuple[bytes, bool]]:
+    """Write each overlay file of ``results`` into ``repo``'s work tree; return what was laid.
+
+    Our file for added/replaced/drift, the merge for merged; each keeps the
+    overlay file's executable bit. A conflicted file keeps upstream's version
+    unless ``with_conflicts``, which writes the merge with its conflict markers
+    for a maintainer to resolve. The one write path into a tree: the
+    destination's type in git at HEAD is checked first and nothing is ever
+    written through a link (``files.write_in_tree``). Raises UsageError, before
+    writing anything, if a destination at HEAD is a link, folder or submodule.
+    Returns ``path: (bytes, executable)`` for ``commit_laid``.
+    """
+    chosen = [r for r in results
+              if r.status != CONFLICT or (with_conflicts and r.merged is not None)]
+    for result in chosen:
+        problem = destination_problem(repo, "HEAD", result.path)
+        if problem:
+            raise UsageError(f"refusing to lay overlay file {result.path}: {problem}")
+    laid = {}
+    for result in chosen:
+        source = overlay_dir / result.path
+        data = result.merged if result.merged is not None else source.read_bytes()
+        executable = bool(os.stat(source).st_mode & stat.S_IXUSR)
+        write_in_tree(Path(repo.working_tree_dir), result.path, data, executable=executable)
+        laid[result.path] = (data, executable)
+    return laid
+
+
+def commit_laid(repo: git.Repo, laid: dict[str, tuple[bytes, bool]], message: str, *,
+                env: dict[str, str]) -> str:
+    """Stage exactly the files ``lay`` wrote, commit them, and check the commit holds them.
+
+    Returns the new HEAD (HEAD as it was if nothing changed). Raises UsageError
+    if a committed blob or mode is not the laid file's (see ``committed_mismatches``).
+    """
+    git.stage_exact(repo, laid)
+    sha = git.commit_staged(repo, message, env=env)
+    mismatches = committed_mismatches(repo, sha, laid)
+    if mismatches:
+        raise UsageError(f"the overlay commit {sha[:12]} does not hold what was laid: "
+                         f"{mismatches[0]}")
+    return sha
+
+
+def committed_mismatches(repo: git.Repo, sha: str, laid: dict[str, tuple[bytes, bool]]) -> list[str]:
+    """One line per laid file whose blob or mode in commit ``sha`` is not what was laid."""
+    entries = git.tree_entries(repo, sha, sorted(laid))
+    problems = []
+    for path, (data, executable) in sorted(laid.items()):
+        want = ("100755" if executable else "100644", git.hash_blob(repo, data))
+        got = entries.get(path)
+        if got != want:
+            problems.append(f"{path}: committed {got[0] + ' ' + got[1][:12] if got else 'nothing'}, "
+                            f"laid {want[0]} {want[1][:12]}")
+    return problems
 
 
 def merge(repo: git.Repo, overlay_dir: Path, f: OverlayFile, ref: str,

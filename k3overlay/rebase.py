@@ -20,7 +20,16 @@ from pathlib import Path
 from . import errors, git, source
 from . import manifest as manifest_mod
 from . import series as series_mod
-from .job import BASE_KEY, Options, build, classify_overlay, commit_overlay, record, refuse_unsafe
+from .job import (
+    BASE_KEY,
+    Options,
+    build,
+    classify_overlay,
+    commit_overlay,
+    locked,
+    record,
+    refuse_unsafe,
+)
 from .project import COMMITTER, Project
 from .report import Report
 from .verify import verify
@@ -79,10 +88,15 @@ def rebase_to(project: Project, opts: Options) -> Report:
     the work tree (resolve, commit, then ``--export``). Raises UsageError on
     an unsafe checkout or an unknown ref.
     """
+    workdir = (opts.workdir or project.default_workdir).resolve()
+    with locked(workdir):
+        return _rebase_to(project, opts, workdir)
+
+
+def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     branch = opts.branch or project.default_branch
-    workdir = (opts.workdir or project.default_workdir).resolve()
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
@@ -121,14 +135,14 @@ def rebase_to(project: Project, opts: Options) -> Report:
                             "never overwritten): run apply.py --export")
         return report
     report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
-    manifest_mod.lay(workdir, project.overlay_dir, report.overlay, with_conflicts=True)
+    laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
     conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
     if conflicted:
-        git.stage(repo, [f.path for f in report.overlay if f.path not in conflicted])
+        git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})
         report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
                             f"`git commit -a`, then run apply.py --export")
         return report
-    sha = commit_overlay(repo, project, report)
+    sha = commit_overlay(repo, project, report, laid)
     record(repo, branch, opts.ref)
     report.verify = verify(workdir, git.changed_paths(repo, report.ref_sha, sha))
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")

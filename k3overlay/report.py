@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from . import errors
+from .files import write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .series import CONFLICT as PATCH_CONFLICT
@@ -132,26 +135,29 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
 def check_writable(path: Path, option: str) -> None:
     """Make sure a report file can be written, before any work is done (UsageError if not).
 
-    Opens it for appending rather than asking ``os.access``, which says yes to
-    root even on a read-only mount or /proc.
+    Does what ``write_text`` will do, with an empty text, beside the real file:
+    rather than asking ``os.access``, which says yes to root even on a
+    read-only mount or /proc. Leaves nothing behind.
     """
-    existed = path.exists()
+    if path.is_dir():
+        raise errors.UsageError(f"{option} {path}: cannot write there (it is a folder)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
     except OSError as err:
         raise errors.UsageError(f"{option} {path}: cannot write there ({err.strerror})") from err
-    if not existed:
-        path.unlink()
+    probe = path.with_name(f".{path.name[:64]}.k3-probe")
+    try:
+        write_atomically(probe, b"")
+    except errors.UsageError as err:
+        reason = str(err).rsplit(": ", 1)[-1]
+        raise errors.UsageError(f"{option} {path}: cannot write there ({reason})") from err
+    probe.unlink(missing_ok=True)
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a report file; an OSError becomes a one-line UsageError."""
-    try:
-        path.write_text(text)
-    except OSError as err:
-        raise errors.UsageError(f"cannot write {path}: {err.strerror}") from err
+    """Write a report file whole or not at all (temporary file, fsync, rename): a full disk
+    leaves the previous report as it was. Raises UsageError (one line) on failure."""
+    write_atomically(path, text.encode("utf-8", errors="replace"))
 
 
 _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
@@ -160,27 +166,32 @@ _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan
 
 
 def write_human(report: Report, console: Console) -> None:
-    """A short summary: ref, each patch and overlay file with its status, verify, verdict."""
-    console.print(f"[bold]vllm-k3-overlay {report.overlay_version}[/bold] on "
-                  f"{report.ref} ({report.ref_sha[:12] or '?'}), base {report.base_ref}")
+    """A short summary: ref, each patch and overlay file with its status, verify, verdict.
+
+    Every value is printed as text, never as rich markup: a path or a git
+    message holding ``[/x]`` is shown as it is, not parsed (or raised on).
+    """
+    e = escape
+    console.print(f"[bold]vllm-k3-overlay {e(report.overlay_version)}[/bold] on "
+                  f"{e(report.ref)} ({e(report.ref_sha[:12]) or '?'}), base {e(report.base_ref)}")
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("kind")
     table.add_column("item")
     table.add_column("status")
     for p in report.patches:
-        table.add_row("patch", p.name, _styled(p.status))
+        table.add_row("patch", Text(p.name), _styled(p.status))
         for line in p.hunks or p.files:
-            table.add_row("", f"  {line}", "")
+            table.add_row("", Text(f"  {line}"), "")
     for f in report.overlay:
-        table.add_row("overlay", f.path, _styled(f.status))
+        table.add_row("overlay", Text(f.path), _styled(f.status))
         if f.detail and f.status not in ("added", "replaced"):
-            table.add_row("", f"  {f.detail}", "")
+            table.add_row("", Text(f"  {f.detail}"), "")
     if report.patches or report.overlay:
         console.print(table)
     if report.verify is not None:
         console.print("verify: " + ("ok" if report.verify.ok else "[red]failed[/red]"))
         for error in report.verify.errors:
-            console.print(f"  {error}")
+            console.print(Text(f"  {error}"))
     if report.tests is not None:
         t = report.tests
         console.print(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
@@ -190,18 +201,17 @@ def write_human(report: Report, console: Console) -> None:
         console.print(f"wheel: [red]not built[/red]: {w['error']}" if "error" in w else
                       f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})")
     for note in report.notes:
-        console.print(note)
+        console.print(Text(note))
     if report.ok:
-        where = f" -> branch {report.branch} in {report.workdir}" if report.published else ""
+        where = f" -> branch {e(report.branch)} in {e(report.workdir)}" if report.published else ""
         console.print(f"[green]ok[/green]{where}")
     else:
         console.print(f"[red]failed[/red] (exit {report.exit_code})"
-                      + (f": {report.error}" if report.error else ""))
+                      + (f": {e(report.error)}" if report.error else ""))
 
 
-def _styled(status: str) -> str:
-    style = _STYLE.get(status, "white")
-    return f"[{style}]{status}[/{style}]"
+def _styled(status: str) -> Text:
+    return Text(status, style=_STYLE.get(status, "white"))
 
 
 def junit_xml(reports: list[Report]) -> str:

@@ -57,9 +57,9 @@ class PatchResult:
 def load(patches_dir: Path) -> list[Patch]:
     """Read ``patches_dir/series`` and each patch it names, in order.
 
-    Raises UsageError if the series file is missing, names a missing file,
-    a ``.patch`` file is not in the series, or a patch lacks a valid
-    ``Upstream-Status:`` line.
+    Raises UsageError if the series file is missing or unreadable, names a
+    missing file or anything but a file name in ``patches_dir``, a ``.patch``
+    file is not in the series, or a patch lacks a valid ``Upstream-Status:`` line.
     """
     series_file = patches_dir / "series"
     if not series_file.is_file():
@@ -68,8 +68,14 @@ def load(patches_dir: Path) -> list[Patch]:
         text = series_file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise UsageError(f"{series_file} is not UTF-8 text") from err
+    except OSError as err:
+        raise UsageError(f"cannot read {series_file}: {err.strerror}") from err
     names = [line.strip() for line in text.splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
+    for name in names:  # a series names files beside it, nothing elsewhere
+        if "/" in name or "\0" in name or name in (".", "..", "series") or not name.isprintable():
+            raise UsageError(f"{series_file.name} names {name!r}: only patch file names in "
+                             f"{patches_dir.name}/ may be listed")
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UsageError(f"{series_file.name} lists {twice[0]} more than once")
@@ -84,7 +90,10 @@ def read_patch(path: Path) -> Patch:
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
     # Mail headers may carry any encoding; nothing we read from them needs exact bytes.
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as err:
+        raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
     if "\ndiff --git " not in text:
         raise UsageError(f"{path.name} holds no diff")
     status = STATUS_LINE.search(text.split("\n---\n", 1)[0])

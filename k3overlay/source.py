@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from . import git
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
+from .interrupts import deferred
 from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
@@ -82,20 +85,33 @@ def open_existing(workdir: Path) -> git.Repo | None:
 
 
 def clone(origin: str, workdir: Path) -> git.Repo:
-    """Clone ``origin`` into ``workdir``.
+    """Clone ``origin`` into ``workdir`` (missing, or an empty folder).
 
+    The clone is made in a temporary folder beside ``workdir`` and renamed into
+    place when complete, so an interrupted or failed clone leaves no half-made
+    checkout (the temporary folder is removed, after git has stopped).
     Raises UsageError if ``workdir`` cannot be made or ``origin`` is no
     repository, SourceError if ``origin`` cannot be reached.
     """
     try:
         workdir.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.k3-clone-", dir=workdir.parent))
     except OSError as err:
         raise UsageError(f"cannot create --workdir {workdir}: {err.strerror}") from err
-    with step(f"cloning {origin} into {workdir}"):
+    try:
+        with step(f"cloning {origin} into {workdir}"):
+            try:
+                git.clone(origin, scratch / "vllm")
+            except git.GitError as err:
+                raise _classify(str(err)) from err
         try:
-            return git.clone(origin, workdir)
-        except git.GitError as err:
-            raise _classify(str(err)) from err
+            os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
+        except OSError as err:
+            raise UsageError(f"cannot put the clone at --workdir {workdir}: {err.strerror}") from err
+    finally:
+        with deferred():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return git.open_repo(workdir)
 
 
 def resolves_locally(repo: git.Repo, ref: str) -> bool:
@@ -118,13 +134,28 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
     local = git.resolve(repo, ref)
     if local and (_FULL_SHA.match(ref) or (release_of(ref) and git.resolve(repo, f"refs/tags/{ref}"))):
         return local
+    if local is None:
+        _refuse_non_commit(repo, ref, ref)
     spec = f"refs/tags/{ref}:refs/tags/{ref}" if release_of(ref) else ref
     ok, output = git.attempt(repo, "fetch", "--quiet", "--no-tags", "--", source, spec)
     if ok:
-        return git.resolve(repo, f"refs/tags/{ref}" if release_of(ref) else "FETCH_HEAD")
+        fetched = f"refs/tags/{ref}" if release_of(ref) else "FETCH_HEAD"
+        _refuse_non_commit(repo, fetched, ref)
+        return git.resolve(repo, fetched)
     if local:
         return local
     raise _classify(output, what=f"ref {ref!r} not found in {source}")
+
+
+def _refuse_non_commit(repo: git.Repo, name: str, ref: str) -> None:
+    """Raise UsageError if ``name`` in ``repo`` names something other than a commit
+    (a tree, a blob, or a tag of one); nothing at all is left to the caller."""
+    kind = git.object_type(repo, name)
+    if kind is not None and git.resolve(repo, name) is None:
+        if kind == "tag":
+            kind = f"tag of a {git.object_type(repo, f'{name}^{{}}') or 'non-commit'}"
+        raise UsageError(f"ref {ref!r} names a {kind}, not a commit: give a tag, branch or "
+                         f"commit sha")
 
 
 def _classify(git_output: str, what: str | None = None) -> UsageError | SourceError:

@@ -4,12 +4,15 @@ Two checks, both static (``ast``), so no vLLM dependency is needed:
 1. every touched ``.py`` byte-compiles (in memory; nothing is written);
 2. for every touched module, each ``from <module> import <name>`` anywhere
    in the tree still resolves to a name the module defines at top level.
+Only regular files are read: a link (dangling, or pointing out of the tree), a
+FIFO or an unreadable file is skipped, never followed or waited on.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,11 +34,11 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
     result = VerifyResult()
     modules: dict[str, ast.Module] = {}
     for path in sorted(p for p in touched if p.endswith(".py")):
-        file = tree / path
-        if not file.is_file():
-            continue  # deleted by a patch: nothing to compile
+        source = _read_regular(tree / path)
+        if source is None:
+            continue  # deleted by a patch, or a link: nothing of ours to compile
         try:
-            parsed = ast.parse(file.read_bytes(), filename=path)
+            parsed = ast.parse(source, filename=path)
             compile(parsed, path, "exec", dont_inherit=True)  # what parsing alone lets through
             modules[module_name(path)] = parsed
         except SyntaxError as err:
@@ -48,6 +51,23 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
         if names is not None and name not in names and not _is_submodule(tree, module, name):
             result.fail(f"{importer}:{lineno}: cannot import name {name!r} from {module}")
     return result
+
+
+def _read_regular(file: Path) -> bytes | None:
+    """The bytes of ``file`` if it is a regular file we can read; None for anything else."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # missing, a link (ELOOP), unreadable
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            return stream.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def module_name(path: str) -> str:
@@ -99,8 +119,8 @@ def _imports_of(tree: Path, modules: set[str]):
             if not filename.endswith(".py"):
                 continue
             file = Path(dirpath) / filename
-            source = file.read_bytes()
-            if not any(leaf in source for leaf in leaves):
+            source = _read_regular(file)
+            if source is None or not any(leaf in source for leaf in leaves):
                 continue  # cheap filter: most files never mention a touched module
             rel = file.relative_to(tree).as_posix()
             try:

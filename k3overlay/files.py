@@ -1,0 +1,125 @@
+"""Writing files without surprises: never through a link, never half-written.
+
+Two ways in, one way down:
+  ``write_in_tree``   a file laid into a tree (a vLLM work tree, ``overlay/``): every folder
+                      below the tree's top is opened without following links, so a link
+                      anywhere on the way (``pkg -> /etc``) or at the destination is refused,
+                      never written through;
+  ``write_atomically`` a file the user named (a report): the whole text or nothing; a full
+                      disk leaves the previous file as it was.
+Both write a temporary file next to the destination and rename it into place,
+so a reader never sees a half-written file and an interrupted run leaves the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from .errors import UsageError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def write_in_tree(root: Path, rel: str, data: bytes, *, executable: bool = False) -> None:
+    """Write ``data`` to ``root/rel`` (a ``/``-separated path), following no link below ``root``.
+
+    Missing folders are made. The file gets mode 0o777 (``executable``) or 0o666,
+    less the umask, like a file git checks out. Raises UsageError, writing
+    nothing, when a folder on the way is a link or not a folder, or the
+    destination is a link, a folder or anything but a regular file.
+    """
+    parts = rel.split("/")
+    if not rel or any(part in ("", ".", "..") for part in parts):
+        raise UsageError(f"refusing to write {rel!r}: not a plain path inside the tree")
+    dirfd = os.open(root, _DIR_FLAGS)
+    try:
+        for depth, name in enumerate(parts[:-1], 1):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, dir_fd=dirfd)
+            try:
+                inner = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dirfd)
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise UsageError(f"cannot write {rel}: {err.strerror}") from err
+                raise UsageError(f"refusing to write {rel}: {'/'.join(parts[:depth])} is a "
+                                 f"{_kind(dirfd, name)}, not a folder") from err
+            os.close(dirfd)
+            dirfd = inner
+        name = parts[-1]
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.lstat(name, dir_fd=dirfd).st_mode
+            if not stat.S_ISREG(mode):
+                raise UsageError(f"refusing to write {rel}: it is a {_kind(dirfd, name)} in the "
+                                 f"tree, not a file")
+        _replace(dirfd, name, data, 0o777 if executable else 0o666)
+    except OSError as err:
+        raise UsageError(f"cannot write {rel}: {err.strerror}") from err
+    finally:
+        os.close(dirfd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data`` in one step, on disk before returning.
+
+    A temporary file in the same folder is written, flushed to disk and renamed
+    over ``path`` (whose link, if it is one, is followed: the user named it).
+    An existing file keeps its permission bits. Raises UsageError (one line) if
+    it cannot be written; ``path`` is then as it was and no temporary file is left.
+    """
+    target = Path(os.path.realpath(path))
+    try:
+        dirfd = os.open(target.parent, _DIR_FLAGS)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from err
+    try:
+        try:
+            mode = stat.S_IMODE(os.stat(target.name, dir_fd=dirfd).st_mode)
+        except FileNotFoundError:
+            mode = None
+        _replace(dirfd, target.name, data, 0o666, keep_mode=mode)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from err
+    finally:
+        os.close(dirfd)
+
+
+def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> None:
+    """Write ``data`` to a new temporary file in folder ``dirfd``, flush it to disk and
+    rename it to ``name``. The rename replaces ``name`` itself (never follows a link there)."""
+    temp = f".{name[:64]}.{secrets.token_hex(4)}.k3-tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dirfd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if keep_mode is not None:
+                os.fchmod(fd, keep_mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dirfd)
+        raise
+    os.fsync(dirfd)  # the rename itself survives a crash
+
+
+def _kind(dirfd: int, name: str) -> str:
+    """What ``name`` in folder ``dirfd`` is, in words (for an error message)."""
+    try:
+        mode = os.lstat(name, dir_fd=dirfd).st_mode
+    except OSError:
+        return "missing path"
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return "file" if stat.S_ISREG(mode) else "special file"

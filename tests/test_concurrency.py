@@ -1,0 +1,232 @@
+"""Issue 8, items 5 and 6, with real processes: two runs at once on one checkout or one fresh
+workdir, stale temporary worktrees, and Ctrl-C / SIGTERM mid-clone, mid-``git am`` and at
+start-up. Each test asserts the state left behind, not only the exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from k3overlay.job import Options, run_apply
+from k3overlay.lock import workdir_lock
+from k3overlay.project import Project
+
+from .conftest import g, snapshot, write
+
+ROOT = Path(__file__).resolve().parent.parent
+# apply.py's own main, on a synthetic project (argv[1]) instead of this repository
+RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
+          "from k3overlay.project import Project; cli.Project = lambda: Project(Path(sys.argv[1])); "
+          "sys.exit(cli.main(sys.argv[2:]))")
+INTERRUPTED = "apply.py: interrupted; "
+
+
+@pytest.fixture
+def tmpdir_env(tmp_path) -> dict[str, str]:
+    """The environment for child runs: temporary folders under tmp_path/t (checked empty after)."""
+    (tmp_path / "t").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "t")}
+
+
+def spawn(project: Project, env: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def worktree_entries(wd: Path) -> list[str]:
+    admin = wd / ".git" / "worktrees"
+    return sorted(os.listdir(admin)) if admin.is_dir() else []
+
+
+# -- 5. one run at a time per checkout --------------------------------------------------------
+
+def test_two_checks_at_once_on_one_checkout(project, upstream, tmp_path, tmpdir_env):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    before = snapshot(wd)
+    runs = [spawn(project, tmpdir_env, "-q", "--check", "--vllm-repo", str(upstream), "--workdir",
+                  str(wd), "--vllm-ref", "v1.1.0", "--json", str(tmp_path / f"r{i}.json"))
+            for i in range(2)]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(2)]
+    for data in reports:  # both saw a clean ref: no conflict, no drift
+        assert data["ok"] and [p["status"] for p in data["patches"]] == ["applied-3way"]
+        assert [f["status"] for f in data["overlay"]] == ["replaced", "added"]
+    assert snapshot(wd) == before and worktree_entries(wd) == []
+    assert os.listdir(tmp_path / "t") == []
+
+
+def test_two_runs_into_one_fresh_workdir(project, upstream, tmp_path, tmpdir_env):
+    wd = tmp_path / "work" / "vllm"
+    runs = [spawn(project, tmpdir_env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+            for _ in range(2)]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert os.listdir(wd.parent) == ["vllm"]  # no half clone, no temporary folder left
+    assert g(wd, "symbolic-ref", "--short", "HEAD").strip() == "k3-overlay/9.9.9"
+    assert g(wd, "status", "--porcelain") == "" and worktree_entries(wd) == []
+
+
+def test_a_second_run_waits_for_the_first_and_says_so(project, upstream, tmp_path, tmpdir_env):
+    wd = tmp_path / "wd"
+    said = []
+    with workdir_lock(wd, say=said.append):  # this test is "the first run"
+        run = spawn(project, tmpdir_env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+        line = run.stderr.readline()
+        assert line.startswith("… waiting for apply.py (pid ") and line.rstrip().endswith(f"with {wd}")
+        time.sleep(1.0)
+        assert run.poll() is None and not wd.exists()  # still waiting, nothing done
+    assert run.wait(timeout=120) == 0 and said == []
+    assert g(wd, "symbolic-ref", "--short", "HEAD").strip() == "k3-overlay/9.9.9"
+
+
+OWNER = ("import sys; from pathlib import Path; from k3overlay import git\n"
+         "with git.temporary_worktree(git.open_repo(Path(sys.argv[1])), 'v1.0.0') as tree:\n"
+         "    print(tree.working_tree_dir, flush=True); sys.stdin.read()")
+
+
+def test_stale_worktree_removed_only_when_its_owner_is_gone(project, upstream, tmp_path, tmpdir_env):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(wd)], cwd=ROOT, env=tmpdir_env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    theirs = Path(owner.stdout.readline().strip())
+    try:
+        assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=True)).ok
+        assert (theirs / "pkg/mod.py").is_file()  # a live owner's worktree is left alone
+        assert str(theirs) in g(wd, "worktree", "list")
+    finally:
+        owner.kill()  # SIGKILL: no cleanup runs, the kernel drops its lock
+        owner.wait()
+    assert theirs.is_dir() and worktree_entries(wd) != []
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=True)).ok
+    assert not theirs.parent.exists() and worktree_entries(wd) == []
+
+
+# -- 6. interrupts ----------------------------------------------------------------------------
+
+class _SlowHandler(SimpleHTTPRequestHandler):
+    """Serves a repository over git's dumb HTTP protocol, a fraction of a second per file."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        time.sleep(0.4)
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def slow_source(upstream, tmp_path):
+    """An HTTP URL of the synthetic upstream that takes seconds to clone (loose objects,
+    one slow request each): a clone can be interrupted half-way."""
+    served = tmp_path / "served"
+    bare = served / "up.git"
+    g(upstream, "clone", "-q", "--bare", "--no-local", str(upstream), str(bare))
+    for pack in (bare / "objects" / "pack").glob("*.pack"):
+        data = pack.read_bytes()
+        pack.unlink()
+        pack.with_suffix(".idx").unlink()
+        subprocess.run(["git", "unpack-objects", "-q"], cwd=bare, input=data, check=True)
+    g(bare, "update-server-info")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_SlowHandler, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # git hangs up on the server when interrupted; an in-process cli.main() earlier in the
+    # session may have left SIGPIPE at its default, which would end pytest itself.
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    yield f"http://127.0.0.1:{server.server_address[1]}/up.git"
+    signal.signal(signal.SIGPIPE, previous)
+    server.shutdown()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_mid_clone_leaves_no_half_checkout(project, upstream, slow_source, tmp_path,
+                                                     tmpdir_env, signum):
+    parent = tmp_path / "work"
+    wd = parent / "vllm"
+    run = spawn(project, tmpdir_env, "-q", "--vllm-repo", slow_source, "--workdir", str(wd))
+    wait_for(lambda: any(parent.glob(".vllm.k3-clone-*/vllm/.git/HEAD")), what="the clone to start")
+    time.sleep(0.3)  # git is now fetching objects
+    run.send_signal(signum)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and err.splitlines() == [
+        INTERRUPTED + "the checkout's branches, HEAD and files were left as they were"], err
+    for _ in range(2):  # and nothing keeps writing after we are gone
+        assert os.listdir(parent) == [] and os.listdir(tmp_path / "t") == []
+        time.sleep(0.5)
+    rerun = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))  # not refused
+    assert rerun.ok and rerun.published
+
+
+@pytest.fixture
+def long_series(project, upstream, tmp_path):
+    """``project`` with 60 patches, so applying takes long enough to interrupt."""
+    src = tmp_path / "series-src"
+    g(upstream, "clone", "-q", "--branch", "v1.0.0", str(upstream), str(src))
+    for i in range(60):
+        write(src, {f"gen/file{i:02d}.txt": f"generated {i}\n"})
+        g(src, "add", "-A")
+        g(src, "commit", "-qm", f"gen: file {i:02d}\n\nWhy: a long series.\n\nUpstream-Status: Pending")
+    for old in project.patches_dir.glob("*.patch"):
+        old.unlink()
+    g(src, "format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(project.patches_dir),
+      "v1.0.0..HEAD")
+    names = sorted(p.name for p in project.patches_dir.glob("*.patch"))
+    (project.patches_dir / "series").write_text("\n".join(names) + "\n")
+    return project
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_interrupt_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstream, tmp_path,
+                                                              tmpdir_env, check):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    before = snapshot(wd)
+    run = spawn(long_series, tmpdir_env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd),
+                *(["--check"] if check else []))
+    tmp = tmp_path / "t"
+    wait_for(lambda: len(list(tmp.glob("k3-worktree-*/tree/gen/*"))) >= 3, what="patches to apply")
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    expected = "the checkout was left as it was" if check else \
+        "the checkout's branches, HEAD and files were left as they were"
+    assert run.returncode == 130 and err.splitlines() == [INTERRUPTED + expected], err
+    assert snapshot(wd) == before and worktree_entries(wd) == [] and os.listdir(tmp) == []
+
+
+def test_interrupt_while_starting_up_prints_no_traceback(tmp_path):
+    # "ready" is printed just before apply.py's own code runs: the interrupt lands in its imports.
+    path = str(ROOT / "apply.py")
+    script = (f"import sys; sys.argv = ['apply.py', '--check', '-q']; path = {path!r}; "
+              "code = compile(open(path).read(), path, 'exec'); print('ready', flush=True); "
+              "exec(code, {'__name__': '__main__', '__file__': path})")
+    for delay in (0.0, 0.05, 0.15):
+        run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+        assert run.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+        assert "Traceback" not in err and run.returncode == 130, (delay, err)
+        assert err.splitlines() == [INTERRUPTED + "the checkout was left as it was"]
+

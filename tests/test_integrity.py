@@ -1,0 +1,528 @@
+"""Issue 8 on synthetic repos: hostile trees, ignore rules, the user's git config, detached
+HEADs, refs that are no commit, and reports on a full disk. Every case asserts what must
+not change (files outside the tree, the checkout) as well as the exit code."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors, files, git, manifest, report
+from k3overlay.job import Options, run_apply
+from k3overlay.rebase import rebase_to, run_rebase
+from k3overlay.verify import verify
+
+from .conftest import g, snapshot, write
+
+ROOT = Path(__file__).resolve().parent.parent
+PRECIOUS = "precious: must never be overwritten\n"
+
+
+def apply(project, upstream, workdir, **kw):
+    return run_apply(project, Options(vllm_repo=str(upstream), workdir=workdir, **kw))
+
+
+def hostile(upstream: Path, tmp_path: Path, build, tag: str = "evil", staged=None) -> Path:
+    """A clone of the synthetic upstream with ``tag`` = v1.0.0 plus what ``build(tree)`` did
+    to the files and ``staged(tree)`` to the index."""
+    up = tmp_path / "hostile"
+    if not up.exists():
+        g(upstream, "clone", "-q", str(upstream), str(up))
+    g(up, "checkout", "-q", "--detach", "v1.0.0")
+    build(up)
+    g(up, "add", "-A")
+    if staged:
+        staged(up)
+    g(up, "commit", "-qm", f"upstream: {tag}")
+    g(up, "tag", tag)
+    return up
+
+
+def relink(tree: Path, rel: str, target: str) -> None:
+    (tree / rel).unlink(missing_ok=True)
+    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tree / rel).symlink_to(target)
+
+
+@pytest.fixture
+def tmpdir_here(tmp_path, monkeypatch) -> Path:
+    """Temporary folders (worktrees, scratch clones) under tmp_path/t, so a relative link
+    ``../../../../victim`` from a worktree's ``pkg/`` lands on tmp_path/victim."""
+    t = tmp_path / "t"
+    t.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(t))
+    monkeypatch.setenv("TMPDIR", str(t))
+    return t
+
+
+# -- 1. links, folders and submodules where an overlay file goes ------------------------------
+
+@pytest.mark.parametrize("target", ["absolute", "relative", "dangling"])
+@pytest.mark.parametrize("recorded", ["link-blob", "base-blob"])
+def test_link_at_an_overlay_destination_is_never_written_through(
+        project, upstream, tmp_path, tmpdir_here, target, recorded):
+    victim = tmp_path / "victim"
+    if target != "dangling":
+        victim.write_text(PRECIOUS)
+    link = {"absolute": str(victim), "relative": "../../../../victim", "dangling": str(victim)}[target]
+    up = hostile(upstream, tmp_path, lambda t: (relink(t, "pkg/mod.py", link),
+                                                relink(t, "pkg/new.py", link)))
+    if recorded == "link-blob":  # the manifest even records the link's blob as our base
+        data = json.loads(project.manifest_path.read_text())
+        data["files"][0]["base_blob"] = g(up, "rev-parse", "evil:pkg/mod.py").strip()
+        project.manifest_path.write_text(json.dumps(data))
+    wd = tmp_path / "wd"
+    for check in (True, False):
+        rep = apply(project, up, wd, ref="evil", check=check)
+        assert rep.exit_code == errors.DRIFT and not rep.published
+        by_path = {f.path: f for f in rep.overlay}
+        for path in ("pkg/mod.py", "pkg/new.py"):
+            assert by_path[path].status == "conflict"
+            assert "symbolic link" in by_path[path].detail
+    assert victim.read_text() == PRECIOUS if target != "dangling" else not victim.exists()
+    assert g(wd, "branch", "--list", "k3-overlay/*") == ""
+    assert os.listdir(tmpdir_here) == []  # no temporary worktree or clone left behind
+
+
+@pytest.mark.parametrize("shape, words", [
+    ("folder", "a folder"), ("parent-link", "a symbolic link"), ("parent-file", "a file"),
+    ("submodule", "a submodule")])
+def test_folder_submodule_or_link_on_the_way_is_refused(project, upstream, tmp_path, tmpdir_here,
+                                                        shape, words):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    def build(t: Path) -> None:
+        if shape == "folder":
+            write(t, {"pkg/new.py/inner.txt": "upstream made this a folder\n"})
+        elif shape == "parent-link":
+            (t / "ext").symlink_to(outside)
+        elif shape == "parent-file":
+            write(t, {"ext": "a file where our folder goes\n"})
+
+    def gitlink(t: Path) -> None:
+        sha = g(t, "rev-parse", "HEAD").strip()
+        g(t, "update-index", "--add", "--cacheinfo", f"160000,{sha},pkg/new.py")
+
+    up = hostile(upstream, tmp_path, build, staged=gitlink if shape == "submodule" else None)
+    write(project.overlay_dir, {"ext/tool.py": "X = 1\n"})
+    data = json.loads(project.manifest_path.read_text())
+    data["files"].append({"path": "ext/tool.py", "base_blob": "new"})
+    project.manifest_path.write_text(json.dumps(data))
+    rep = apply(project, up, tmp_path / "wd", ref="evil")
+    bad = "pkg/new.py" if shape in ("folder", "submodule") else "ext/tool.py"
+    result = {f.path: f for f in rep.overlay}[bad]
+    assert rep.exit_code == errors.DRIFT and result.status == "conflict" and words in result.detail
+    assert os.listdir(outside) == [] and not rep.published
+
+
+def test_rebase_job_merges_nothing_through_a_link(project, upstream, tmp_path, tmpdir_here):
+    victim = tmp_path / "victim"
+    victim.write_text(PRECIOUS)
+    up = hostile(upstream, tmp_path, lambda t: relink(t, "pkg/mod.py", "../../../../victim"))
+    (rep,) = run_rebase(project, ["evil"], vllm_repo=str(up))
+    mod = {f.path: f for f in rep.overlay}["pkg/mod.py"]
+    assert mod.status == "conflict" and "symbolic link" in mod.detail and mod.merged is None
+    assert rep.exit_code == errors.DRIFT and victim.read_text() == PRECIOUS
+
+
+def test_lay_refuses_a_link_a_patch_made_and_writes_nothing(project, upstream, tmp_path):
+    tree = tmp_path / "tree"
+    g(upstream, "clone", "-q", "--branch", "v1.0.0", str(upstream), str(tree))
+    victim = tmp_path / "victim"
+    victim.write_text(PRECIOUS)
+    relink(tree, "pkg/new.py", str(victim))
+    g(tree, "add", "-A")
+    g(tree, "commit", "-qm", "a patch that makes a link")
+    results = [manifest.FileResult("pkg/mod.py", "replaced"), manifest.FileResult("pkg/new.py", "added")]
+    with pytest.raises(errors.UsageError, match="pkg/new.py is a symbolic link"):
+        manifest.lay(git.open_repo(tree), project.overlay_dir, results)
+    assert victim.read_text() == PRECIOUS
+    assert g(tree, "status", "--porcelain") == ""  # nothing laid, not even pkg/mod.py
+
+
+def test_write_in_tree_follows_no_link_on_disk(tmp_path):
+    tree, outside = tmp_path / "tree", tmp_path / "outside"
+    (tree / "pkg").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "x.py").write_text(PRECIOUS)
+    (tree / "linkdir").symlink_to(outside)
+    (tree / "pkg" / "link.py").symlink_to(outside / "x.py")
+    (tree / "pkg" / "dir.py").mkdir()
+    for rel, what in [("linkdir/x.py", "linkdir is a symbolic link"),
+                      ("pkg/link.py", "symbolic link in the tree"), ("pkg/dir.py", "folder"),
+                      ("pkg/link.py/x", "pkg/link.py is a symbolic link"), ("../x", "not a plain"),
+                      ("/etc/x", "not a plain"), ("pkg//x", "not a plain")]:
+        with pytest.raises(errors.UsageError, match=what):
+            files.write_in_tree(tree, rel, b"evil\n")
+    assert (outside / "x.py").read_text() == PRECIOUS and sorted(os.listdir(outside)) == ["x.py"]
+    files.write_in_tree(tree, "new/deep/tool.sh", b"#!/bin/sh\n", executable=True)
+    mode = (tree / "new/deep/tool.sh").stat().st_mode
+    assert mode & stat.S_IXUSR and (tree / "new/deep/tool.sh").read_bytes() == b"#!/bin/sh\n"
+
+
+def test_verify_skips_links_fifos_and_folders_named_py(tmp_path):
+    tree, outside = tmp_path / "tree", tmp_path / "outside"
+    write(tree, {"pkg/__init__.py": "", "pkg/mod.py": "VALUE = 1\n",
+                 "pkg/user.py": "from pkg.mod import VALUE\n"})
+    write(outside, {"evil.py": "from pkg.mod import MISSING\n"})
+    (tree / "pkg" / "dangling.py").symlink_to(tmp_path / "nowhere.py")
+    (tree / "pkg" / "outside.py").symlink_to(outside / "evil.py")  # read, it would fail verify
+    (tree / "pkg" / "dir.py").mkdir()
+    os.mkfifo(tree / "pkg" / "fifo.py")  # read, it would block forever
+    result = verify(tree, ["pkg/mod.py", "pkg/dangling.py", "pkg/outside.py", "pkg/fifo.py"])
+    assert result.ok, result.errors
+    (tree / "pkg/mod.py").write_text("OTHER = 1\n")  # and a real failure is still seen
+    assert verify(tree, ["pkg/mod.py"]).errors == ["pkg/user.py:1: cannot import name 'VALUE' "
+                                                   "from pkg.mod"]
+
+
+def test_dangling_py_link_in_upstream_tree_applies(project, upstream, tmp_path):
+    up = hostile(upstream, tmp_path, lambda t: relink(t, "pkg/gone.py", "../nowhere/gone.py"))
+    rep = apply(project, up, tmp_path / "wd", ref="evil")
+    assert rep.ok, rep.to_json()
+    assert os.path.islink(tmp_path / "wd/pkg/gone.py")  # upstream's link kept as a link
+
+
+def test_overlay_source_link_or_git_path_is_refused(project, upstream, tmp_path):
+    outside = tmp_path / "secret.py"
+    outside.write_text("SECRET = 1\n")
+    (project.overlay_dir / "pkg/new.py").unlink()
+    (project.overlay_dir / "pkg/new.py").symlink_to(outside)
+    with pytest.raises(errors.UsageError, match="overlay/pkg/new.py is a symbolic link"):
+        apply(project, upstream, tmp_path / "wd")
+    for path in (".git/hooks/post-checkout", "pkg/.GIT/x", "pkg/.git./x", "pkg/a\nb"):
+        project.manifest_path.write_text(json.dumps(
+            {"base": "v1.0.0", "files": [{"path": path, "base_blob": "new"}]}))
+        with pytest.raises(errors.UsageError, match="bad path"):
+            apply(project, upstream, tmp_path / "wd")
+    assert not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("file_mode", [False, True])
+def test_overlay_files_keep_their_mode(project, upstream, tmp_path, file_mode):
+    write(project.overlay_dir, {"pkg/tool.sh": "#!/bin/sh\necho hi\n"})
+    (project.overlay_dir / "pkg/tool.sh").chmod(0o755)
+    data = json.loads(project.manifest_path.read_text())
+    data["files"].append({"path": "pkg/tool.sh", "base_blob": "new"})
+    project.manifest_path.write_text(json.dumps(data))
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    g(wd, "config", "core.fileMode", str(file_mode).lower())  # git would not see the x bit
+    assert apply(project, upstream, wd).ok
+    modes = {line.split("\t")[1]: line.split()[0] for line in
+             g(wd, "ls-tree", "-r", "HEAD", "pkg").splitlines()}
+    assert modes["pkg/tool.sh"] == "100755" and modes["pkg/new.py"] == modes["pkg/mod.py"] == "100644"
+
+
+# -- 3. ignore rules and filters cannot leave a file out or change it -------------------------
+
+def test_ignored_or_filtered_overlay_files_are_committed_exactly(project, upstream, tmp_path,
+                                                                 monkeypatch):
+    up = hostile(upstream, tmp_path, lambda t: write(t, {
+        ".gitignore": "pkg/new.py\n", ".gitattributes": "*.py filter=evil ident\n"}))
+    wd = tmp_path / "wd"
+    g(up, "clone", "-q", str(up), str(wd))
+    (wd / ".git/info/exclude").write_text("*.py\n")
+    g(wd, "config", "filter.evil.clean", "sed s/ours/THEIRS/")  # the checkout's own config
+    xdg = tmp_path / "xdg"
+    write(xdg, {"git/ignore": "*\n", "git/attributes": "* text eol=crlf\n"})
+    global_config = tmp_path / "gitconfig"
+    global_config.write_text(f"[core]\n\texcludesFile = {xdg / 'git/ignore'}\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(xdg))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(global_config))
+    rep = apply(project, up, wd, ref="evil")
+    monkeypatch.undo()
+    assert rep.ok and {f.path: f.status for f in rep.overlay} == {"pkg/mod.py": "replaced",
+                                                                  "pkg/new.py": "added"}
+    for path in ("pkg/mod.py", "pkg/new.py"):  # the blob git itself computes from our bytes
+        ours = subprocess.run(["git", "hash-object", "--no-filters", str(project.overlay_dir / path)],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert g(wd, "rev-parse", f"HEAD:{path}").strip() == ours
+
+
+def test_committed_blob_check_names_a_difference(upstream, tmp_path):
+    tree = tmp_path / "tree"
+    g(upstream, "clone", "-q", "--branch", "v1.0.0", str(upstream), str(tree))
+    repo = git.open_repo(tree)
+    mod = (tree / "pkg/mod.py").read_bytes()
+    assert manifest.committed_mismatches(repo, "HEAD", {"pkg/mod.py": (mod, False)}) == []
+    problems = manifest.committed_mismatches(repo, "HEAD", {"pkg/mod.py": (mod + b"#\n", False),
+                                                            "pkg/x.py": (b"", False),
+                                                            "pkg/user.py": ((tree / "pkg/user.py")
+                                                                            .read_bytes(), True)})
+    assert [p.split(":")[0] for p in problems] == ["pkg/mod.py", "pkg/user.py", "pkg/x.py"]
+    assert "committed nothing" in problems[2] and "committed 100644" in problems[1]
+
+
+# -- 4. the user's git config and GIT_* variables change nothing ------------------------------
+
+HOSTILE_CONFIG = """\
+[color]
+\tui = always
+\tdiff = always
+\tstatus = always
+[diff]
+\tnoprefix = true
+\tmnemonicPrefix = true
+\talgorithm = histogram
+\tcontext = 9
+\texternal = /bin/false
+[core]
+\tquotePath = true
+\tautocrlf = true
+\thooksPath = {hooks}
+\tcommentChar = %
+\tfsmonitor = /bin/false
+[apply]
+\twhitespace = error
+[am]
+\tmessageId = true
+\tthreeWay = true
+[mailinfo]
+\tscissors = true
+[commit]
+\tcleanup = verbatim
+\tgpgSign = true
+[gpg]
+\tprogram = /bin/false
+[i18n]
+\tcommitEncoding = ISO-8859-1
+[rerere]
+\tenabled = true
+\tautoUpdate = true
+[merge]
+\tconflictStyle = zdiff3
+[format]
+\tsignOff = true
+\tsuffix = .diff
+\theaders = "X-Evil: 1"
+\tcoverLetter = true
+\tsubjectPrefix = EVIL
+\tthread = deep
+\tto = evil@example.invalid
+\tnotes = true
+\tattach
+[log]
+\tshowSignature = true
+\tdecorate = full
+[gc]
+\tauto = 1
+[user]
+\tuseConfigOnly = true
+\tname = Alice Example
+\temail = alice@example.invalid
+[submodule]
+\trecurse = true
+[status]
+\tshowUntrackedFiles = no
+"""
+HOSTILE_ENV = {"GIT_DIR": "/nonexistent", "GIT_WORK_TREE": "/nonexistent", "GIT_INDEX_FILE": "/x",
+               "GIT_CONFIG_PARAMETERS": "'color.ui'='always'", "GIT_CONFIG_COUNT": "1",
+               "GIT_CONFIG_KEY_0": "diff.noprefix", "GIT_CONFIG_VALUE_0": "true",
+               "GIT_EXTERNAL_DIFF": "/bin/false", "GIT_DIFF_OPTS": "--unified=9",
+               "GIT_LITERAL_PATHSPECS": "1", "GIT_ICASE_PATHSPECS": "1",
+               "GIT_AUTHOR_DATE": "2001-01-01T00:00:00", "GIT_COMMITTER_DATE": "2001-01-01T00:00:00"}
+
+
+def _hostile_git(tmp_path: Path, monkeypatch, wd: Path | None = None) -> None:
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    for hook in ("applypatch-msg", "pre-applypatch", "post-applypatch", "pre-commit", "commit-msg",
+                 "post-checkout", "reference-transaction", "post-commit"):
+        (hooks / hook).write_text(f"#!/bin/sh\necho {hook} >> {tmp_path / 'hooks-ran'}\nexit 1\n")
+        (hooks / hook).chmod(0o755)
+    config = HOSTILE_CONFIG.format(hooks=hooks)
+    (tmp_path / "gitconfig").write_text(config)
+    if wd is not None:  # the checkout's own config: cannot be shut out, only overridden
+        with open(wd / ".git/config", "a") as f:
+            f.write(config.replace("\tname = Alice Example\n", "")
+                    .replace("\temail = alice@example.invalid\n", ""))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    for key, value in HOSTILE_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def _outcome(rep):
+    return ([(p.name, p.status, p.files, p.hunks) for p in rep.patches],
+            [(f.path, f.status, f.detail, f.upstream_diff) for f in rep.overlay], rep.exit_code)
+
+
+def test_users_git_config_and_environment_change_no_verdict_and_no_sha(project, upstream, tmp_path,
+                                                                       monkeypatch):
+    clean, hostile_wd = tmp_path / "clean", tmp_path / "wd"
+    expected = {ref: _outcome(apply(project, upstream, clean, ref=ref, check=True))
+                for ref in ("v1.1.0", "v1.2.0", "v1.3.0")}
+    assert apply(project, upstream, clean).ok
+    g(upstream, "clone", "-q", str(upstream), str(hostile_wd))
+    with monkeypatch.context() as m:
+        _hostile_git(tmp_path, m, hostile_wd)
+        got = {ref: _outcome(apply(project, upstream, hostile_wd, ref=ref, check=True))
+               for ref in expected}
+        rep = apply(project, upstream, hostile_wd)
+    assert got == expected and expected["v1.2.0"][0][0][1] == "landed-upstream"
+    assert expected["v1.3.0"][0][0][3][0] == "pkg/model.txt:4-8"
+    assert rep.ok and g(hostile_wd, "rev-parse", "HEAD") == g(clean, "rev-parse", "HEAD")
+    assert not (tmp_path / "hooks-ran").exists()
+    # the user's identity stays theirs where the tool acts for them (the checkout's reflog)
+    assert g(hostile_wd, "log", "-g", "-1", "--format=%gn", "HEAD").strip() == "Alice Example"
+    assert g(hostile_wd, "log", "-1", "--format=%an|%cn").strip() == "vllm-k3-overlay|vllm-k3-overlay"
+
+
+def test_export_writes_the_same_patches_under_hostile_config(project, upstream, tmp_path, monkeypatch):
+    from k3overlay.export import export
+    from k3overlay.project import Project
+
+    twin = Project(tmp_path / "twin")
+    subprocess.run(["cp", "-a", str(project.root), str(twin.root)], check=True)
+    for proj, wd in ((project, tmp_path / "a"), (twin, tmp_path / "b")):
+        assert apply(proj, upstream, wd).ok
+        (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text() + "line 13\n")
+        g(wd, "commit", "-qam", "model: line 13\n\nWhy: a test.\n\nUpstream-Status: Pending")
+    export(project, tmp_path / "a")
+    with monkeypatch.context() as m:
+        _hostile_git(tmp_path, m, tmp_path / "b")
+        export(twin, tmp_path / "b")
+    for name in sorted(os.listdir(project.patches_dir)):
+        assert (twin.patches_dir / name).read_bytes() == (project.patches_dir / name).read_bytes()
+    assert sorted(os.listdir(twin.patches_dir)) == sorted(os.listdir(project.patches_dir))
+    assert twin.manifest_path.read_text() == project.manifest_path.read_text()
+
+
+def test_repository_reached_through_the_users_url_rewrite(project, upstream, tmp_path, monkeypatch):
+    config = tmp_path / "gitconfig"
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = k3test:\n')
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    rep = run_apply(project, Options(vllm_repo="k3test:", workdir=tmp_path / "wd"))
+    assert rep.ok and rep.ref_sha == g(upstream, "rev-parse", "v1.0.0").strip()
+
+
+# -- 7. reports: whole or not at all ----------------------------------------------------------
+
+def _disk_full_after(monkeypatch, nbytes: int) -> None:
+    """Make writes to the tool's temporary files stop with ENOSPC after ``nbytes`` bytes each."""
+    real = os.write
+    written_to: dict[int, int] = {}
+
+    def write(fd, data):
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith(".k3-tmp"):
+            return real(fd, data)  # a pipe to git, the terminal, …: unaffected
+        budget = nbytes - written_to.get(fd, 0)
+        if budget <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = real(fd, bytes(data[:budget]))
+        written_to[fd] = written_to.get(fd, 0) + written
+        return written
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_full_disk_keeps_the_previous_report(project, upstream, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    out = tmp_path / "reports" / "r.json"
+    base = ["-q", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--json", str(out)]
+    assert cli.main(base) == 0
+    good = out.read_text()
+    out.chmod(0o640)
+    with monkeypatch.context() as m:
+        _disk_full_after(m, 10)
+        assert cli.main([*base, "--vllm-ref", "v1.2.0"]) == errors.DRIFT  # the job's own code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"apply.py: error: cannot write {out}: No space left on device"]
+    assert out.read_text() == good and json.loads(good)["ok"] is True
+    assert os.listdir(out.parent) == ["r.json"] and stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert cli.main([*base, "--vllm-ref", "v1.2.0"]) == errors.DRIFT  # room again: replaced
+    assert json.loads(out.read_text())["ok"] is False and stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_full_disk_keeps_the_previous_markdown_and_manifest(project, tmp_path, monkeypatch):
+    md = tmp_path / "r.md"
+    md.write_text("old\n")
+    before = project.manifest_path.read_bytes()
+    loaded = manifest.load(project.manifest_path, project.overlay_dir)
+    with monkeypatch.context() as m:
+        _disk_full_after(m, 3)
+        with pytest.raises(errors.UsageError, match="No space left"):
+            report.write_text(md, "# new report\n" * 100)
+        with pytest.raises(errors.UsageError, match="No space left"):
+            manifest.save(manifest.Manifest("v9.9.9", loaded.files), project.manifest_path)
+    assert md.read_text() == "old\n" and project.manifest_path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == sorted(["r.md", "project", "cache"] if (tmp_path / "cache")
+                                                  .exists() else ["r.md", "project"])
+
+
+# -- 8. a detached HEAD only the reflog would remember ---------------------------------------
+
+def test_detached_head_no_ref_holds_is_refused_with_its_sha(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    assert apply(project, upstream, wd).ok
+    g(wd, "checkout", "-q", "--detach")
+    write(wd, {"mine.txt": "my work\n"})
+    g(wd, "add", "mine.txt")
+    g(wd, "commit", "-qm", "my work on a detached HEAD")
+    mine = g(wd, "rev-parse", "HEAD").strip()
+    before = snapshot(wd)
+    for run in (lambda: apply(project, upstream, wd, ref="v1.1.0"),
+                lambda: rebase_to(project, Options(ref="v1.1.0", vllm_repo=str(upstream), workdir=wd))):
+        with pytest.raises(errors.UsageError, match=f"HEAD is detached at {mine}"):
+            run()
+    assert snapshot(wd) == before
+    assert apply(project, upstream, wd, ref="v1.1.0", check=True).ok  # --check moves nothing
+    g(wd, "checkout", "-q", "--detach", "v1.0.0")  # detached where a tag holds it: fine
+    assert apply(project, upstream, wd, ref="v1.1.0").ok
+
+
+# -- 9. refs that name a tree or a blob -------------------------------------------------------
+
+@pytest.fixture
+def odd_refs(upstream, tmp_path):
+    up = tmp_path / "odd"
+    g(upstream, "clone", "-q", str(upstream), str(up))
+    g(up, "tag", "treetag", "v1.0.0^{tree}")
+    g(up, "tag", "blobtag", "v1.0.0:pkg/mod.py")
+    g(up, "tag", "-a", "-m", "annotated", "annotree", "v1.0.0^{tree}")
+    refs = {"treetag": "tree", "blobtag": "blob", "annotree": "tree",
+            g(up, "rev-parse", "v1.0.0^{tree}").strip(): "tree",
+            g(up, "rev-parse", "v1.0.0:pkg/user.py").strip(): "blob"}
+    return up, refs
+
+
+def test_ref_naming_a_tree_or_blob_is_exit_2_in_one_line(project, odd_refs, tmp_path, monkeypatch,
+                                                         capsys):
+    up, refs = odd_refs
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    g(up, "clone", "-q", str(up), str(wd))  # a checkout that has every object
+    before = snapshot(wd)
+    for ref, kind in refs.items():
+        for where in (wd, tmp_path / "fresh"):
+            for mode in ([], ["--check"]):
+                code = cli.main(["-q", "--vllm-repo", str(up), "--workdir", str(where),
+                                 "--vllm-ref", ref, *mode])
+                err = capsys.readouterr().err.strip().splitlines()
+                assert code == errors.USAGE and len(err) == 1, (ref, where, mode, err)
+                assert f"names a {kind}" in err[0] or f"names a tag of a {kind}" in err[0], err
+    assert snapshot(wd) == before and not (tmp_path / "fresh").exists()
+
+
+def test_rebase_job_onto_a_tree_is_exit_2_and_no_traceback(project, odd_refs, tmp_path):
+    up, _ = odd_refs
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1] + '/ci'); import rebase;"
+         "from k3overlay.project import Project; rebase.Project = lambda: Project(__import__('pathlib')"
+         ".Path(sys.argv[2])); sys.exit(rebase.main(sys.argv[3:]))", str(ROOT), str(project.root),
+         "--onto", "treetag", "--onto", "v1.1.0", "--no-tests", "-q", "--vllm-repo", str(up),
+         "--json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert proc.returncode == errors.USAGE and "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data[0]["error"] == "ref 'treetag' names a tree, not a commit: give a tag, branch or commit sha"
+    assert data[1]["ok"] is True  # the other ref still got its report
