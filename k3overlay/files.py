@@ -1,14 +1,15 @@
-"""Writing files without surprises: never through a link, never half-written.
+"""Reading and writing files without surprises: never through a link, never half-written.
 
-Two ways in, one way down:
-  ``write_in_tree``   a file laid into a tree (a vLLM work tree, ``overlay/``): every folder
-                      below the tree's top is opened without following links, so a link
-                      anywhere on the way (``pkg -> /etc``) or at the destination is refused,
-                      never written through;
+  ``read_regular``     the bytes of a regular file; None for a link, a FIFO, anything else
+  ``write_in_tree``    a file laid into a tree (a vLLM work tree, ``overlay/``): every folder
+                       below the tree's top is opened without following links, so a link
+                       anywhere on the way (``pkg -> /etc``) or at the destination is refused,
+                       never written through;
   ``write_atomically`` a file the user named (a report): the whole text or nothing; a full
-                      disk leaves the previous file as it was.
-Both write a temporary file next to the destination and rename it into place,
-so a reader never sees a half-written file and an interrupted run leaves the old one.
+                       disk leaves the previous file as it was.
+Both writers write a temporary file next to the destination, flush it to disk and rename
+it into place, so a reader never sees a half-written file and an interrupted run leaves
+the old one.
 """
 
 from __future__ import annotations
@@ -86,6 +87,26 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror}") from err
     finally:
         os.close(dirfd)
+
+
+def read_regular(file: Path) -> bytes | None:
+    """The bytes of ``file`` if it is a regular file we can read; None for anything else.
+
+    A link (dangling, or out of the tree) is never followed, a FIFO never waited on.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # missing, a link (ELOOP), unreadable
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            return stream.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ast
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .files import read_regular
 
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", "build", "dist"}
 
@@ -34,7 +35,7 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
     result = VerifyResult()
     modules: dict[str, ast.Module] = {}
     for path in sorted(p for p in touched if p.endswith(".py")):
-        source = _read_regular(tree / path)
+        source = read_regular(tree / path)
         if source is None:
             continue  # deleted by a patch, or a link: nothing of ours to compile
         try:
@@ -51,23 +52,6 @@ def verify(tree: Path, touched: list[str]) -> VerifyResult:
         if names is not None and name not in names and not _is_submodule(tree, module, name):
             result.fail(f"{importer}:{lineno}: cannot import name {name!r} from {module}")
     return result
-
-
-def _read_regular(file: Path) -> bytes | None:
-    """The bytes of ``file`` if it is a regular file we can read; None for anything else."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None  # missing, a link (ELOOP), unreadable
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as stream:
-            return stream.read()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def module_name(path: str) -> str:
@@ -119,7 +103,7 @@ def _imports_of(tree: Path, modules: set[str]):
             if not filename.endswith(".py"):
                 continue
             file = Path(dirpath) / filename
-            source = _read_regular(file)
+            source = read_regular(file)
             if source is None or not any(leaf in source for leaf in leaves):
                 continue  # cheap filter: most files never mention a touched module
             rel = file.relative_to(tree).as_posix()
