@@ -18,7 +18,7 @@ from k3overlay import errors
 from k3overlay.project import ROOT, Project
 from k3overlay.rebase import run_rebase
 
-from ..conftest import g
+from ..conftest import g, snapshot
 from .conftest import LLG
 
 SM90 = "vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py"
@@ -50,8 +50,9 @@ def test_real_tree_links_and_folders_are_never_written_through(mirror_repo, tmp_
     (tmp_path / "t").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "t")}
     out = tmp_path / "report.json"
+    before = snapshot(up)  # the hostile clone is the user's checkout here: --check on it
     proc = subprocess.run([sys.executable, str(ROOT / "apply.py"), "-q", "--check", "--vllm-repo",
-                           str(up), "--vllm-ref", "k3-hostile", "--workdir", str(tmp_path / "wd"),
+                           str(up), "--vllm-ref", "k3-hostile", "--workdir", str(up),
                            "--json", str(out)], capture_output=True, text=True, env=env)
     assert proc.returncode == errors.DRIFT, proc.stdout + proc.stderr
     overlay = {f["path"]: f for f in json.loads(out.read_text())["overlay"]}
@@ -59,7 +60,7 @@ def test_real_tree_links_and_folders_are_never_written_through(mirror_repo, tmp_
     assert "symbolic link" in overlay[LLG]["detail"] and "symbolic link" in overlay[SM90]["detail"]
     assert "folder" in overlay[TABLES]["detail"]
     assert [v.read_text() for v in victims] == [PRECIOUS, PRECIOUS]
-    assert os.listdir(tmp_path / "t") == [] and not (tmp_path / "wd").exists()
+    assert os.listdir(tmp_path / "t") == [] and snapshot(up) == before
 
     # The rebase job lays and verifies what it can: the tree walk meets the dangling link.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
