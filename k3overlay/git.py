@@ -444,9 +444,13 @@ def tree_entries(repo: Repo, ref: str, paths: list[str]) -> dict[str, tuple[str,
     Modes as git writes them: 100644/100755 file, 120000 link, 040000 folder,
     160000 submodule. A path below something that is not a folder is absent.
     """
-    out = run(repo, "ls-tree", "-z", "--full-tree", ref, "--", *paths) if paths else ""
+    return _ls_tree(repo, ref, "--", *paths) if paths else {}
+
+
+def _ls_tree(repo: Repo, *args: str) -> dict[str, tuple[str, str]]:
+    """``path: (mode, sha)`` of each entry ``git ls-tree ARGS`` lists."""
     entries = {}
-    for record in out.split("\0"):
+    for record in run(repo, "ls-tree", "-z", "--full-tree", *args).split("\0"):
         meta, tab, path = record.partition("\t")
         if tab:
             mode, _, sha = meta.split(" ")
@@ -489,13 +493,8 @@ def read_blob(repo: Repo, sha: str) -> bytes:
 def tree_files(repo: Repo, sha: str, folder: str) -> dict[str, str]:
     """``{path: blob sha}`` of every regular file under ``folder`` at commit ``sha``
     (links and submodules left out)."""
-    out = run(repo, "ls-tree", "-r", "-z", "--full-tree", sha, "--", folder)
-    files = {}
-    for entry in out.split("\0"):
-        meta, _, path = entry.partition("\t")
-        if path and meta.split(" ")[0] in ("100644", "100755"):
-            files[path] = meta.split(" ")[2]
-    return files
+    return {path: blob for path, (mode, blob) in _ls_tree(repo, "-r", sha, "--", folder).items()
+            if mode in ("100644", "100755")}
 
 
 def blob_hash(data: bytes, *, width: int = 40) -> str:
