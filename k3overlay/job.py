@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
+
 from . import errors, git, progress, source
 from . import manifest as manifest_mod
 from . import series as series_mod
@@ -71,8 +73,8 @@ def run_apply(project: Project, opts: Options) -> Report:
 @contextlib.contextmanager
 def locked(workdir: Path) -> Iterator[None]:
     """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it."""
-    with workdir_lock(workdir, say=lambda text: progress.console.print(f"[dim]…[/dim] {text}")):
-        yield
+    with workdir_lock(workdir, say=lambda text: progress.console.print(f"[dim]…[/dim] {escape(text)}")):
+        yield  # (said even with -q: a run that waits must say why)
 
 
 def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manifest,

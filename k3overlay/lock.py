@@ -24,11 +24,12 @@ from .project import cache_dir
 
 @contextlib.contextmanager
 def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold the lock of ``workdir`` (an absolute path) for the block.
+    """Hold the lock of ``workdir`` (need not exist yet) for the block.
 
     If another run holds it, ``say`` is told once and the call waits (Ctrl-C
     stops the wait). Raises UsageError if the lock file cannot be made.
     """
+    workdir = workdir.resolve()  # one folder, one lock, however it was named
     key = hashlib.sha256(os.fsencode(workdir)).hexdigest()[:32]
     path = cache_dir() / "locks" / f"{key}.lock"
     try:

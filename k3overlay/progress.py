@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # one line a step, even in CI logs
@@ -14,17 +15,18 @@ quiet = False
 
 
 def say(message: str) -> None:
-    """One line of progress (a cache re-fetch, say) unless ``-q``."""
+    """One line of progress (a cache re-fetch, say) unless ``-q``; plain text, not markup."""
     if not quiet:
-        console.print(message)
+        console.print(escape(message))
 
 
 @contextlib.contextmanager
 def step(message: str) -> Iterator[None]:
-    """Say ``message`` now and how long it took when done (seconds)."""
+    """Say ``message`` (plain text: a path may hold ``[/x]``) now and how long it took when
+    done (seconds)."""
     start = time.monotonic()
     if not quiet:
-        console.print(f"[dim]…[/dim] {message}")
+        console.print(f"[dim]…[/dim] {escape(message)}")
     yield
     if not quiet:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")

@@ -330,7 +330,8 @@ HOSTILE_ENV = {"GIT_DIR": "/nonexistent", "GIT_WORK_TREE": "/nonexistent", "GIT_
                "GIT_CONFIG_KEY_0": "diff.noprefix", "GIT_CONFIG_VALUE_0": "true",
                "GIT_EXTERNAL_DIFF": "/bin/false", "GIT_DIFF_OPTS": "--unified=9",
                "GIT_LITERAL_PATHSPECS": "1", "GIT_ICASE_PATHSPECS": "1",
-               "GIT_AUTHOR_DATE": "2001-01-01T00:00:00", "GIT_COMMITTER_DATE": "2001-01-01T00:00:00"}
+               "GIT_AUTHOR_DATE": "2001-01-01T00:00:00", "GIT_COMMITTER_DATE": "2001-01-01T00:00:00",
+               "GIT_AUTHOR_NAME": "Mallory", "GIT_AUTHOR_EMAIL": "mallory@example.invalid"}
 
 
 def _hostile_git(tmp_path: Path, monkeypatch, wd: Path | None = None) -> None:
@@ -526,3 +527,12 @@ def test_rebase_job_onto_a_tree_is_exit_2_and_no_traceback(project, odd_refs, tm
     data = json.loads((tmp_path / "out.json").read_text())
     assert data[0]["error"] == "ref 'treetag' names a tree, not a commit: give a tag, branch or commit sha"
     assert data[1]["ok"] is True  # the other ref still got its report
+
+
+def test_paths_that_look_like_markup_are_printed_as_they_are(project, upstream, tmp_path,
+                                                              monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "w[/x]d[bold]"
+    assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(wd)]) == 0
+    out = capsys.readouterr()
+    assert f"cloning {upstream} into {wd}" in out.err and str(wd) in out.out
