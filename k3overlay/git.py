@@ -15,9 +15,11 @@ tool's own commits carry a fixed one) is carried over from their config.
 
 Processes are started here rather than through GitPython's ``execute``, which
 can neither drop an inherited variable nor stop its child on Ctrl-C; GitPython
-still opens repositories. On an interrupt the child's whole process group is
-terminated and waited for before the interrupt goes on, so no git keeps writing
-after the tool has cleaned up.
+still opens repositories. Each git runs in a session of its own (no terminal:
+nothing prompts; a private repository needs an ssh agent or a credential
+helper). On an interrupt the child's whole process group is terminated and
+waited for before the interrupt goes on, so no git keeps writing after the tool
+has cleaned up.
 """
 
 from __future__ import annotations
