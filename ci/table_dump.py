@@ -22,7 +22,8 @@ Output (stdout or ``--out``)::
      "archs": {"SM90": {"rows": [[N, K, M, backend, config|null], ...],
                         "residual": [[N, K, M, config], ...]}, ...}}
 
-``config`` is the ``SkinnyGemmConfig`` as a dict without ``num_rows`` (which equals M).
+``config`` is the ``SkinnyGemmConfig`` as a dict without ``num_rows`` (which equals M);
+other backends' configs as their dataclass or named-tuple fields.
 Exit 1 with a one-line message on stderr if the module has no accessor we know.
 Only the standard library and the tree are imported here.
 """
@@ -80,10 +81,19 @@ class FakePlatform:
         return self._cap.major >= 9
 
 
-def _config(config) -> dict | None:
+def _config(config) -> dict | list | str | None:
+    """A backend's config as JSON: a dataclass (``SkinnyGemmConfig``) or named tuple as a
+    dict without ``num_rows`` (which is M), another tuple as a list, anything else its repr."""
     if config is None:
         return None
-    data = dataclasses.asdict(config)
+    if dataclasses.is_dataclass(config):
+        data = dataclasses.asdict(config)
+    elif hasattr(config, "_asdict"):
+        data = dict(config._asdict())
+    elif isinstance(config, (tuple, list)):
+        return list(config)
+    else:
+        return repr(config)
     data.pop("num_rows", None)
     return data
 

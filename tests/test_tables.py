@@ -332,3 +332,15 @@ def test_bundle_refuses_a_target_whose_cute_dsl_it_would_not_carry(tmp_path):
         (tmp_path / "trees" / "v9.9.9" / "tree.tar.xz").write_bytes(b"x")
         assert bundle.add_targets(tar, str(tmp_path / "trees"), str(tmp_path), "3.12", "4.8.0") \
             == ["v9.9.9"]  # same release as the base: the base bundle's wheels serve it
+
+
+def test_other_backends_configs_come_out_as_their_fields():
+    from collections import namedtuple
+
+    import table_dump
+
+    swap = namedtuple("SwapAbConfig", "block_n block_k split_k")
+    assert table_dump._config(swap(16, 128, 4)) == {"block_n": 16, "block_k": 128, "split_k": 4}
+    assert table_dump._config((1, 2)) == [1, 2] and table_dump._config(None) is None
+    with pytest.raises(LookupError, match="no handle for backend swap_ab"):
+        ab._kernel_fn({"backend": "swap_ab", "config": {}}, 1, kernels=None)

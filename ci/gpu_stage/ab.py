@@ -8,7 +8,9 @@ the host read them). A side without a row runs cuBLAS there (its time is cuBLAS'
 each output first checked against float64 (relative error <= 1e-2). CuTe configs are
 compiled before the lock is taken, so worker processes compile in parallel and only the
 timings are serialised. A dsv3_fused_a choice is timed only where that op is built;
-elsewhere the row is ``unmeasured`` and left out of the head-to-head geo-mean.
+elsewhere the row is ``unmeasured`` and left out of the head-to-head geo-mean, as is a row
+where ours chose a backend upstream does not have (swap_ab, ll_bf16, tinygemm: no handle
+here).
 
 ``winner`` per row: ``ours`` or ``upstream`` when one side is faster by more than
 ``TIE`` (2%, above the ~1% spread of a median of 15 replays seen on the H200), else ``tie``.
@@ -83,6 +85,8 @@ def _kernel_fn(choice: dict | None, m: int, kernels):
         if fn is None:
             raise LookupError("dsv3_fused_a not built here")
         return fn
+    if choice["backend"] != "cute":  # ours only (swap_ab, ...): its own benchmark times it
+        raise LookupError(f"the A/B has no handle for backend {choice['backend']}")
     cfg = config_tuple(choice["config"])
     try:
         kernels.cute_compile(m, cfg)  # CPU only, outside the GPU lock
