@@ -12,7 +12,8 @@ The ``pytest_no_accelerator`` plugin next to this file keeps vLLM's per-test dev
 cleanup from erroring without a GPU, so GPU cases report as skipped with their reason.
 
 Usage: ``python ci/cpu_tier.py TREE [--junit FILE]``; exits 1 on any failure or error.
-The Python used needs torch 2.13.0, pytest, tblib and vLLM's requirements/common.txt.
+The Python used needs torch, pytest, tblib and the tree's requirements: the rebase job
+gives each target an environment of its own (``target_env.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +37,8 @@ TEST_FILES = (
     "tests/kernels/test_kimi_k3_kda_projection.py",
     "tests/kernels/test_kimi_k3_kda_projection_gpu.py",  # likewise
 )
-COUNT_KEYS = ("passed", "failed", "skipped", "errors")
+COUNT_KEYS = ("passed", "failed", "skipped", "errors", "env_errors")
+_MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def pytest_command(python: str, junit_xml: pathlib.Path) -> list[str]:
@@ -52,19 +55,48 @@ def pytest_command(python: str, junit_xml: pathlib.Path) -> list[str]:
     ]  # fmt: skip
 
 
-def count_junit(junit_xml: pathlib.Path) -> dict[str, int]:
+def environment_cause(text: str, tree: pathlib.Path) -> str | None:
+    """Why a failure is the environment's, not the tree's: the module it could not import.
+
+    Only ``ModuleNotFoundError`` for a top-level package the tree does not hold counts
+    (``cuda``: yes; ``vllm.x`` or ``tests.y``: no, those are the tree's own).
+    """
+    missing = _MISSING.findall(text)
+    if not missing:
+        return None
+    top = missing[-1].split(".")[0]
+    if (tree / top).exists() or (tree / f"{top}.py").exists():
+        return None
+    return f"no module named {missing[-1]!r}"
+
+
+def count_junit(junit_xml: pathlib.Path, tree: pathlib.Path | None = None) -> dict:
     """Outcome counts from a pytest JUnit XML file.
 
     A test can count twice, as pytest's own summary does: e.g. skipped in its body
-    and an error at teardown.
+    and an error at teardown. With ``tree``, a failure or error that
+    ``environment_cause`` pins on the environment counts as ``env_errors`` instead,
+    and ``env_causes`` lists those causes.
     """
     counts = dict.fromkeys(COUNT_KEYS, 0)
+    causes = set()
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        bad = [child for child in case if child.tag in ("failure", "error")]
         kinds = {child.tag for child in case}
-        counts["failed"] += "failure" in kinds
-        counts["errors"] += "error" in kinds
+        cause = None
+        if bad and tree is not None:
+            text = " ".join((b.get("message") or "") + "\n" + (b.text or "") for b in bad)
+            cause = environment_cause(text, tree)
+        if cause:
+            counts["env_errors"] += 1
+            causes.add(cause)
+        else:
+            counts["failed"] += "failure" in kinds
+            counts["errors"] += "error" in kinds
         counts["skipped"] += "skipped" in kinds
         counts["passed"] += not kinds & {"failure", "error", "skipped"}
+    if causes:
+        counts["env_causes"] = sorted(causes)
     return counts
 
 
@@ -81,8 +113,9 @@ def run_cpu_tier(
         junit_xml: where pytest writes its JUnit report; a temporary file if None.
 
     Returns:
-        ``{"passed", "failed", "skipped", "errors", "returncode"}``. If pytest ran
-        no test at all (usage error, crash, missing file), ``errors`` is 1.
+        ``{"passed", "failed", "skipped", "errors", "env_errors", "returncode"}`` (and
+        ``env_causes`` when there are environment errors, see ``count_junit``). If pytest
+        ran no test at all (usage error, crash, missing file), ``errors`` is 1.
     """
     tree = pathlib.Path(tree).resolve()
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +124,7 @@ def run_cpu_tier(
         # pytest's log goes to stderr: stdout is for the callers' reports.
         proc = subprocess.run(pytest_command(python, report), cwd=tree, env=env,
                               stdout=sys.stderr)
-        counts = count_junit(report) if report.is_file() else dict.fromkeys(COUNT_KEYS, 0)
+        counts = count_junit(report, tree) if report.is_file() else dict.fromkeys(COUNT_KEYS, 0)
         if proc.returncode >= 2 and not any(counts.values()):
             counts["errors"] = 1  # interrupted, usage error or crash before any test ran
     return {**counts, "returncode": proc.returncode}

@@ -3,18 +3,27 @@
 
     python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
         [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests] [--wheels DIR]
+        [--gpu | --gpu-results DIR] [--gpu-export DIR]
 
 For each ref, in a throwaway clone (the user's checkout is never touched):
 every patch classified (applied / applied-3way / landed-upstream / conflict),
 every drifted overlay file 3-way merged (merged / conflict) with upstream's
-own diff, the result verified, and the CPU test tier (vLLM's skinny-GEMM
-test file and ours, see ``ci/cpu_tier.py``) run on what applied. With
+own diff, the result verified, and, in an environment built from the target's
+own requirements (``ci/target_env.py``): the ours-vs-upstream diff of the
+low-latency GEMM tables (``ci/table_diff.py``) and the CPU test tier (vLLM's
+skinny-GEMM test file and ours, see ``ci/cpu_tier.py``) on what applied. With
 ``--wheels DIR``, each ref that applied also gets its internal wheel built
 into DIR (``apply.py --build-wheel``'s repack), reported as ``wheel``.
 
+GPU stage (``ci/gpu_stage/``): ``--gpu`` runs it on this machine's GPU for each
+target; ``--gpu-results DIR`` attaches what an air-gapped GPU runner measured on
+the same trees (refused for a tree whose commit differs); ``--gpu-export DIR``
+writes each built tree and what the stage needs of it, for the offline bundle.
+
 Exit code: 0 when every ref is clean, else the first failing ref's code
 (3 patch conflict, 4 overlay drift/conflict, 5 verify or tests failed,
-2/6 ref or source problems), so CI can gate on it or treat it as advisory.
+7 test environment, 2/6 ref or source problems), so CI can gate on it or treat
+it as advisory.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from k3overlay import errors, progress  # noqa: E402
+from k3overlay import errors, git, progress  # noqa: E402
 from k3overlay.cli import report_console, stop_like_ctrl_c  # noqa: E402
 from k3overlay.project import Project  # noqa: E402
 from k3overlay.rebase import run_rebase  # noqa: E402
@@ -42,11 +51,78 @@ from k3overlay.report import (  # noqa: E402
 from k3overlay.source import default_mirror  # noqa: E402
 from k3overlay.wheel import WheelOptions  # noqa: E402
 
+LLG_PACKAGE = "vllm/models/kimi_k3/nvidia"
+LLG = f"{LLG_PACKAGE}/low_latency_gemm.py"
 
-def cpu_tier(tree: Path) -> dict:
-    from cpu_tier import run_cpu_tier
 
-    return run_cpu_tier(tree)
+class TargetRun:
+    """What the job does on each target's trees beyond patching (one ref at a time).
+
+    On the pristine tree: build (or reuse) the target's environment, read upstream's
+    tables. On the patched tree: the CPU tier, our tables and the diff, the GPU stage.
+    """
+
+    def __init__(self, project: Project, *, gpu: bool, gpu_results: dict[str, dict] | None,
+                 gpu_export: Path | None) -> None:
+        self.project, self.gpu = project, gpu
+        self.gpu_results, self.gpu_export = gpu_results, gpu_export
+        self.env = self.env_error = self.upstream = None
+
+    def pristine(self, tree: Path, report) -> None:
+        import target_env
+        from table_diff import TableReadError, read_tables
+
+        self.env = self.env_error = self.upstream = None
+        try:
+            self.env = target_env.ensure(tree)
+        except target_env.EnvError as err:
+            self.env_error = str(err)
+            return
+        if (tree / LLG).is_file():
+            try:
+                self.upstream = read_tables(tree, self.env.python)
+            except TableReadError as err:
+                report.tables = {"error": f"upstream's tables: {err}"}
+
+    def tests(self, tree: Path) -> dict:
+        from cpu_tier import run_cpu_tier
+
+        if self.env is None:
+            return {"passed": 0, "failed": 0, "skipped": 0, "errors": 0,
+                    "env_error": self.env_error}
+        return {**run_cpu_tier(tree, self.env.python), "env": self.env.describe()}
+
+    def patched(self, tree: Path, report) -> None:
+        if self.upstream is None:
+            return
+        from gpu_stage import stage
+        from table_diff import TableReadError, read_tables, section
+
+        prefer = self._prefer(report)
+        try:
+            ours = read_tables(tree, self.env.python, prefer)
+        except TableReadError as err:
+            report.tables = {"error": f"our tables: {err}"}
+            return
+        report.tables = section(self.upstream, ours, tree, tree, prefer)
+        tree_sha = git.run(git.Repo(tree), "rev-parse", "HEAD").strip()
+        meta = stage.meta(report, tree_sha, self.upstream, ours, prefer, self.env.cute_dsl)
+        if self.gpu_export is not None:
+            stage.export(tree, meta, self.gpu_export / report.ref)
+        if self.gpu:
+            stage.attach(report, stage.run_here(tree, meta), tree_sha)
+        elif self.gpu_results is not None:
+            result = self.gpu_results.get(report.ref)
+            if result is None:
+                report.gpu = {"env_error": f"no GPU results for {report.ref} in --gpu-results"}
+            else:
+                stage.attach(report, result, tree_sha)
+
+    def _prefer(self, report) -> Path | None:
+        """Our overlay package folder when the job's merge of our module conflicted."""
+        conflicted = any(f.status == "conflict" and f.path.startswith(LLG_PACKAGE + "/")
+                         for f in report.overlay)
+        return self.project.overlay_dir / LLG_PACKAGE if conflicted else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tests", action="store_true", help="skip the CPU test tier")
     p.add_argument("--wheels", type=Path, metavar="DIR",
                    help="build each applied ref's wheel into DIR (name, size, sha256 reported)")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", action="store_true",
+                     help="run the GPU stage on this machine's GPU (ci/gpu_stage/)")
+    gpu.add_argument("--gpu-results", type=Path, metavar="DIR",
+                     help="attach the GPU stage's results measured elsewhere on these trees")
+    p.add_argument("--gpu-export", type=Path, metavar="DIR",
+                   help="write each built tree and its GPU-stage inputs here (offline bundle)")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
@@ -71,8 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             if path:
                 check_writable(path, option)
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
+        results = None
+        if args.gpu_results:
+            from gpu_stage.stage import load_results
+
+            results = load_results(args.gpu_results)
+        target = TargetRun(Project(), gpu=args.gpu, gpu_results=results,
+                           gpu_export=args.gpu_export)
         reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                             tests=None if args.no_tests else cpu_tier,
+                             tests=None if args.no_tests else target.tests,
+                             pristine=target.pristine, patched=target.patched,
                              wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)

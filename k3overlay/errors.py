@@ -10,6 +10,7 @@ CONFLICT = 3  # a patch of the series does not apply, even 3-way
 DRIFT = 4  # upstream changed a file the overlay replaces
 VERIFY = 5  # the patched tree failed verification, or a built wheel failed its checks
 SOURCE = 6  # the vLLM source could not be fetched (index, network, git remote)
+ENVIRONMENT = 7  # a test environment could not be built, or tests failed for reasons outside the tree
 
 
 class OverlayError(Exception):

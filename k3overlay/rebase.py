@@ -36,17 +36,22 @@ from .verify import verify
 from .wheel import WheelOptions, build_for
 
 TestRunner = Callable[[Path], dict]
+TreeHook = Callable[[Path, Report], None]
 
 
 def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
-               tests: TestRunner | None = None, wheels: WheelOptions | None = None) -> list[Report]:
+               tests: TestRunner | None = None, pristine: TreeHook | None = None,
+               patched: TreeHook | None = None, wheels: WheelOptions | None = None) -> list[Report]:
     """One report per ref in ``refs``; nothing of the user's is touched.
 
     ``tests(tree)`` runs the test tier on the patched tree and returns counts
-    (``passed``, ``failed``, ``skipped``, ``errors``). With ``wheels``, each
-    ref whose series and overlay applied and verified gets its wheel built
-    (``wheel.build_for``; the report's ``wheel``). A ref that cannot be
-    found yields a report with ``error`` rather than stopping the others.
+    (``passed``, ``failed``, ``skipped``, ``errors``). ``pristine(tree, report)``
+    sees the target tree as released, before anything is applied;
+    ``patched(tree, report)`` the tree the job built, after ``tests``; both may
+    fill the report. With ``wheels``, each ref whose series and overlay applied
+    and verified gets its wheel built (``wheel.build_for``; the report's
+    ``wheel``). A ref that cannot be found yields a report with ``error``
+    rather than stopping the others.
     Raises OverlayError for a bad series/manifest or an unreachable source.
     """
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
@@ -56,13 +61,15 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     try:
         repo = source.clone(origin, scratch / "vllm")
         base_sha = source.ensure_ref(repo, origin, manifest.base)
-        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests, wheels)
+        hooks = (tests, pristine, patched)
+        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, hooks, wheels)
                 for ref in refs]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests, wheels) -> Report:
+def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, hooks, wheels) -> Report:
+    tests, pristine, patched = hooks
     report = Report(project.version, manifest.base, ref)
     try:  # one bad or unknown ref must not cost the other refs their reports
         origin = source.locate(vllm_repo, [ref])
@@ -71,9 +78,14 @@ def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, tests, whee
         report.error, report.error_code = str(err), err.exit_code
         return report
     with git.temporary_worktree(repo, report.ref_sha) as tree:
+        tree_dir = Path(tree.working_tree_dir)
+        if pristine is not None:
+            pristine(tree_dir, report)
         sha = build(project, manifest, patches, tree, report, base_sha, merge=True, best_effort=True)
         if tests is not None:
-            report.tests = tests(Path(tree.working_tree_dir))
+            report.tests = tests(tree_dir)
+        if patched is not None:
+            patched(tree_dir, report)
         if wheels is not None and sha is not None:
             report.wheel = build_for(project, tree, report, sha, wheels)
     return report

@@ -8,10 +8,10 @@ systems and pull-request comments.
 from __future__ import annotations
 
 import json
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from junit_xml import TestCase, TestSuite, to_xml_report_string
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -31,7 +31,11 @@ class Report:
     """Everything one job found for one ref.
 
     ``allow_drift``: drift was accepted by the user, so it does not fail the job.
-    ``tests``: pass/fail/skip counts of a test run, when the job ran one.
+    ``tests``: pass/fail/skip counts of the CPU tier, when the job ran one
+    (``env_errors``: failures it could not attribute to the tree; ``env``: the
+    environment they ran in; ``env_error``: why there was none).
+    ``tables``: ours-vs-upstream diff of the low-latency GEMM tables (``ci/table_diff.py``).
+    ``gpu``: counts of the GPU stage's test suites; ``ab``: its ours/upstream/cuBLAS timing.
     ``wheel``: the wheel built from the result (``wheel.build_for``), or why none was.
     ``error``: a one-line reason when the job stopped early (bad input etc.).
     """
@@ -47,6 +51,9 @@ class Report:
     verify: VerifyResult | None = None
     allow_drift: bool = False
     tests: dict | None = None
+    tables: dict | None = None
+    gpu: dict | None = None
+    ab: dict | None = None
     wheel: dict | None = None
     error: str = ""
     error_code: int = errors.OK
@@ -66,10 +73,13 @@ class Report:
             return errors.DRIFT
         if self.verify is not None and not self.verify.ok:
             return errors.VERIFY
-        if self.tests is not None and (self.tests.get("failed") or self.tests.get("errors")):
+        runs = [r for r in (self.tests, self.gpu) if r is not None]
+        if any(r.get("failed") or r.get("errors") for r in runs):
             return errors.VERIFY
         if self.wheel is not None and "error" in self.wheel:
             return self.wheel["exit_code"]
+        if any(r.get("env_errors") or r.get("env_error") for r in runs):
+            return errors.ENVIRONMENT
         return errors.OK
 
     @property
@@ -98,10 +108,9 @@ class Report:
             "overlay": [_file_json(f) for f in self.overlay],
             "verify": {"ok": verify.ok, "errors": verify.errors},
         }
-        if self.tests is not None:
-            data["tests"] = self.tests
-        if self.wheel is not None:
-            data["wheel"] = self.wheel
+        for key in ("tests", "tables", "gpu", "ab", "wheel"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         if self.error:
             data["error"] = self.error
         return data
@@ -193,9 +202,13 @@ def write_human(report: Report, console: Console) -> None:
         for error in report.verify.errors:
             console.print(Text(f"  {error}"))
     if report.tests is not None:
-        t = report.tests
-        console.print(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
-                      f"{t.get('skipped', 0)} skipped, {t.get('errors', 0)} errors")
+        console.print(f"tests: {counts_line(report.tests)}")
+    for arch, line in table_lines(report.tables):
+        console.print(f"table diff {arch}: {line}")
+    if report.gpu is not None:
+        console.print(f"gpu tests: {counts_line(report.gpu)}")
+    if report.ab is not None:
+        console.print(f"gpu a/b: {ab_line(report.ab)}")
     if report.wheel is not None:
         w = report.wheel
         console.print(f"wheel: [red]not built[/red]: {w['error']}" if "error" in w else
@@ -214,48 +227,97 @@ def _styled(status: str) -> Text:
     return Text(status, style=_STYLE.get(status, "white"))
 
 
+COUNTS = ("passed", "failed", "skipped", "errors")
+
+
+def counts_line(run: dict) -> str:
+    """``"3 passed, 0 failed, 1 skipped, 0 errors"`` (+ environment errors, if any)."""
+    if run.get("env_error"):
+        return f"not run: environment error: {run['env_error']}"
+    line = ", ".join(f"{run.get(k, 0)} {k}" for k in COUNTS)
+    return line + (f", {run['env_errors']} environment errors" if run.get("env_errors") else "")
+
+
+def table_lines(tables: dict | None) -> list[tuple[str, str]]:
+    """``[(arch, "2 upstream only, 5 ours only, 1 different, 30 same")]``; ("-", error)."""
+    if tables is None:
+        return []
+    if tables.get("error"):
+        return [("-", f"not read: {tables['error']}")]
+    return [(arch, f"{len(s['upstream_only'])} upstream only, {len(s['ours_only'])} ours only, "
+                   f"{len(s['different'])} different, {s['same']} same")
+            for arch, s in tables["archs"].items()]
+
+
+def ab_line(ab: dict) -> str:
+    """One line: rows, geo-mean speedups over cuBLAS, who wins how often."""
+    if ab.get("error"):
+        return f"not run: {ab['error']}"
+    s = ab["summary"]
+    wins = s["wins"]
+    return (f"{ab.get('arch', '?')} {s['measured']}/{s['rows']} rows measured; geo-mean x cuBLAS "
+            f"ours {s['geomean_ours']} upstream {s['geomean_upstream']} (ours/upstream "
+            f"{s['geomean_ours_over_upstream']}); wins ours {wins['ours']}, upstream "
+            f"{wins['upstream']}, tie {wins['tie']}")
+
+
 def junit_xml(reports: list[Report]) -> str:
-    """JUnit XML text: one testsuite per ref; one testcase per patch, overlay file,
-    verification and test run; a failure element for each item that needs a human."""
-    suites = ET.Element("testsuites", name="vllm-k3-overlay")
+    """JUnit XML text (junit-xml): one testsuite per ref; one testcase per patch, overlay
+    file, verification, CPU test run, table-diff architecture, GPU test run and GPU A/B;
+    a failure for each item that needs a human, an error for each that could not run."""
+    suites = []
     for report in reports:
-        suite = ET.SubElement(suites, "testsuite", name=f"rebase onto {report.ref}")
-        cases = _junit_cases(report)
-        for name, status, failure in cases:
-            case = ET.SubElement(suite, "testcase", name=name,
-                                 classname=f"rebase.{report.ref.replace('.', '_')}")
-            if failure:  # JUnit's schema wants failure before system-out
-                ET.SubElement(case, "failure", message=failure[:500]).text = failure
-            ET.SubElement(case, "system-out").text = status
-        suite.set("tests", str(len(cases)))
-        suite.set("failures", str(sum(1 for _, _, failure in cases if failure)))
-    ET.indent(suites)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+        classname = f"rebase.{report.ref.replace('.', '_')}"
+        cases = []
+        for name, status, failure, error in _junit_cases(report):
+            case = TestCase(name, classname=classname, stdout=status)
+            if failure:
+                case.add_failure_info(message=failure[:500], output=failure)
+            if error:
+                case.add_error_info(message=error[:500], output=error)
+            cases.append(case)
+        suites.append(TestSuite(f"rebase onto {report.ref}", cases))
+    return to_xml_report_string(suites, encoding="utf-8")
 
 
-def _junit_cases(report: Report) -> list[tuple[str, str, str | None]]:
-    """(name, status, failure message or None) for each item of one report."""
+def _junit_cases(report: Report) -> list[tuple[str, str, str | None, str | None]]:
+    """(name, status, failure or None, error or None) for each item of one report."""
     cases = []
     for p in report.patches:
         failure = "; ".join(p.hunks or p.files) or "conflict" if p.status == PATCH_CONFLICT else None
-        cases.append((f"patch {p.name}", p.status, failure))
+        cases.append((f"patch {p.name}", p.status, failure, None))
     for f in report.overlay:
         bad = f.status == FILE_CONFLICT or (f.status == DRIFT and not report.allow_drift)
-        cases.append((f"overlay {f.path}", f.status, (f.detail or f.status) if bad else None))
+        cases.append((f"overlay {f.path}", f.status, (f.detail or f.status) if bad else None, None))
     if report.verify is not None:
         cases.append(("verify", "ok" if report.verify.ok else "failed",
-                      None if report.verify.ok else "; ".join(report.verify.errors)))
-    if report.tests is not None:
-        t = report.tests
-        summary = ", ".join(f"{t.get(k, 0)} {k}" for k in ("passed", "failed", "skipped", "errors"))
-        cases.append(("cpu tests", summary, summary if t.get("failed") or t.get("errors") else None))
+                      None if report.verify.ok else "; ".join(report.verify.errors), None))
+    for name, run in (("cpu tests", report.tests), ("gpu tests", report.gpu)):
+        if run is not None:
+            cases.append(_run_case(name, run))
+    for arch, line in table_lines(report.tables):
+        cases.append((f"table diff {arch}", line, None, line if arch == "-" else None))
+    if report.ab is not None:
+        line = ab_line(report.ab)
+        bad = report.ab.get("error") or report.ab.get("summary", {}).get("errors")
+        cases.append(("gpu a/b ours vs upstream vs cuBLAS", line, None, line if bad else None))
+    if report.wheel is not None:
+        w = report.wheel
+        cases.append(("wheel", w.get("error") or w.get("name", ""), w.get("error"), None))
     if report.error:
-        cases.append(("job", "error", report.error))
+        cases.append(("job", "error", None, report.error))
     return cases
 
 
+def _run_case(name: str, run: dict) -> tuple[str, str, str | None, str | None]:
+    line = counts_line(run)
+    failed = bool(run.get("failed") or run.get("errors"))
+    env = bool(run.get("env_error") or run.get("env_errors"))
+    return (name, line, line if failed else None, line if env and not failed else None)
+
+
 def markdown(reports: list[Report]) -> str:
-    """A short summary for a CI comment: one table row per ref, then per-item details."""
+    """A short summary for a CI comment: one table row per ref, then per-ref details."""
     lines = ["## vllm-k3-overlay rebase report", "",
              "| ref | verdict | patches | overlay | verify | tests |",
              "|---|---|---|---|---|---|"]
@@ -263,14 +325,13 @@ def markdown(reports: list[Report]) -> str:
         patches = ", ".join(f"{p.name.split('-')[0]} {p.status}" for p in r.patches) or "-"
         overlay = ", ".join(f"`{Path(f.path).name}` {f.status}" for f in r.overlay) or "-"
         verify = "-" if r.verify is None else ("ok" if r.verify.ok else "failed")
-        tests = "-" if r.tests is None else (
-            f"{r.tests.get('passed', 0)} passed, {r.tests.get('failed', 0)} failed, "
-            f"{r.tests.get('skipped', 0)} skipped, {r.tests.get('errors', 0)} errors")
+        tests = "-" if r.tests is None else counts_line(r.tests)
         verdict = "ok" if r.ok else f"**exit {r.exit_code}**"
         sha = f" `{r.ref_sha[:10]}`" if r.ref_sha else ""
         lines.append(f"| {r.ref}{sha} | {verdict} | {patches} | {overlay} "
                      f"| {verify} | {tests} |")
     for r in reports:
+        lines += _markdown_tables(r) + _markdown_gpu(r)
         drifted = [f for f in r.overlay if f.upstream_diff]
         for f in drifted:
             lines += ["", f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> "
@@ -283,6 +344,86 @@ def markdown(reports: list[Report]) -> str:
         if r.error:
             lines += ["", f"{r.ref}: {r.error}"]
     return "\n".join(lines) + "\n"
+
+
+def _choice(choice: dict | None) -> str:
+    if choice is None:
+        return "cuBLAS"
+    config = choice.get("config")
+    if not config:
+        return choice["backend"]
+    cfg = ",".join("-" if config.get(k) is None else str(config[k])
+                   for k in ("block_size", "outputs_per_block", "k_unroll", "vector_width",
+                             "static_k"))
+    return f"{choice['backend']} {cfg}"
+
+
+def _markdown_tables(r: Report) -> list[str]:
+    """Per-architecture counts of the table diff, and its rows (clipped) in a details block."""
+    if r.tables is None:
+        return []
+    if r.tables.get("error"):
+        return ["", f"**{r.ref}: table diff not read**: {r.tables['error']}"]
+    lines = ["", f"### {r.ref}: low-latency GEMM tables, ours vs upstream",
+             f"Upstream: `{r.tables['upstream']['module']}`; ours: `{r.tables['ours']['module']}`. "
+             f"Rows are (N, K, M); config = block_size, outputs_per_block, k_unroll, "
+             f"vector_width, static_k.", "",
+             "| arch | upstream only | ours only | different | same |", "|---|--:|--:|--:|--:|"]
+    rows = []
+    for arch, s in r.tables["archs"].items():
+        lines.append(f"| {arch} | {len(s['upstream_only'])} | {len(s['ours_only'])} "
+                     f"| {len(s['different'])} | {s['same']} |")
+        for kind in ("upstream_only", "ours_only", "different"):
+            rows += [f"| {arch} | {kind.replace('_', ' ')} | {d['N']}x{d['K']} M{d['M']}"
+                     f"{' +residual' if d['residual'] else ''} | {_choice(d['upstream'])} "
+                     f"| {_choice(d['ours'])} |" for d in s[kind]]
+    if rows:
+        lines += ["", f"<details><summary>{r.ref}: the {len(rows)} rows that differ</summary>",
+                  "", "| arch | kind | row | upstream | ours |", "|---|---|---|---|---|",
+                  *_clip_rows(rows), "</details>"]
+    return lines
+
+
+def _markdown_gpu(r: Report) -> list[str]:
+    """GPU test counts, A/B geo-means and the A/B rows (clipped)."""
+    if r.gpu is None and r.ab is None:
+        return []
+    lines = ["", f"### {r.ref}: GPU stage"]
+    if r.gpu is not None:
+        env = r.gpu.get("env", {})
+        where = ", ".join(f"{k} {v}" for k, v in env.items() if isinstance(v, str))
+        lines.append(f"- tests: {counts_line(r.gpu)}" + (f" ({where})" if where else ""))
+        for suite, counts in r.gpu.get("suites", {}).items():
+            lines.append(f"  - {suite}: {counts_line(counts)}")
+    if r.ab is not None:
+        lines.append(f"- A/B: {ab_line(r.ab)}")
+        if r.ab.get("provenance"):
+            p = r.ab["provenance"]
+            lines.append(f"  - measured on {p.get('gpu')} {p.get('date')}, torch {p.get('torch')}, "
+                         f"nvidia-cutlass-dsl {p.get('cutlass_dsl')}; {r.ab.get('method', '')}")
+        rows = [f"| {x['N']}x{x['K']} | {x['M']} | {x['cublas_us']} | {_choice(x['upstream'])} "
+                f"| {_us(x['upstream'])} | {_choice(x['ours'])} | {_us(x['ours'])} | {x['winner']} |"
+                for x in r.ab.get("rows", [])]
+        if rows:
+            lines += ["", f"<details><summary>{r.ref}: A/B per row (µs per call)</summary>", "",
+                      "| N x K | M | cuBLAS | upstream | µs | ours | µs | faster |",
+                      "|---|--:|--:|---|--:|---|--:|---|", *_clip_rows(rows), "</details>"]
+    return lines
+
+
+def _us(choice: dict | None) -> str:
+    if choice is None:
+        return "="
+    return str(choice.get("us", choice.get("status", "n/a")))
+
+
+MARKDOWN_ROWS = 400  # rows of a details table in the CI comment; the JSON has them all
+
+
+def _clip_rows(rows: list[str]) -> list[str]:
+    if len(rows) <= MARKDOWN_ROWS:
+        return rows
+    return rows[:MARKDOWN_ROWS] + [f"| ... {len(rows) - MARKDOWN_ROWS} more rows in the JSON |"]
 
 
 MARKDOWN_DIFF_LINES = 150  # a CI comment is capped (64 KiB on GitHub); the JSON has it all

@@ -13,12 +13,22 @@ most ``--part-mib`` MiB, default 60, each folder also holding ``BUNDLE.json``):
   tables as data (``priors.json``, for seeds and the v0.29.0 comparison), and the
   few v0.28.0 ``csrc`` files ``dsv3_build.py`` compiles.
 
+* ``targets/<ref>/``, with ``--target-trees DIR`` (what ``ci/rebase.py --gpu-export DIR``
+  wrote): each rebase target's tree as the job built it (``tree.tar.xz``, with its
+  dist-info), ``meta.json`` (the GPU stage's inputs, ``ci/gpu_stage/``) and ``wheels/``:
+  what ``ci/gpu_stage/requirements/<ref>.txt`` lists (the CuTe DSL release the target pins
+  when it is not the base's, and imports the base bundle lacks).
+
 ``install.sh`` reassembles the parts, checks sha256s, installs the wheels with
 ``pip --no-index --no-deps --target`` and prints the ``export`` lines.
 
 Usage::
 
     python ci/gpu/bundle.py --out ci/gpu/_stage [--tree work/vllm] [--compare-ref v0.29.0]
+    python ci/gpu/bundle.py --out ci/gpu/_stage_targets --target-trees DIR --only-targets
+
+``--only-targets`` leaves the base out (an add-on for a runner that installed the base
+bundle already; its BUNDLE.json says ``"kind": "targets"``).
 
 Without ``--tree`` the overlay is applied to the pinned base now (``apply.py``'s job,
 into a temporary folder). Upstream tables come from the release mirror.
@@ -42,9 +52,9 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
-             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64", "any")
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 DSV3_SRC = "csrc/libtorch_stable/dsv3_fused_a_gemm.cu"
 UPSTREAM_MODULE = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
 
@@ -122,6 +132,51 @@ def add_tree(tar: tarfile.TarFile, src: str, arc: str) -> None:
     tar.add(src, arcname=arc, filter=lambda ti: None if "__pycache__" in ti.name else ti)
 
 
+def target_wheel_requirements(ref: str) -> str | None:
+    """``ci/gpu_stage/requirements/<ref>.txt`` if that target needs wheels of its own."""
+    path = os.path.join(REPO, "ci", "gpu_stage", "requirements", f"{ref}.txt")
+    return path if os.path.isfile(path) else None
+
+
+def cute_dsl_pin(lines: list[str]) -> str | None:
+    """``4.8.0`` out of ``["nvidia-cutlass-dsl[cu13]==4.8.0"]``."""
+    for line in lines:
+        match = re.search(r"==\s*([0-9][0-9.]*)", line)
+        if match:
+            return match.group(1)
+    return None
+
+
+def add_targets(tar: tarfile.TarFile, trees: str, work: str, python_version: str,
+                base_pin: str | None) -> list[str]:
+    """Add ``targets/<ref>/`` for each exported tree; returns the refs.
+
+    Raises SystemExit if a target pins a CuTe DSL release that neither the base bundle
+    (``base_pin``; None when it is left out) nor the target's requirements file carries.
+    """
+    refs = sorted(d for d in os.listdir(trees) if os.path.isfile(os.path.join(trees, d, "meta.json")))
+    if not refs:
+        raise SystemExit(f"--target-trees {trees}: no <ref>/meta.json (ci/rebase.py --gpu-export)")
+    for ref in refs:
+        src = os.path.join(trees, ref)
+        pin = cute_dsl_pin(json.load(open(os.path.join(src, "meta.json")))["cute_dsl"])
+        req = target_wheel_requirements(ref)
+        if req:
+            if pin and f"nvidia-cutlass-dsl=={pin}" not in open(req).read():
+                raise SystemExit(f"{ref} pins CuTe DSL {pin}; {req} does not carry it")
+            wheels = os.path.join(work, "target-wheels", ref)
+            os.makedirs(wheels)
+            download_wheels(wheels, python_version, req)
+            for f in sorted(os.listdir(wheels)):
+                tar.add(os.path.join(wheels, f), arcname=f"targets/{ref}/wheels/{f}")
+        elif pin and base_pin not in (pin, None):
+            raise SystemExit(f"{ref} pins CuTe DSL {pin}, the base bundle carries {base_pin}: "
+                             f"list its wheels in ci/gpu_stage/requirements/{ref}.txt")
+        for f in ("tree.tar.xz", "meta.json"):
+            tar.add(os.path.join(src, f), arcname=f"targets/{ref}/{f}")
+    return refs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Build the offline GPU bundle in parts.")
     ap.add_argument("--out", default=os.path.join(HERE, "_stage"))
@@ -132,7 +187,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", help="a checkout made by apply.py (default: apply now, to a temp folder)")
     ap.add_argument("--compare-ref", default="v0.29.0",
                     help="upstream release whose SM90 table the benchmark measures against ours")
+    ap.add_argument("--target-trees", help="trees written by ci/rebase.py --gpu-export DIR")
+    ap.add_argument("--only-targets", action="store_true",
+                    help="only --target-trees and their wheels (an add-on to a base bundle)")
     args = ap.parse_args(argv)
+    if args.only_targets and not args.target_trees:
+        raise SystemExit("--only-targets needs --target-trees")
 
     if args.part_mib <= 0:
         raise SystemExit("--part-mib must be > 0")
@@ -144,6 +204,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out)
     work = tempfile.mkdtemp(prefix="k3bundle-")
     payload = os.path.join(work, "payload.tar")
+    if args.only_targets:
+        with tarfile.open(payload, "w") as t:
+            refs = add_targets(t, args.target_trees, work, args.python_version, None)
+        return write_parts(args, work, payload, {"kind": "targets", "targets": refs})
     wheels = args.wheels_dir or os.path.join(work, "wheels")
     if not args.wheels_dir:
         os.makedirs(wheels)
@@ -182,6 +246,18 @@ def main(argv=None) -> int:
         t.addfile(ti, io.BytesIO(data))
         for rel in csrc_files:
             t.add(os.path.join(csrc, rel), arcname=f"k3/csrc/{rel}")
+        refs = []
+        if args.target_trees:
+            base_pin = next((w.split("-")[1] for w in wheel_files
+                             if w.startswith("nvidia_cutlass_dsl-")), None)
+            refs = add_targets(t, args.target_trees, work, args.python_version, base_pin)
+    return write_parts(args, work, payload, {
+        "kind": "base", "vllm_version": version, "wheels": wheel_files, "csrc": csrc_files,
+        "targets": refs})
+
+
+def write_parts(args, work: str, payload: str, about: dict) -> int:
+    """Split ``payload`` into ``args.out/part-NNN/`` with a BUNDLE.json each; remove ``work``."""
     part = int(args.part_mib * (1 << 20))
     parts = []
     with open(payload, "rb") as f:
@@ -198,16 +274,16 @@ def main(argv=None) -> int:
                          capture_output=True, text=True).stdout.strip()
     manifest = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "repo_commit": git, "vllm_version": version, "python": args.python_version,
+        "repo_commit": git, "python": args.python_version,
         "payload_sha256": file_sha256(Path(payload)), "payload_bytes": os.path.getsize(payload),
-        "parts": parts, "wheels": wheel_files, "csrc": csrc_files,
+        "parts": parts, **about,
     }
     for i in range(len(parts)):
         with open(os.path.join(args.out, f"part-{i:03d}", "BUNDLE.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     shutil.rmtree(work)
-    print(f"bundle: {len(parts)} parts of <= {args.part_mib} MiB in {args.out} "
-          f"({manifest['payload_bytes'] / 2**20:.1f} MiB, {len(wheel_files)} wheels, vllm {version})")
+    print(f"bundle ({about['kind']}): {len(parts)} parts of <= {args.part_mib} MiB in {args.out} "
+          f"({manifest['payload_bytes'] / 2**20:.1f} MiB; targets {', '.join(about['targets']) or '-'})")
     return 0
 
 

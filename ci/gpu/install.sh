@@ -9,6 +9,9 @@
 # (with its dist-info, plus no_compiled_vllm_shim.py where no compiled vLLM exists)
 # into DIR and our tools into DIR/.k3, then prints the
 # `export` lines to eval. Exit 2: a part is missing or corrupt; 3: pip failed.
+# A targets add-on (BUNDLE.json "kind": "targets", bundle.py --only-targets) installs only
+# DIR/.k3/targets/<ref>/: tree/ (the rebase job's tree, with its dist-info and the shim)
+# and site/ (the target's own wheels), on top of a base bundle installed into DIR before.
 set -euo pipefail
 target=""
 dirs=()
@@ -42,10 +45,23 @@ with open(payload, "wb") as out:
 h = hashlib.sha256(open(payload, "rb").read()).hexdigest()
 if h != m["payload_sha256"]:
     sys.exit("payload sha256 mismatch")
-print(f"bundle ok: {len(m['parts'])} parts, {m['payload_bytes']} bytes, vllm {m['vllm_version']}", file=sys.stderr)
+print(f"bundle ok: {len(m['parts'])} parts, {m['payload_bytes']} bytes, {m.get('kind', 'base')}", file=sys.stderr)
 PY
 tar -xf "$payload" -C "$target/.k3"
 rm -f "$payload"
+if [ "$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("kind", "base"))' "$manifest")" = targets ]; then
+  shim="$target/.k3/k3/ci_gpu/no_compiled_vllm_shim.py"  # from the base bundle
+  for t in "$target"/.k3/targets/*/; do
+    mkdir -p "$t/tree" && tar -xJf "$t/tree.tar.xz" -C "$t/tree" && rm -f "$t/tree.tar.xz"
+    ls "$t"/tree/vllm/_C_stable_libtorch*.so >/dev/null 2>&1 || cp "$shim" "$t/tree/vllm/_C_stable_libtorch.py"
+    if ls "$t"/wheels/*.whl >/dev/null 2>&1; then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$t/site" "$t"/wheels/*.whl >&2 || exit 3
+    fi
+    echo "target $(basename "$t"): $t" >&2
+  done
+  exit 0
+fi
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$target" "$target"/.k3/wheels/*.whl >&2 || exit 3
 tar -xJf "$target/.k3/vllm_tree.tar.xz" -C "$target"

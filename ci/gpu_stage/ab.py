@@ -1,0 +1,223 @@
+"""A/B on the GPU: upstream's table vs ours vs cuBLAS for every row either one routes.
+
+Rows: the union of both tables' rows for the GPU's architecture (``table_dump`` JSON, as
+the host read them). A side without a row runs cuBLAS there (its time is cuBLAS's, speedup
+1.0). Per row, in one process and back to back under one GPU-wide file lock: cuBLAS
+(``torch.mm``/``addmm``), upstream's choice, ours, each by ``ci/gpu/timing.time_us``
+(CUDA-graph replay over >= 256 MiB of rotating weight copies, median of ``replays``),
+each output first checked against float64 (relative error <= 1e-2). CuTe configs are
+compiled before the lock is taken, so worker processes compile in parallel and only the
+timings are serialised. A dsv3_fused_a choice is timed only where that op is built;
+elsewhere the row is ``unmeasured`` and left out of the head-to-head geo-mean, as is a row
+where ours chose a backend upstream does not have (swap_ab, ll_bf16, tinygemm: no handle
+here).
+
+``winner`` per row: ``ours`` or ``upstream`` when one side is faster by more than
+``TIE`` (2%, above the ~1% spread of a median of 15 replays seen on the H200), else ``tie``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu"))
+
+TIE = 0.02
+REL_TOL = 1e-2
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    return f"SM{capability[0]}{capability[1]}"
+
+
+def union_rows(upstream: dict, ours: dict, arch: str) -> list[dict]:
+    """``[{"N", "K", "M", "residual", "upstream", "ours"}]``: every row either side routes.
+
+    ``upstream``/``ours`` are ``table_dump`` outputs; a side's entry is its choice
+    ``{"backend", "config"}`` or None (cuBLAS).
+    """
+    sides = {}
+    for name, dump in (("upstream", upstream), ("ours", ours)):
+        tables = dump["archs"].get(arch, {})
+        for n, k, m, backend, config in tables.get("rows", []):
+            sides.setdefault((n, k, m, False), {})[name] = {"backend": backend, "config": config}
+        for n, k, m, config in tables.get("residual", []):
+            sides.setdefault((n, k, m, True), {})[name] = {"backend": "cute", "config": config}
+    return [{"N": n, "K": k, "M": m, "residual": r, "upstream": s.get("upstream"),
+             "ours": s.get("ours")}
+            for (n, k, m, r), s in sorted(sides.items(), key=lambda i: (i[0][3], i[0][:3]))]
+
+
+def config_tuple(config: dict) -> tuple:
+    """``(block_size, outputs_per_block, k_unroll, vector_width, static_k)`` for kernels.py."""
+    return (config["block_size"], config["outputs_per_block"], config["k_unroll"],
+            config["vector_width"], config["static_k"])
+
+
+class GpuLock:
+    """One GPU-wide lock across processes (and rebase targets): an flock on a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self):
+        self._f = open(self.path, "w")
+        fcntl.flock(self._f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+def _kernel_fn(choice: dict | None, m: int, kernels):
+    """The callable for a side's choice; None for cuBLAS; raises LookupError if unbuilt."""
+    if choice is None:
+        return None
+    if choice["backend"] == "dsv3_fused_a":
+        fn = kernels.dsv3_fn()
+        if fn is None:
+            raise LookupError("dsv3_fused_a not built here")
+        return fn
+    if choice["backend"] != "cute":  # ours only (swap_ab, ...): its own benchmark times it
+        raise LookupError(f"the A/B has no handle for backend {choice['backend']}")
+    cfg = config_tuple(choice["config"])
+    try:
+        kernels.cute_compile(m, cfg)  # CPU only, outside the GPU lock
+    except Exception:
+        pass  # the first call compiles instead (and reports what is wrong)
+    return kernels.cute_fn(m, cfg)
+
+
+def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
+    import kernels
+    import shapes
+    import timing
+    import torch
+
+    n, k, m = row["N"], row["K"], row["M"]
+    fns = {}
+    for side in ("upstream", "ours"):
+        try:
+            fns[side] = _kernel_fn(row[side], m, kernels)
+        except LookupError as exc:
+            fns[side] = exc
+    gen = torch.Generator(device="cuda").manual_seed(n * 31 + k * 7 + m)
+    xs = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    ws = rot.views(n, k)
+    res = torch.randn(m, n, generator=gen, dtype=torch.bfloat16, device="cuda") \
+        if row["residual"] else None
+    out = {key: row[key] for key in ("N", "K", "M", "residual")}
+    out["label"] = shapes.SHAPES.get((n, k), ("",))[0]  # projection name, for readers only
+    with lock:
+        ref = timing.ref64(xs[0], ws[0], res)
+        cublas = timing.time_us(kernels.cublas, xs, ws, res, replays=replays)
+        out["cublas_us"] = round(cublas, 3)
+        for side, fn in fns.items():
+            entry = dict(row[side] or {"backend": "cublas", "config": None})
+            if isinstance(fn, Exception):
+                entry["status"] = f"unmeasured: {fn}"
+            elif fn is None:
+                entry.update(us=out["cublas_us"], speedup=1.0, status="no row: cuBLAS")
+            else:
+                try:
+                    err = timing.rel_err(fn(xs[0], ws[0], res) if res is not None
+                                         else fn(xs[0], ws[0]), ref)
+                    entry["relerr"] = err
+                    if not err <= REL_TOL:
+                        entry["status"] = f"error: relative error {err:.2e} > {REL_TOL}"
+                    else:
+                        us = timing.time_us(fn, xs, ws, res, replays=replays)
+                        entry.update(us=round(us, 3), speedup=round(cublas / us, 4), status="ok")
+                except Exception as exc:  # a kernel that fails is a finding, not a crash
+                    entry["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
+            out[side] = entry
+    out["winner"] = winner(out["upstream"], out["ours"])
+    return out
+
+
+def winner(upstream: dict, ours: dict) -> str:
+    """``ours``/``upstream``/``tie``, or ``unmeasured`` when either side has no time."""
+    if "us" not in upstream or "us" not in ours:
+        return "unmeasured"
+    ratio = upstream["us"] / ours["us"]
+    if abs(ratio - 1.0) <= TIE:
+        return "tie"
+    return "ours" if ratio > 1.0 else "upstream"
+
+
+def _worker(rows: list[dict], lock_path: str, replays: int, deadline: float) -> list[dict]:
+    import timing
+    import torch
+
+    torch.cuda.init()
+    lock = GpuLock(lock_path)
+    biggest = max(2 * r["N"] * r["K"] for r in rows)
+    with lock:
+        rot = timing.RotatingWeights(biggest, seed=os.getpid())
+    results = []
+    for row in rows:
+        status = "not run: deadline" if time.time() > deadline else None
+        if status is None:
+            try:
+                results.append(_time_row(row, rot, lock, replays))
+                continue
+            except Exception as exc:  # cuBLAS or the inputs failed: the row, not the run
+                status = f"error: {type(exc).__name__}: {exc}"[:300]
+        results.append({**{k: row[k] for k in ("N", "K", "M", "residual")},
+                        "upstream": row["upstream"], "ours": row["ours"],
+                        "winner": "unmeasured", "status": status})
+    return results
+
+
+def measure(rows: list[dict], *, lock_path: str, workers: int, replays: int,
+            deadline_s: float) -> list[dict]:
+    """Time every row (see the module docstring) with ``workers`` processes; row order kept."""
+    if not rows:
+        return []
+    deadline = time.time() + deadline_s
+    shards = [rows[i::workers] for i in range(workers) if rows[i::workers]]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(len(shards)) as pool:
+        done = pool.starmap(_worker, [(s, lock_path, replays, deadline) for s in shards])
+    by_key = {(r["N"], r["K"], r["M"], r["residual"]): r for part in done for r in part}
+    return [by_key[(r["N"], r["K"], r["M"], r["residual"])] for r in rows]
+
+
+def _geo(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return round(math.exp(sum(map(math.log, values)) / len(values)), 4) if values else None
+
+
+def summarize(results: list[dict]) -> dict:
+    """Geo-means over the rows both sides have a time for, win counts, what was not measured."""
+    measured = [r for r in results if r["winner"] != "unmeasured"]
+    wins = {w: sum(1 for r in measured if r["winner"] == w) for w in ("ours", "upstream", "tie")}
+    return {
+        "rows": len(results),
+        "measured": len(measured),
+        "geomean_ours": _geo([r["ours"]["speedup"] for r in measured]),
+        "geomean_upstream": _geo([r["upstream"]["speedup"] for r in measured]),
+        "geomean_ours_over_upstream": _geo([r["upstream"]["us"] / r["ours"]["us"]
+                                            for r in measured]),
+        "wins": wins,
+        "unmeasured": [[r["N"], r["K"], r["M"], _why(r)] for r in results
+                       if r["winner"] == "unmeasured"],
+        "errors": sum(1 for r in results for where in (r, r.get("upstream"), r.get("ours"))
+                      if str((where or {}).get("status", "")).startswith("error")),
+        "ours_slower_than_cublas": [[r["N"], r["K"], r["M"]] for r in measured
+                                    if r["ours"]["speedup"] < 1.0],
+    }
+
+
+def _why(row: dict) -> str:
+    if row.get("status"):
+        return row["status"]
+    return "; ".join(f"{side}: {row[side].get('status')}" for side in ("upstream", "ours")
+                     if "us" not in (row.get(side) or {}))

@@ -1,0 +1,125 @@
+"""Ours-vs-upstream diff of the Kimi-K3 low-latency GEMM tables on a rebase target.
+
+Both sides are read by importing the module (``table_dump.py`` in a subprocess: the
+target environment's Python, PYTHONPATH at the tree, as ``cpu_tier.py`` runs vLLM's
+tests): upstream's from the pristine target tree, ours from the patched tree, or from
+our overlay files ahead of that tree where the 3-way merge of our module conflicted
+(the tree then still holds upstream's file).
+
+A row is ``(N, K, M)`` plus whether it is a fused-residual row; its choice is the
+backend and, for CuTe, the ``SkinnyGemmConfig`` (without ``num_rows``, which is M).
+Per architecture the diff lists rows only upstream routes, rows only ours routes, rows
+both route to a different backend or config, and counts the rows where they agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CI_DIR = Path(__file__).resolve().parent
+DUMP = CI_DIR / "table_dump.py"
+KINDS = ("upstream_only", "ours_only", "different")
+
+
+class TableReadError(Exception):
+    """Importing the module or reading its tables failed (message: the dump's last line)."""
+
+
+def read_tables(tree: Path, python: str, prefer: Path | None = None) -> dict:
+    """``table_dump.py``'s JSON for ``tree`` (see there). Raises TableReadError."""
+    with tempfile.TemporaryDirectory(prefix="k3-tables-") as tmp:
+        out = Path(tmp) / "tables.json"
+        cmd = [python, str(DUMP), "--out", str(out)]
+        if prefer is not None:
+            cmd += ["--prefer", str(prefer.resolve())]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(CI_DIR)]),
+                   PYTHONDONTWRITEBYTECODE="1")  # leave the tree as we found it
+        proc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0 or not out.is_file():
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            raise TableReadError(lines[-1] if lines else f"table_dump exited {proc.returncode}")
+        return json.loads(out.read_text())
+
+
+def _choices(arch_tables: dict) -> dict[tuple, dict]:
+    """``{(N, K, M, residual): {"backend", "config"}}`` of one architecture."""
+    rows = {(n, k, m, False): {"backend": b, "config": c}
+            for n, k, m, b, c in arch_tables.get("rows", [])}
+    rows.update({(n, k, m, True): {"backend": "cute", "config": c}
+                 for n, k, m, c in arch_tables.get("residual", [])})
+    return rows
+
+
+def diff(upstream: dict, ours: dict) -> dict[str, dict]:
+    """Per architecture: ``upstream_only``, ``ours_only``, ``different`` rows and ``same``.
+
+    ``upstream``/``ours`` are ``table_dump`` outputs. Each listed row is ``{"N", "K",
+    "M", "residual", "upstream", "ours"}`` (a side's choice, or None where it has no row),
+    sorted by (residual, N, K, M).
+    """
+    result = {}
+    for arch in sorted(set(upstream["archs"]) | set(ours["archs"])):
+        up = _choices(upstream["archs"].get(arch, {}))
+        us = _choices(ours["archs"].get(arch, {}))
+        section = {kind: [] for kind in KINDS}
+        same = 0
+        for key in sorted(set(up) | set(us), key=lambda t: (t[3], t[0], t[1], t[2])):
+            a, b = up.get(key), us.get(key)
+            if a == b:
+                same += 1
+                continue
+            kind = "ours_only" if a is None else "upstream_only" if b is None else "different"
+            n, k, m, residual = key
+            section[kind].append({"N": n, "K": k, "M": m, "residual": residual,
+                                  "upstream": a, "ours": b})
+        section["same"] = same
+        result[arch] = section
+    return result
+
+
+def section(upstream: dict, ours: dict, pristine: Path, patched: Path,
+            ours_from: Path | None) -> dict:
+    """The report's ``tables`` section for one target.
+
+    Args:
+        upstream: ``read_tables`` of the target tree as released (upstream's module).
+        ours: ``read_tables`` of the tree the job built, with ``prefer=ours_from``.
+        pristine, patched: those two trees (to name the modules read).
+        ours_from: our overlay's package folder when the tree does not hold our module
+            (its merge conflicted), else None.
+
+    Returns:
+        ``{"upstream": {"module", "accessor"}, "ours": {"module", "accessor"},
+        "archs": diff(...)}``.
+    """
+    return {"upstream": _where(upstream, pristine, "released tree"),
+            "ours": _where(ours, patched, "built tree", ours_from and ours_from.resolve()),
+            "archs": diff(upstream, ours)}
+
+
+def _where(dump: dict, tree: Path, tree_label: str, prefer: Path | None = None) -> dict:
+    module = Path(dump["module"])
+    for root, label in ((prefer, "overlay/vllm/models/kimi_k3/nvidia"), (tree, tree_label)):
+        if root is not None and module.is_relative_to(root):
+            module = Path(label) / module.relative_to(root)
+            break
+    return {"module": str(module), "accessor": dump["accessor"]}
+
+
+def summary(tables: dict) -> dict[str, dict[str, int]]:
+    """``{arch: {kind: row count, "same": n}}`` of a ``tables`` section."""
+    return {arch: {**{kind: len(s[kind]) for kind in KINDS}, "same": s["same"]}
+            for arch, s in tables.get("archs", {}).items()}
+
+
+if __name__ == "__main__":  # python ci/table_diff.py PRISTINE PATCHED [OURS_DIR]
+    args = [Path(a) for a in sys.argv[1:]]
+    prefer = args[2] if len(args) > 2 else None
+    up, us = read_tables(args[0], sys.executable), read_tables(args[1], sys.executable, prefer)
+    print(json.dumps(summary(section(up, us, args[0], args[1], prefer)), indent=1))
