@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -47,6 +46,7 @@ from wheel.wheelfile import WheelError, WheelFile
 from . import git, source, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
 from .errors import BuildError, OverlayError, SourceError, UsageError
+from .files import write_in_tree
 from .mirror import release_of
 from .progress import ByteBar, step
 from .project import Project
@@ -130,17 +130,33 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
         opts.wheel_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"wheel folder {opts.wheel_dir}: cannot create it ({err.strerror})") from err
-    with tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir) as tmp:
-        if opts.method == VLLM:
-            built = _vllm_build(repo, result_sha, p, Path(tmp))
-        else:
-            built = Path(tmp) / wheel_name(p.release_wheel.name, p.version)
-            repack(p.release_wheel, built, p.version, p.put, p.epoch)
+    with _writing_in(opts.wheel_dir):
+        scratch = tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir)
+    with scratch as tmp:
+        with _writing_in(opts.wheel_dir):
+            if opts.method == VLLM:
+                built = _vllm_build(repo, result_sha, p, Path(tmp))
+            else:
+                built = Path(tmp) / wheel_name(p.release_wheel.name, p.version)
+                repack(p.release_wheel, built, p.version, p.put, p.epoch)
         with step(f"checking {built.name}"):
             wheelcheck.check(built, p.release_wheel, p.version, p.put)
         final = opts.wheel_dir / built.name
-        os.replace(built, final)  # only a checked wheel lands in the wheel folder
+        with _writing_in(opts.wheel_dir):
+            os.replace(built, final)  # only a checked wheel lands in the wheel folder
     return BuiltWheel(final, final.stat().st_size, file_sha256(final), opts.method)
+
+
+@contextlib.contextmanager
+def _writing_in(wheel_dir: Path) -> Iterator[None]:
+    """A write error in the wheel folder (a full disk, a read-only mount) as one line naming
+    the folder, exit 2 like a report that cannot be written. Errors reading the release
+    wheel are not these: ``_opened`` and ``_read`` name that wheel."""
+    try:
+        yield
+    except OSError as err:
+        raise UsageError(f"--wheel-dir {wheel_dir}: cannot write the wheel there "
+                         f"({err.strerror or err})") from err
 
 
 def plan(project: Project, repo: git.Repo, report: Report, result_sha: str, opts: WheelOptions,
@@ -270,11 +286,18 @@ def readable(path: Path) -> Path:
 
 @contextlib.contextmanager
 def _opened(path: Path) -> Iterator[WheelFile]:
+    """``path`` opened as a wheel. SourceError if it cannot be opened or read as one; an
+    error of the block's own (writing another file, say) is passed on as it is, never
+    blamed on this wheel."""
     try:
-        with WheelFile(path) as archive:
-            yield archive
+        archive = WheelFile(path)
     except (WheelError, zipfile.BadZipFile, OSError, EOFError) as err:
         raise SourceError(f"{path.name} cannot be read as a wheel: {err}") from err
+    with archive:
+        try:
+            yield archive
+        except (WheelError, zipfile.BadZipFile, EOFError) as err:
+            raise SourceError(f"{path.name} cannot be read as a wheel: {err}") from err
 
 
 def wheel_name(release_name: str, version: Version) -> str:
@@ -545,9 +568,13 @@ def _vllm_build(repo: git.Repo, result_sha: str, p: Plan, tmp: Path) -> Path:
     built = sorted(out.glob("vllm-*.whl")) if out.is_dir() else []
     if code != 0 or len(built) != 1:
         kept = tmp.parent / "vllm-build.log"  # the wheel folder: tmp goes away
-        shutil.copyfile(log, kept)
+        try:
+            write_in_tree(tmp.parent, kept.name, log.read_bytes())  # never through a link there
+            where = f"log: {kept}"
+        except UsageError as err:
+            where = f"log not kept: {err}"
         last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
-        raise BuildError(f"vLLM's build failed (exit {code}): {last[:200]} (log: {kept})")
+        raise BuildError(f"vLLM's build failed (exit {code}): {last[:200]} ({where})")
     if parse_wheel_filename(built[0].name)[1] != p.version:
         raise BuildError(f"vLLM's build gave {built[0].name}, not version {p.version}")
     stamped = tmp / built[0].name
