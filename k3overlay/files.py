@@ -6,7 +6,9 @@
                        anywhere on the way (``pkg -> /etc``) or at the destination is refused,
                        never written through;
   ``write_atomically`` a file the user named (a report): the whole text or nothing; a full
-                       disk leaves the previous file as it was.
+                       disk leaves the previous file as it was. A stream the user named
+                       (``/dev/stdout``, ``/dev/fd/N`` of ``>(cmd)``, a FIFO, a device) is
+                       written to in place, never replaced by a file.
 Both writers write a temporary file next to the destination, flush it to disk and rename
 it into place, so a reader never sees a half-written file and an interrupted run leaves
 the old one.
@@ -17,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
+import sys
 from pathlib import Path
 
 from .errors import UsageError
@@ -71,7 +75,14 @@ def write_atomically(path: Path, data: bytes) -> None:
     over ``path`` (whose link, if it is one, is followed: the user named it).
     An existing file keeps its permission bits. Raises UsageError (one line) if
     it cannot be written; ``path`` is then as it was and no temporary file is left.
+    A stream (see ``stream_target``) is written to as it is: renaming a file over
+    ``/dev/null`` or a FIFO would destroy it, and over the file behind ``/dev/stdout``
+    would cut off what was already printed.
     """
+    stream = stream_target(path)
+    if stream is not None:
+        _write_stream(path, stream, data)
+        return
     target = Path(os.path.realpath(path))
     try:
         dirfd = os.open(target.parent, _DIR_FLAGS)
@@ -87,6 +98,49 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror}") from err
     finally:
         os.close(dirfd)
+
+
+_OWN_FD = re.compile(r"/(?:dev|proc/self|proc/(\d+))/fd/(\d+)")
+_STD = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def stream_target(path: Path) -> int | str | None:
+    """What ``path`` names if it is no place for a file: an open descriptor of this process
+    (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``; an int), or an
+    existing FIFO, socket or device (links followed; ``"special"``). None for anything else
+    (a regular file, a folder, nothing yet)."""
+    name = os.path.abspath(path)
+    fd = _STD.get(name)
+    match = _OWN_FD.fullmatch(name)
+    if match and (match.group(1) is None or int(match.group(1)) == os.getpid()):
+        fd = int(match.group(2))
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.fstat(fd)
+            return fd
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "special"
+
+
+def _write_stream(path: Path, stream: int | str, data: bytes) -> None:
+    """Write ``data`` to an open descriptor of ours, or open the special file and write it."""
+    for console in (sys.stdout, sys.stderr):  # what was printed comes first
+        with contextlib.suppress(Exception):
+            console.flush()
+    try:
+        fd = stream if isinstance(stream, int) else os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            if not isinstance(stream, int):
+                os.close(fd)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from err
 
 
 def read_regular(file: Path) -> bytes | None:

@@ -8,6 +8,7 @@ systems and pull-request comments.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import errors
-from .files import write_atomically
+from .files import stream_target, write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .series import CONFLICT as PATCH_CONFLICT
@@ -150,6 +151,8 @@ def check_writable(path: Path, option: str) -> None:
     """
     if path.is_dir():
         raise errors.UsageError(f"{option} {path}: cannot write there (it is a folder)")
+    if stream_target(path) is not None:
+        return  # /dev/stdout, a FIFO, a device: written to in place (``write_atomically``)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -267,17 +270,30 @@ def junit_xml(reports: list[Report]) -> str:
     a failure for each item that needs a human, an error for each that could not run."""
     suites = []
     for report in reports:
-        classname = f"rebase.{report.ref.replace('.', '_')}"
+        ref = _xml_text(report.ref)
+        classname = f"rebase.{ref.replace('.', '_')}"
         cases = []
         for name, status, failure, error in _junit_cases(report):
-            case = TestCase(name, classname=classname, stdout=status)
+            failure, error = failure and _xml_text(failure), error and _xml_text(error)
+            case = TestCase(_xml_text(name), classname=classname, stdout=_xml_text(status))
             if failure:
                 case.add_failure_info(message=failure[:500], output=failure)
             if error:
                 case.add_error_info(message=error[:500], output=error)
             cases.append(case)
-        suites.append(TestSuite(f"rebase onto {report.ref}", cases))
+        suites.append(TestSuite(f"rebase onto {ref}", cases))
     return to_xml_report_string(suites, encoding="utf-8")
+
+
+# Characters XML 1.0 cannot hold at all, not even as a reference (junit-xml writes them as
+# ``&#N;`` references, which its own XML parser then rejects): control characters, lone
+# surrogates (a path that is not UTF-8, read with surrogateescape), U+FFFE/U+FFFF.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """``text`` with each character XML cannot hold replaced by U+FFFD."""
+    return _NOT_XML.sub("\ufffd", text)
 
 
 def _junit_cases(report: Report) -> list[tuple[str, str, str | None, str | None]]:
