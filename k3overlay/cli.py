@@ -98,6 +98,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
                                     "work branch)")
+        _refuse_workdir_holding_project(project, args.workdir)
         wheel_opts = _wheel_options(args, project)
         if args.json:
             check_writable(args.json, "--json")
@@ -132,6 +133,17 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             print(f"apply.py: error: {err}", file=sys.stderr)
             return report.exit_code or err.exit_code
     return report.exit_code
+
+
+def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
+    """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it:
+    publishing there would switch the tool's own files out for vLLM's."""
+    if workdir is None:
+        return
+    root, chosen = project.root.resolve(), workdir.resolve()
+    if root == chosen or chosen in root.parents:
+        raise errors.UsageError(f"--workdir {workdir} holds this repository ({root}); give a "
+                                f"folder of its own (default: work/vllm)")
 
 
 def _wheel_options(args: argparse.Namespace, project: Project) -> WheelOptions | None:

@@ -38,9 +38,17 @@ def tmpdir_env(tmp_path) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp_path / "t")}
 
 
+def as_in_a_terminal() -> None:
+    """Child setup: SIGINT at its default, as a shell gives a foreground command. A test run
+    started in the background (``cmd &`` in a script) ignores SIGINT, and Python then keeps
+    ignoring it in every child: the interrupt tests would see runs finish with exit 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(project: Project, env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=as_in_a_terminal)
 
 
 def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
@@ -221,7 +229,7 @@ def test_interrupt_while_starting_up_prints_no_traceback(tmp_path):
               "exec(code, {'__name__': '__main__', '__file__': path})")
     for delay in (0.0, 0.05, 0.15):
         run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
+                               stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal,
                                env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
         assert run.stdout.readline() == "ready\n"
         time.sleep(delay)
