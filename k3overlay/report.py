@@ -14,7 +14,6 @@ from pathlib import Path
 
 from junit_xml import TestCase, TestSuite, to_xml_report_string
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -183,9 +182,11 @@ def write_human(report: Report, console: Console) -> None:
     Every value is printed as text, never as rich markup: a path or a git
     message holding ``[/x]`` is shown as it is, not parsed (or raised on).
     """
-    e = escape
-    console.print(f"[bold]vllm-k3-overlay {e(report.overlay_version)}[/bold] on "
-                  f"{e(report.ref)} ({e(report.ref_sha[:12]) or '?'}), base {e(report.base_ref)}")
+    # Lines are assembled as Text, never as markup built from escaped pieces: escaping
+    # each value alone still lets two neighbours ("[/" then "]") form a tag.
+    console.print(Text.assemble((f"vllm-k3-overlay {report.overlay_version}", "bold"),
+                                f" on {report.ref} ({report.ref_sha[:12] or '?'}), "
+                                f"base {report.base_ref}"))
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("kind")
     table.add_column("item")
@@ -201,29 +202,29 @@ def write_human(report: Report, console: Console) -> None:
     if report.patches or report.overlay:
         console.print(table)
     if report.verify is not None:
-        console.print("verify: " + ("ok" if report.verify.ok else "[red]failed[/red]"))
+        console.print(Text.assemble("verify: ", ("ok", "") if report.verify.ok else ("failed", "red")))
         for error in report.verify.errors:
             console.print(Text(f"  {error}"))
     if report.tests is not None:
-        console.print(f"tests: {counts_line(report.tests)}")
+        console.print(Text(f"tests: {counts_line(report.tests)}"))
     for arch, line in table_lines(report.tables):
-        console.print(f"table diff {arch}: {line}")
+        console.print(Text(f"table diff {arch}: {line}"))
     if report.gpu is not None:
-        console.print(f"gpu tests: {counts_line(report.gpu)}")
+        console.print(Text(f"gpu tests: {counts_line(report.gpu)}"))
     if report.ab is not None:
-        console.print(f"gpu a/b: {ab_line(report.ab)}")
+        console.print(Text(f"gpu a/b: {ab_line(report.ab)}"))
     if report.wheel is not None:
         w = report.wheel
-        console.print(f"wheel: [red]not built[/red]: {w['error']}" if "error" in w else
-                      f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})")
+        console.print(Text.assemble("wheel: ", ("not built", "red"), f": {w['error']}") if "error" in w
+                      else Text(f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})"))
     for note in report.notes:
         console.print(Text(note))
     if report.ok:
-        where = f" -> branch {e(report.branch)} in {e(report.workdir)}" if report.published else ""
-        console.print(f"[green]ok[/green]{where}")
+        where = f" -> branch {report.branch} in {report.workdir}" if report.published else ""
+        console.print(Text.assemble(("ok", "green"), where))
     else:
-        console.print(f"[red]failed[/red] (exit {report.exit_code})"
-                      + (f": {e(report.error)}" if report.error else ""))
+        console.print(Text.assemble(("failed", "red"), f" (exit {report.exit_code})"
+                                    + (f": {report.error}" if report.error else "")))
 
 
 def _styled(status: str) -> Text:

@@ -82,3 +82,24 @@ def test_junit_holds_a_path_that_is_not_utf8_and_control_characters():
     root = ElementTree.fromstring(junit_xml([r]))
     error = root.find(".//error")
     assert error is not None and error.get("message") == "bad \ufffd name pkg/\ufffdx.py"
+
+
+def test_human_report_prints_values_that_together_look_like_markup():
+    """Each value escaped alone still let "[/" (the ref) and "]" (the sha) form a closing
+    tag across the two; rich raised MarkupError. Found by the report property test."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from k3overlay import report
+    from k3overlay.verify import VerifyResult
+
+    r = report.Report("0.1.0", "v1.0.0", "[/", ref_sha="]", error="[/red] x [bold]", error_code=2,
+                      tests={"passed": 1, "failed": 0, "skipped": 0, "errors": 0},
+                      notes=["[/ (]"])
+    r.verify = VerifyResult(ok=False, errors=["pkg/[x].py:1: does not compile"])
+    out = StringIO()
+    report.write_human(r, Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    assert "on [/ (]" in text
+    assert "[/red] x [bold]" in text and "pkg/[x].py:1" in text and "[/ (]" in text
