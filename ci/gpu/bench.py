@@ -66,10 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=15)
     args = ap.parse_args(argv)
 
-    import torch
-
     import kernels
     import timing
+    import torch
     from tune import provenance
 
     ours, ours_prov = load_ours(args.ours)
@@ -135,15 +134,18 @@ def main(argv=None) -> int:
 
     measurable = [r for r in rows if sp(r, "ours") is not None and sp(r, "v029") is not None]
     summary = {
-        "geomean_ours_own_rows": geo([r["ours"]["speedup"] for r in rows if r["ours"] and r["ours"].get("speedup")]),
-        "geomean_v029_own_rows": geo([r["v029"]["speedup"] for r in rows if r["v029"] and r["v029"].get("speedup")]),
+        "geomean_ours_own_rows": geo([r["ours"]["speedup"] for r in rows
+                                      if r["ours"] and r["ours"].get("speedup")]),
+        "geomean_v029_own_rows": geo([r["v029"]["speedup"] for r in rows
+                                      if r["v029"] and r["v029"].get("speedup")]),
         "geomean_ours_union": geo([sp(r, "ours") for r in measurable]),
         "geomean_v029_union": geo([sp(r, "v029") for r in measurable]),
         "union_rows": len(measurable),
         "unmeasured_rows": [[r["N"], r["K"], r["M"]] for r in rows if r not in measurable],
         "ours_slower_than_cublas": [[r["N"], r["K"], r["M"]] for r in rows
                                     if r["ours"] and (r["ours"].get("speedup") or 0) < 1.0],
-        "eh_proj": {m: (next((r["ours"] for r in rows if (r["N"], r["K"], r["M"]) == (*shp.EH_PROJ, m)), None) or {}).get("speedup")
+        "eh_proj": {m: (next((r["ours"] for r in rows if (r["N"], r["K"], r["M"]) == (*shp.EH_PROJ, m)),
+                             None) or {}).get("speedup")
                     for m in (1, 2)},
     }
     res = {"provenance": prov, "table_provenance": ours_prov, "read_bw_TBps": round(bw / 1e12, 3),

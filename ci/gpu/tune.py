@@ -11,8 +11,9 @@ shape, plus a coarse grid) -> hill-climb one-parameter neighbours of the two
 best -> pass 2 on the top three. Illegal configs are pruned before anything is
 compiled (``space.illegal_reason``). A shape is skipped at M when nothing
 reached cuBLAS at M-1 (the CuTe kernel's cost grows with M, cuBLAS's is flat);
-workers tune consecutive M values as a wavefront so that answer is known. Every measurement goes to a per-(GPU, M) JSON-lines cache before the next
-starts, so a call stopped by ``--deadline-s`` (or killed) resumes where it was.
+workers tune consecutive M values as a wavefront so that answer is known. Every
+measurement goes to a per-(GPU, M) JSON-lines cache before the next starts, so a
+call stopped by ``--deadline-s`` (or killed) resumes where it was.
 
 Timing: ``timing.time_us`` (CUDA-graph replay, >= 256 MiB rotating weights,
 median; pass 1 7 replays, pass 2 15, fresh inputs). Worker processes (one per
@@ -60,10 +61,9 @@ def _init_worker(lock):
 def _worker_setup():
     if _state:
         return _state
-    import torch
-
     import kernels
     import timing
+    import torch
 
     torch.cuda.init()
     max_w = max(shp.weight_bytes(n, k) for n, k in shp.SHAPES)
@@ -231,7 +231,7 @@ def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shap
             gen2 = torch.Generator(device=DEVICE).manual_seed(7 + 1000 * m + n + k)
             xs2 = [torch.randn(m, k, generator=gen2, dtype=torch.bfloat16, device=DEVICE)
                    for _ in range(4)]
-            cub2 = measure("cublas", kernels.cublas, 2, xs2, 15)
+            measure("cublas", kernels.cublas, 2, xs2, 15)  # pass 2 re-times cuBLAS alongside
             for c in finalists:
                 if out_of_time():
                     break

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import SkinnyGemmConfig
-from vllm.models.kimi_k3.nvidia import swap_ab_gemm
 from vllm.models.kimi_k3.nvidia import low_latency_gemm as k3
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_sm90 as sm90_data
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_tables as blackwell_data
+from vllm.models.kimi_k3.nvidia import swap_ab_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.platforms.interface import DeviceCapability
 

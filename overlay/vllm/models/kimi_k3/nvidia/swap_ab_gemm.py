@@ -58,6 +58,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+
 from vllm.triton_utils import tl, triton
 
 # Token counts the kernel serves; the dot's N side is padded to this (tl.dot needs >= 16).
