@@ -12,7 +12,7 @@ Modules, one concept each:
   source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)
   series    the patch series: read, check headers, apply with a 3-way fallback, classify
   manifest  the overlay manifest: drift against recorded upstream blobs, laying files, 3-way merge
-  verify    byte-compile touched files and resolve imports of touched modules
+  verify    byte-compile touched files; resolve imports of touched and deleted modules
   report    the result as human text, JSON, JUnit XML and markdown
   job       the apply job wiring the above together
   export    regenerate patches/ and the manifest from a maintainer's work branch

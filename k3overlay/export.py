@@ -24,9 +24,8 @@ from . import series as series_mod
 from .errors import UsageError
 from .files import write_in_tree
 from .interrupts import deferred
-from .job import BASE_KEY, locked, record
+from .job import BASE_KEY, locked, record, verify_change
 from .project import COMMITTER, Project
-from .verify import verify
 
 
 @dataclass
@@ -72,7 +71,7 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     commits = _patch_commits(repo, f"{base_sha}..HEAD", overlay_paths)
     overlay = {f.path: _overlay_content(repo, base_sha, project, f) for f in manifest.files}
     _refuse_allowed_drift(repo, f"{base_sha}..HEAD", overlay_paths)
-    checked = verify(workdir, git.changed_paths(repo, base_sha, "HEAD"))
+    checked = verify_change(repo, base_sha, "HEAD")
     if not checked.ok:
         raise UsageError(f"the work branch fails verification: {checked.errors[0]}")
     result = ExportResult(base_ref)
@@ -191,9 +190,7 @@ def _applied(repo: git.Repo, base: str, patches: list[series_mod.Patch]) -> str 
     if sha is None:
         return None
     with git.temporary_worktree(repo, sha) as tree:
-        for patch in patches:
-            if not git.am(tree, patch.path, env=git.environ(**COMMITTER))[0]:
-                git.am_abort(tree)
+        series_mod.apply(tree, patches, env=git.environ(**COMMITTER), ref_sha=sha)
         return git.resolve(tree, "HEAD")
 
 

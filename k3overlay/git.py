@@ -385,37 +385,107 @@ def _remove_worktree(repo: Repo, parent: Path) -> None:
     shutil.rmtree(parent, ignore_errors=True)
 
 
-def apply_check(repo: Repo, patch: Path, *, reverse: bool = False) -> bool:
-    """True if ``patch`` applies (or, with ``reverse``, un-applies) cleanly to the work tree."""
-    args = ["apply", "--check", *(["--reverse"] if reverse else []), str(patch)]
-    return attempt(repo, *args)[0]
+def am(repo: Repo, patches: list[Path], *, env: dict[str, str]) -> tuple[bool, str, str]:
+    """``git am --3way`` mailbox patches in order, one commit each; committer date = author date.
 
-
-def am(repo: Repo, patch: Path, *, env: dict[str, str]) -> tuple[bool, str]:
-    """``git am --3way`` one mailbox patch, committer date = author date.
-
-    Returns (succeeded, git's output). On failure the am is left in progress
-    for the caller to inspect and then ``am_abort`` or ``am_skip``.
+    Subjects are kept as ``git mailinfo -b`` reads them (``--keep-non-patch``: a
+    ``[PATCH ...]`` prefix goes, ``[Kernel]`` stays). Returns (every patch
+    applied, stdout, stderr); git's messages are in English (C locale), one
+    ``Applying: SUBJECT`` line per patch tried. On failure the am is left in
+    progress at the failed patch for the caller to inspect, then ``am_skip``
+    (go on with the rest) or leave to a maintainer.
     """
-    return attempt(
-        repo, "am", "--3way", "--keep-cr", "--committer-date-is-author-date", str(patch), env=env
-    )
+    return _am(repo, ["--3way", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date",
+                      *map(str, patches)], env)
 
 
-def am_abort(repo: Repo) -> None:
-    """Abort an in-progress ``git am``, restoring the branch and work tree."""
-    attempt(repo, "am", "--abort")
+def am_skip(repo: Repo, *, env: dict[str, str]) -> tuple[bool, str, str]:
+    """Drop the failed patch of an in-progress ``git am`` and go on with the rest (as ``am``)."""
+    return _am(repo, ["--skip"], env)
 
 
-def am_skip(repo: Repo) -> None:
-    """Skip the current patch of an in-progress ``git am``."""
-    run(repo, "am", "--skip")
+def _am(repo: Repo, args: list[str], env: dict[str, str]) -> tuple[bool, str, str]:
+    # Our caller reads am's progress lines: _environment keeps them untranslated (C locale).
+    status, out, err = _execute(["am", *args], cwd=_cwd(repo), env=env)
+    return status == 0, _text(out), _text(err)
+
+
+def mailinfo(patch: Path) -> tuple[dict[str, str], str, bool]:
+    """What ``git am --keep-non-patch`` reads from one mailbox patch, read by ``git mailinfo -b``.
+
+    Returns the headers (``Author``, ``Email``, ``Subject``, ``Date``; UTF-8),
+    the commit message after the subject line (cut where git cuts it: at a
+    ``---`` line, a ``diff -`` line, ...), and whether a diff follows.
+    """
+    mail = patch.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="k3-mailinfo-") as tmp:
+        message, diff = Path(tmp) / "msg", Path(tmp) / "patch"
+        # Exit 1 for a mail without a diff ("empty patch"): the empty diff file says so.
+        _, out, _ = _execute(["mailinfo", "-b", str(message), str(diff)], cwd=tmp, stdin=mail)
+        headers = dict(line.split(": ", 1) for line in out.decode(errors="replace").splitlines()
+                       if ": " in line)
+        text = message.read_bytes().decode(errors="replace") if message.exists() else ""
+        return headers, text, diff.exists() and diff.stat().st_size > 0
+
+
+def patch_paths(repo: Repo, patch: Path) -> list[str]:
+    """The paths ``patch`` leaves changed (a rename: its new name), from ``git apply --numstat -z``."""
+    listing = run(repo, "apply", "--numstat", "-z", str(patch))
+    return [entry.split("\t", 2)[2] for entry in listing.split("\0") if entry]
+
+
+def apply_errors(repo: Repo, patch: Path) -> str:
+    """What ``git apply --check`` says against the work tree: empty when ``patch`` applies,
+    else git's reasons (``error: patch failed: PATH:LINE`` ...)."""
+    return attempt(repo, "apply", "--check", str(patch))[1]
+
+
+def trial_tree(repo: Repo, tree_ish: str, *steps: list[str]) -> str | None:
+    """The tree ``git apply --cached STEP`` leaves, one step after another, starting from
+    ``tree_ish``, in a throwaway index (work tree, index and refs untouched); None if a step fails."""
+    with tempfile.TemporaryDirectory(prefix="k3-trial-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run(repo, "read-tree", tree_ish, env=env)
+        for step in steps:
+            if not attempt(repo, "apply", "--cached", *step, env=env)[0]:
+                return None
+        return run(repo, "write-tree", env=env).strip()
+
+
+def tree_of(repo: Repo, rev: str) -> str:
+    """The tree sha of commit ``rev``."""
+    return run(repo, "rev-parse", f"{rev}^{{tree}}").strip()
+
+
+def commit_trees(repo: Repo, rev_range: str) -> list[tuple[str, str]]:
+    """(commit sha, tree sha) of each commit in ``rev_range``, oldest first."""
+    out = run(repo, "log", "-z", "--reverse", "--topo-order", "--format=%H %T", rev_range)
+    return [tuple(entry.split(" ")) for entry in out.split("\0") if entry]
+
+
+def reparent(repo: Repo, onto: str, commits: list[str]) -> str:
+    """Copy ``commits`` (a linear chain, oldest first) onto ``onto`` and move HEAD (and its
+    branch) to the copy; return the new tip.
+
+    Each copy keeps its tree, message, author and committer byte for byte, so it
+    is the commit ``git am`` would have made on that parent. The index and work
+    tree are left as they are: the new tip has the old tip's tree.
+    """
+    tip = onto
+    for sha in commits:
+        header, _, message = _execute(["cat-file", "commit", sha], cwd=_cwd(repo))[1].partition(b"\n\n")
+        lines = [line for line in header.split(b"\n") if not line.startswith(b"parent ")]
+        lines.insert(1, b"parent " + tip.encode())
+        commit = b"\n".join(lines) + b"\n\n" + message
+        tip = _text(_execute(["hash-object", "-t", "commit", "-w", "--stdin"], cwd=_cwd(repo),
+                             stdin=commit)[1]).strip()
+    run(repo, "reset", "--soft", tip)
+    return tip
 
 
 def unmerged_paths(repo: Repo) -> list[str]:
     """Paths left with conflict markers by a merge or 3-way am."""
-    out = run(repo, "diff", "--name-only", "--diff-filter=U")
-    return sorted(set(out.split()))
+    return sorted(set(_z(run(repo, "diff", "--name-only", "-z", "--diff-filter=U"))))
 
 
 def stage_exact(repo: Repo, files: dict[str, tuple[bytes, bool]]) -> None:
@@ -515,21 +585,49 @@ def archive(repo: Repo, sha: str, dest: Path) -> None:
     run(repo, "archive", "--format=tar", "-o", str(dest), sha)
 
 
+def read_files(repo: Repo, rev: str, paths: list[str]) -> dict[str, bytes]:
+    """The bytes at commit ``rev`` of each of ``paths`` that is a file there (one ``git
+    cat-file --batch``); a path missing at ``rev`` (or holding a newline) is left out."""
+    paths = [path for path in paths if "\n" not in path]
+    query = "".join(f"{rev}:{path}\n" for path in paths).encode()
+    out = _execute(["cat-file", "--batch"], cwd=_cwd(repo), stdin=query)[1]
+    files, pos = {}, 0
+    for path in paths:  # "<sha> <type> <size>\n<bytes>\n", or "<query> missing\n"
+        end = out.index(b"\n", pos)
+        header, pos = out[pos:end].split(b" "), end + 1
+        if header[-1] != b"missing":
+            size = int(header[2])
+            if header[1] == b"blob":
+                files[path] = out[pos:pos + size]
+            pos += size + 1
+    return files
+
+
 def commit_paths(repo: Repo, sha: str) -> set[str]:
     """Paths commit ``sha`` changes against its first parent."""
-    return set(run(repo, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root",
-                   "--no-renames", sha).split())
+    return set(_z(run(repo, "diff-tree", "-z", "--no-commit-id", "--name-only", "-r", "--root",
+                      "--no-renames", sha)))
 
 
 def changed_paths(repo: Repo, old: str, new: str) -> list[str]:
-    """Paths that differ between commits ``old`` and ``new``."""
-    return sorted(run(repo, "diff", "--name-only", "--no-renames", old, new).split())
+    """Paths that differ between commits ``old`` and ``new`` (a rename: both names)."""
+    return sorted(_z(run(repo, "diff", "--name-only", "-z", "--no-renames", old, new)))
+
+
+def _z(listing: str) -> list[str]:
+    """The paths of a ``-z`` listing: NUL-terminated, never quoted (spaces, non-ASCII kept)."""
+    return [path for path in listing.split("\0") if path]
+
+
+def literal(paths: list[str]) -> list[str]:
+    """Pathspecs that match exactly these paths (a ``*`` or ``[`` in a name is no pattern)."""
+    return [f":(literal){path}" for path in paths]
 
 
 def diff(repo: Repo, old: str, new: str, path: str) -> str:
     """Unified diff of ``path`` between commits ``old`` and ``new``."""
     return run(repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "--no-renames",
-               old, new, "--", path)
+               old, new, "--", *literal([path]))
 
 
 def commit_staged(repo: Repo, message: str, *, env: dict[str, str]) -> str:
@@ -569,8 +667,8 @@ def config_set(repo: Repo, key: str, value: str) -> None:
 
 def log_subjects(repo: Repo, rev_range: str) -> list[tuple[str, str]]:
     """(sha, subject) of each commit in ``rev_range``, oldest first."""
-    out = run(repo, "log", "--reverse", "--topo-order", "--format=%H %s", rev_range)
-    return [tuple(line.split(" ", 1)) for line in out.splitlines() if line]
+    out = run(repo, "log", "-z", "--reverse", "--topo-order", "--format=%H %s", rev_range)
+    return [tuple(entry.split(" ", 1)) for entry in out.split("\0") if entry]
 
 
 def format_patch(repo: Repo, sha: str, outdir: Path, number: int = 1) -> Path:
@@ -615,22 +713,3 @@ def snapshot(repo: Repo, directory: Path, message: str, parents: list[str], *,
         return run(repo, *args, env=env).strip()
 
 
-def patch_id(repo: Repo, diff_text: str) -> str | None:
-    """``git patch-id --stable`` of one diff, or None if it holds no change."""
-    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo), stdin=diff_text.encode())[1])
-    return out.split()[0] if out.strip() else None
-
-
-def patch_ids(repo: Repo, rev_range: str, paths: list[str]) -> set[str]:
-    """Stable patch-ids of the commits in ``rev_range`` touching ``paths``."""
-    log = run(repo, "log", "--no-merges", "-p", "--format=commit %H", rev_range, "--", *paths)
-    if not log.strip():
-        return set()
-    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo),
-                         stdin=log.encode(errors="surrogateescape"))[1])
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def is_ancestor(repo: Repo, old: str, new: str) -> bool:
-    """True if commit ``old`` is an ancestor of (or equal to) ``new``."""
-    return attempt(repo, "merge-base", "--is-ancestor", old, new)[0]

@@ -31,7 +31,7 @@ from .lock import workdir_lock
 from .progress import step
 from .project import COMMITTER, IDENTITY, Project
 from .report import Report
-from .verify import verify
+from .verify import VerifyResult, verify
 
 # Recorded in the checkout's git config for each work branch we write:
 TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote: proof we own the branch
@@ -89,12 +89,11 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
             report.ref_sha = git.resolve(repo, ref)  # --check reads the checkout's own REF
         else:
             report.ref_sha = source.ensure_ref(repo, origin, ref)
-        base_sha = git.resolve(repo, manifest.base)
-        if base_sha is None:
+        if git.resolve(repo, manifest.base) is None:
             report.notes.append(f"note: base {manifest.base} is not in this checkout (shallow or "
-                                f"foreign clone?): no patch-id or upstream-diff evidence")
+                                f"foreign clone?): no upstream diff of drifted files")
         with git.temporary_worktree(repo, report.ref_sha) as tree:
-            result_sha = build(project, manifest, patches, tree, report, base_sha)
+            result_sha = build(project, manifest, patches, tree, report)
         if opts.check:
             report.notes.append("--check: nothing was written to the checkout")
         elif result_sha:
@@ -136,7 +135,7 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
 
 
 def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
-          tree: git.Repo, report: Report, base_sha: str | None, *, merge: bool = False,
+          tree: git.Repo, report: Report, *, merge: bool = False,
           best_effort: bool = False) -> str | None:
     """Apply patches and overlay in ``tree`` (a worktree at ``report.ref_sha``).
 
@@ -146,26 +145,30 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
     With ``best_effort`` (the rebase job), conflicting patches and files are
     left out and the rest is still committed and verified, so tests can run.
     """
-    tree_dir = Path(tree.working_tree_dir)
-    report.patches = apply_patches(tree, patches, report.ref_sha, base_sha)
+    report.patches = apply_patches(tree, patches, report.ref_sha)
     report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=merge)
     blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
     if blocked and not best_effort:
         return None
     laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
     sha = commit_overlay(tree, project, report, laid)
-    report.verify = verify(tree_dir, git.changed_paths(tree, report.ref_sha, sha))
+    report.verify = verify_change(tree, report.ref_sha, sha)
     return None if blocked or not report.verify.ok else sha
 
 
-def apply_patches(tree: git.Repo, patches: list[series_mod.Patch], ref_sha: str,
-                  base_sha: str | None) -> list[series_mod.PatchResult]:
+def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:
+    """Verify the files that differ between commits ``old`` and ``new`` (the work tree's)."""
+    touched = git.changed_paths(repo, old, new)
+    before = git.read_files(repo, old, [path for path in touched if path.endswith(".py")])
+    return verify(Path(repo.working_tree_dir), touched, before)
+
+
+def apply_patches(tree: git.Repo, patches: list[series_mod.Patch],
+                  ref_sha: str) -> list[series_mod.PatchResult]:
     """Apply the series onto ``tree`` (see ``series.apply``), committer = the tool."""
-    upstream = (f"{base_sha}..{ref_sha}"
-                if base_sha and git.is_ancestor(tree, base_sha, ref_sha) else None)
     env = git.environ(**COMMITTER)
     with step(f"applying {len(patches)} patch(es) with git am --3way"):
-        return series_mod.apply(tree, patches, env=env, upstream_range=upstream)
+        return series_mod.apply(tree, patches, env=env, ref_sha=ref_sha)
 
 
 def classify_overlay(tree: git.Repo, project: Project, manifest: manifest_mod.Manifest,

@@ -29,10 +29,10 @@ from .job import (
     locked,
     record,
     refuse_unsafe,
+    verify_change,
 )
 from .project import COMMITTER, Project
 from .report import Report
-from .verify import verify
 from .wheel import WheelOptions, build_for
 
 TestRunner = Callable[[Path], dict]
@@ -60,15 +60,15 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     scratch = Path(tempfile.mkdtemp(prefix="k3-rebase-"))
     try:
         repo = source.clone(origin, scratch / "vllm")
-        base_sha = source.ensure_ref(repo, origin, manifest.base)
+        source.ensure_ref(repo, origin, manifest.base)  # drift merges read upstream's base blobs
         hooks = (tests, pristine, patched)
-        return [_one(project, manifest, patches, repo, vllm_repo, base_sha, ref, hooks, wheels)
+        return [_one(project, manifest, patches, repo, vllm_repo, ref, hooks, wheels)
                 for ref in refs]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, hooks, wheels) -> Report:
+def _one(project, manifest, patches, repo, vllm_repo, ref, hooks, wheels) -> Report:
     tests, pristine, patched = hooks
     report = Report(project.version, manifest.base, ref)
     try:  # one bad or unknown ref must not cost the other refs their reports
@@ -81,7 +81,7 @@ def _one(project, manifest, patches, repo, vllm_repo, base_sha, ref, hooks, whee
         tree_dir = Path(tree.working_tree_dir)
         if pristine is not None:
             pristine(tree_dir, report)
-        sha = build(project, manifest, patches, tree, report, base_sha, merge=True, best_effort=True)
+        sha = build(project, manifest, patches, tree, report, merge=True, best_effort=True)
         if tests is not None:
             report.tests = tests(tree_dir)
         if patched is not None:
@@ -119,7 +119,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
                                 f"or abort it, then run --rebase-to again")
     report.ref_sha = source.ensure_ref(repo, origin, opts.ref)
-    base_sha = source.ensure_ref(repo, origin, manifest.base)
+    source.ensure_ref(repo, origin, manifest.base)  # drift merges read upstream's base blobs
     continuing = (git.current_branch(repo) == branch
                   and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
     if not continuing:
@@ -128,14 +128,16 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
         record(repo, branch, opts.ref)
     elif git.is_dirty(repo):
         raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
+    # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
+    # one whose change is on the branch only in another form is "redundant", never landed:
+    # landed-upstream is proven against REF's tree alone.
     done = {subject for _, subject in git.log_subjects(repo, f"{report.ref_sha}..HEAD")}
     env = git.environ(**COMMITTER)
-    upstream = f"{base_sha}..{report.ref_sha}" if git.is_ancestor(repo, base_sha, report.ref_sha) else None
     for patch in patches:
         if patch.subject in done:
             report.patches.append(series_mod.PatchResult(patch.name, series_mod.APPLIED))
             continue
-        result = series_mod.apply_one(repo, patch, env=env, upstream_range=upstream, keep_conflict=True)
+        result = series_mod.apply_one(repo, patch, env=env, ref_sha=report.ref_sha, keep_conflict=True)
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
             report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "
@@ -156,7 +158,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
         return report
     sha = commit_overlay(repo, project, report, laid)
     record(repo, branch, opts.ref)
-    report.verify = verify(workdir, git.changed_paths(repo, report.ref_sha, sha))
+    report.verify = verify_change(repo, report.ref_sha, sha)
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
     return report
 

@@ -7,8 +7,6 @@ vocabulary): ``Pending``, ``Submitted [link]``, ``Backport [link]`` or
 
 from __future__ import annotations
 
-import email
-import email.policy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +17,13 @@ from .errors import UsageError
 STATUS_LINE = re.compile(
     r"^Upstream-Status: (?:Pending|(?:Submitted|Backport|Inappropriate) \[[^\]]+\])\s*$", re.M
 )
-_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
 
 APPLIED = "applied"
 APPLIED_3WAY = "applied-3way"
 LANDED = "landed-upstream"
 CONFLICT = "conflict"
+REDUNDANT = "redundant"
+_UNCHANGED = "unchanged"  # git am found nothing to change; which of the two above is proven after
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,8 @@ class Patch:
 
     name: str
     path: Path
-    subject: str
+    subject: str  # the commit subject ``git am --keep-non-patch`` gives it, verbatim
     upstream_status: str
-    files: tuple[str, ...]
-
-    @property
-    def diff(self) -> str:
-        text = self.path.read_bytes().decode("utf-8", errors="replace")
-        start = text.find("\ndiff --git ")
-        return text[start + 1:] if start >= 0 else ""
 
 
 @dataclass
@@ -86,66 +78,132 @@ def load(patches_dir: Path) -> list[Patch]:
 
 
 def read_patch(path: Path) -> Patch:
-    """Read one mailbox patch file. Raises UsageError if it is missing or lacks Upstream-Status."""
+    """Read one mailbox patch file the way ``git am`` will (``git mailinfo -b``).
+
+    Raises UsageError if it is missing, holds no diff, or its commit message
+    (what ``git am`` keeps: the text before a ``---`` line) lacks Upstream-Status.
+    """
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
-    # Mail headers may carry any encoding; nothing we read from them needs exact bytes.
     try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        headers, message, has_diff = git.mailinfo(path)
     except OSError as err:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
-    if "\ndiff --git " not in text:
+    if not has_diff:
         raise UsageError(f"{path.name} holds no diff")
-    status = STATUS_LINE.search(text.split("\n---\n", 1)[0])
+    status = STATUS_LINE.search(message)
     if status is None:
         raise UsageError(
             f"{path.name} lacks an 'Upstream-Status: Pending|Submitted [link]|Backport [link]"
-            f"|Inappropriate [reason]' line"
+            f"|Inappropriate [reason]' line in its commit message"
         )
-    message = email.message_from_string(text, policy=email.policy.default)
-    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", str(message["Subject"] or path.stem))
-    files = tuple(dict.fromkeys(b for _, b in _DIFF_FILE.findall(text)))
-    return Patch(path.name, path, subject, status.group(0).split(": ", 1)[1].strip(), files)
+    return Patch(path.name, path, headers.get("Subject", ""), status.group(0).split(": ", 1)[1].strip())
 
 
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
-          upstream_range: str | None = None) -> list[PatchResult]:
-    """Apply ``patches`` in order onto ``repo``'s work tree, one commit each.
+          ref_sha: str) -> list[PatchResult]:
+    """Apply ``patches`` in order onto ``repo``'s work tree (HEAD at REF, ``ref_sha``), one
+    commit each, in one ``git am --3way`` run.
 
-    Each patch is classified: ``landed-upstream`` when its change is already
-    there (it reverse-applies cleanly, or an upstream commit in
-    ``upstream_range`` has the same patch-id) and is skipped; ``applied``
-    when it applies as is; ``applied-3way`` when only ``git am --3way``
-    takes it; ``conflict`` otherwise, with the files and hunks that failed.
-    A conflicting patch is aborted and skipped, and the rest are still tried,
-    so one run classifies the whole series.
+    Each patch is classified: ``applied`` when it applies as is;
+    ``applied-3way`` when only the 3-way fallback takes it;
+    ``landed-upstream`` when it changes nothing and REF's own tree provably
+    holds its result (see ``landed``), and it is skipped; ``redundant`` when it
+    changes nothing only because patches before it already made its change;
+    ``conflict`` otherwise, with the files and hunks that failed. A
+    conflicting patch is skipped and the rest are still tried, so one run
+    classifies the whole series. No commit is left that changes nothing.
     """
-    return [apply_one(repo, patch, env=env, upstream_range=upstream_range) for patch in patches]
+    return _run(repo, patches, env, ref_sha, keep_conflict=False)
 
 
-def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str],
-              upstream_range: str | None = None, keep_conflict: bool = False) -> PatchResult:
+def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str], ref_sha: str,
+              keep_conflict: bool = False) -> PatchResult:
     """Apply and classify one patch (see ``apply``). With ``keep_conflict`` a
     conflicting am is left in progress for a maintainer to resolve."""
-    if git.apply_check(repo, patch.path, reverse=True):
+    return _run(repo, [patch], env, ref_sha, keep_conflict)[0]
+
+
+def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,
+         keep_conflict: bool) -> list[PatchResult]:
+    start = git.resolve(repo, "HEAD")
+    results: list[PatchResult] = []
+    ok, out, err = git.am(repo, [p.path for p in patches], env=env)
+    while True:
+        tried = _am_outcomes(out)
+        for patch, outcome in zip(patches[len(results):], tried if ok else tried[:-1]):
+            if outcome == _UNCHANGED:
+                outcome = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
+            results.append(PatchResult(patch.name, outcome))
+        if ok:
+            break
+        if not tried:  # am refused to start (e.g. an am of someone else's in progress)
+            raise git.GitError(f"git am failed: {git.first_line(err)}")
+        results.append(_failed(repo, patches[len(results)], ref_sha, out + "\n" + err))
+        if keep_conflict and results[-1].status == CONFLICT:
+            return results
+        ok, out, err = git.am_skip(repo, env=env)
+    _drop_empty_commits(repo, start, patches, results, ref_sha)
+    return results
+
+
+def _am_outcomes(stdout: str) -> list[str]:
+    """One outcome per patch git am tried, read from its progress lines (C locale)."""
+    outcomes: list[str] = []
+    for line in stdout.splitlines():
+        if line.startswith("Applying: "):
+            outcomes.append(APPLIED)
+        elif line.startswith("Falling back to patching base and 3-way merge"):
+            outcomes[-1] = APPLIED_3WAY
+        elif line.startswith("No changes -- Patch already applied"):
+            outcomes[-1] = _UNCHANGED
+    return outcomes
+
+
+def _failed(repo: git.Repo, patch: Patch, ref_sha: str, output: str) -> PatchResult:
+    """The verdict on a patch git am could not apply: landed upstream (when provable; am
+    cannot 3-way a deletion or rename that upstream already made), else a conflict."""
+    if landed(repo, patch.path, ref_sha):
         return PatchResult(patch.name, LANDED)
-    if upstream_range and _same_patch_upstream(repo, patch, upstream_range):
-        return PatchResult(patch.name, LANDED)
-    clean = git.apply_check(repo, patch.path)
-    before = git.resolve(repo, "HEAD")
-    ok, output = git.am(repo, patch.path, env=env)
-    if ok and git.resolve(repo, "HEAD") == before:
-        return PatchResult(patch.name, LANDED)  # 3-way merge found nothing left to change
-    if ok:
-        return PatchResult(patch.name, APPLIED if clean else APPLIED_3WAY)
     unmerged = git.unmerged_paths(repo)
-    if not unmerged and not git.staged_changes(repo) and "already applied" in output:
-        git.am_skip(repo)
-        return PatchResult(patch.name, LANDED)
-    hunks = _conflict_regions(Path(repo.working_tree_dir), unmerged) + _failed_hunks(output)
-    if not keep_conflict:
-        git.am_abort(repo)
-    return PatchResult(patch.name, CONFLICT, unmerged or list(patch.files), hunks)
+    if unmerged:  # a 3-way merge ran and left markers
+        hunks = _conflict_regions(Path(repo.working_tree_dir), unmerged) + _failed_hunks(output)
+        return PatchResult(patch.name, CONFLICT, unmerged, hunks)
+    # No 3-way was possible (am's direct attempt is silent then): ask git apply which hunks fail.
+    return PatchResult(patch.name, CONFLICT, git.patch_paths(repo, patch.path),
+                       _failed_hunks(output + "\n" + git.apply_errors(repo, patch.path)))
+
+
+def _drop_empty_commits(repo: git.Repo, start: str, patches: list[Patch],
+                        results: list[PatchResult], ref_sha: str) -> None:
+    """git am commits a patch that applies directly yet changes nothing (a ``chmod +x``
+    the file already has): classify such a patch like an unchanged one and drop its commit."""
+    committed = [(r, p) for r, p in zip(results, patches) if r.status in (APPLIED, APPLIED_3WAY)]
+    parent_tree = git.tree_of(repo, start)
+    kept = []
+    for (result, patch), (sha, tree) in zip(committed, git.commit_trees(repo, f"{start}..HEAD")):
+        if tree == parent_tree:
+            result.status = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
+        else:
+            kept.append(sha)
+        parent_tree = tree
+    if len(kept) < len(committed):
+        git.reparent(repo, start, kept)
+
+
+def landed(repo: git.Repo, patch: Path, ref_sha: str) -> bool:
+    """True if REF's tree provably already holds the patch's result: a trial application
+    onto REF's tree, in a throwaway index, leaves every blob and mode as REF has them.
+
+    Two trials, either is proof: a 3-way apply (upstream changed the lines
+    around the patch too), and un-applying then re-applying (upstream deleted or
+    renamed the file as the patch does, or the patch's base blobs are not in this
+    repository). A check that the patch merely reverse-applies is no proof: a
+    ``chmod +x`` patch reverse-applies to its own base.
+    """
+    want = git.tree_of(repo, ref_sha)
+    return (git.trial_tree(repo, ref_sha, ["--3way", str(patch)]) == want
+            or git.trial_tree(repo, ref_sha, ["--reverse", str(patch)], [str(patch)]) == want)
 
 
 def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
@@ -164,11 +222,6 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
                 regions.append(f"{path}:{start}-{number}")
                 start = None
     return regions
-
-
-def _same_patch_upstream(repo: git.Repo, patch: Patch, rev_range: str) -> bool:
-    ours = git.patch_id(repo, patch.diff)
-    return ours is not None and ours in git.patch_ids(repo, rev_range, list(patch.files))
 
 
 def _failed_hunks(am_output: str) -> list[str]:

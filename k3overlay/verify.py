@@ -3,7 +3,10 @@
 Two checks, both static (``ast``), so no vLLM dependency is needed:
 1. every touched ``.py`` byte-compiles (in memory; nothing is written);
 2. for every touched module, each ``from <module> import <name>`` anywhere
-   in the tree still resolves to a name the module defines at top level.
+   in the tree still resolves to a name the module defines at top level; and
+   every import of a module the tree no longer has (deleted, or renamed: git
+   lists a rename as a deletion and an addition) fails, whether written
+   ``import pkg.mod``, ``from pkg.mod import x`` or ``from pkg import mod``.
 Only regular files are read: a link (dangling, or pointing out of the tree), a
 FIFO or an unreadable file is skipped, never followed or waited on.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,28 +34,90 @@ class VerifyResult:
         self.errors.append(message)
 
 
-def verify(tree: Path, touched: list[str]) -> VerifyResult:
-    """Check ``touched`` paths (relative to ``tree``); return every error found."""
+def verify(tree: Path, touched: list[str], before: Mapping[str, bytes] | None = None) -> VerifyResult:
+    """Check ``touched`` paths (relative to ``tree``); return every error found.
+
+    ``before``: the touched files as the change found them (path -> bytes; files
+    it added are absent). With it, imports outside the touched files are checked
+    only where the change can have broken them (names a touched module no longer
+    binds, modules now gone), so only the files that mention those are parsed.
+    Without it, every import of a touched module is checked.
+    """
     result = VerifyResult()
-    modules: dict[str, ast.Module] = {}
+    modules: dict[str, ast.Module] = {}  # by module name
+    parsed_files: dict[str, ast.Module] = {}  # by path
+    lost: dict[str, set[str] | None] = {}  # module -> names to look for elsewhere (None: all)
+    gone: set[str] = set()
     for path in sorted(p for p in touched if p.endswith(".py")):
         source = read_regular(tree / path)
-        if source is None:
-            continue  # deleted by a patch, or a link: nothing of ours to compile
+        if source is None:  # deleted by a patch, or a link: nothing of ours to compile
+            if not os.path.lexists(tree / path) and not _exists(tree, module_name(path)):
+                gone.add(module_name(path))  # pkg/mod.py gone, and no pkg/mod/ instead
+            continue
         try:
             parsed = ast.parse(source, filename=path)
             compile(parsed, path, "exec", dont_inherit=True)  # what parsing alone lets through
-            modules[module_name(path)] = parsed
         except SyntaxError as err:
             result.fail(f"{path}:{err.lineno}: does not compile: {err.msg}")
+            continue
         except ValueError as err:  # e.g. a NUL byte
             result.fail(f"{path}: does not compile: {err}")
+            continue
+        modules[module_name(path)] = parsed_files[path] = parsed
+        lost[module_name(path)] = _lost_names(_top_level_names(parsed), before, path)
     exported = {name: _top_level_names(mod) for name, mod in modules.items()}
-    for importer, lineno, module, name in _imports_of(tree, set(exported)):
-        names = exported[module]
-        if names is not None and name not in names and not _is_submodule(tree, module, name):
-            result.fail(f"{importer}:{lineno}: cannot import name {name!r} from {module}")
+    ours = set(touched)
+    for importer, lineno, module, name in _imports_of(tree, lost, gone, ours, parsed_files):
+        if importer not in ours and not _may_break(lost, gone, module, name):
+            continue  # upstream's import, and nothing it needs was changed by us
+        problem = _unresolved(tree, exported, gone, module, name)
+        if problem:
+            result.fail(f"{importer}:{lineno}: {problem}")
     return result
+
+
+def _lost_names(now: set[str] | None, before: Mapping[str, bytes] | None,
+                path: str) -> set[str] | None:
+    """Names of a touched module that other files may now miss: those it bound before
+    and binds no more; None when every name counts (no ``before``, or unknowable)."""
+    if now is None:
+        return set()  # ``__getattr__`` or ``import *``: any name may resolve
+    if before is None:
+        return None
+    if path not in before:
+        return set()  # a new module: nothing imported it before us
+    try:
+        old = _top_level_names(ast.parse(before[path]))
+    except (SyntaxError, ValueError):
+        return None
+    return None if old is None else old - now
+
+
+def _may_break(lost: dict[str, set[str] | None], gone: set[str], module: str,
+               name: str | None) -> bool:
+    """Whether our change can have broken this import (of a file we did not touch)."""
+    if any(module == g or module.startswith(g + ".") or f"{module}.{name}" == g for g in gone):
+        return True
+    if module not in lost:
+        return False
+    return lost[module] is None or name in lost[module]
+
+
+def _unresolved(tree: Path, exported: dict[str, set[str] | None], gone: set[str],
+                module: str, name: str | None) -> str | None:
+    """Why ``from module import name`` (``import module`` when ``name`` is None) fails, or None."""
+    deleted = next((g for g in sorted(gone) if module == g or module.startswith(g + ".")), None)
+    if deleted:
+        return f"cannot import {module}: {deleted} no longer exists"
+    if name is None:
+        return None
+    bound = _package_names(tree, module) if f"{module}.{name}" in gone else None
+    if bound is not None and name not in bound:
+        return f"cannot import name {name!r} from {module}: {module}.{name} no longer exists"
+    names = exported.get(module)
+    if names is not None and name not in names and not _is_submodule(tree, module, name):
+        return f"cannot import name {name!r} from {module}"
+    return None
 
 
 def module_name(path: str) -> str:
@@ -94,30 +160,61 @@ def _top_level_statements(body: list[ast.stmt]):
                 yield from _top_level_statements(handler.body)
 
 
-def _imports_of(tree: Path, modules: set[str]):
-    """(file, line, module, name) for each ``from M import name`` of a module in ``modules``."""
-    leaves = {m.rsplit(".", 1)[-1].encode() for m in modules}
+def _imports_of(tree: Path, lost: dict[str, set[str] | None], gone: set[str], touched: set[str],
+                parsed_files: dict[str, ast.Module]):
+    """(file, line, module, name) for each import in the files worth parsing: the touched
+    ones (``parsed_files`` already), and those whose text mentions a module of ``lost``
+    (dotted, or its last part in a relative import) and one of its lost names, or the last
+    part of a ``gone`` module. ``from M import name`` gives (M, name), ``import M`` (M, None)."""
+    wanted = [(m.encode(), m.rsplit(".", 1)[-1].encode(), None if names is None else
+               {n.encode() for n in names}) for m, names in lost.items() if names != set()]
+    gone_leaves = {m.rsplit(".", 1)[-1].encode() for m in gone}
     for dirpath, dirnames, filenames in os.walk(tree):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        for filename in filenames:
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)  # errors in a stable order
+        for filename in sorted(filenames):
             if not filename.endswith(".py"):
                 continue
             file = Path(dirpath) / filename
-            source = read_regular(file)
-            if source is None or not any(leaf in source for leaf in leaves):
-                continue  # cheap filter: most files never mention a touched module
             rel = file.relative_to(tree).as_posix()
-            try:
-                parsed = ast.parse(source, filename=rel)
-            except (SyntaxError, ValueError):
-                continue  # not ours to judge; touched files are compiled above
-            for node in ast.walk(parsed):
+            parsed = parsed_files.get(rel)
+            if parsed is None:
+                source = read_regular(file)
+                if source is None or (rel not in touched
+                                      and not _mentions(source, wanted, gone_leaves)):
+                    continue  # cheap filter: most files never mention what changed
+                try:
+                    parsed = ast.parse(source, filename=rel)
+                except (SyntaxError, ValueError):
+                    continue  # not ours to judge; touched files are compiled above
+            for node in _statements(parsed.body):
                 if isinstance(node, ast.ImportFrom):
                     target = _absolute(rel, node)
-                    if target in modules:
-                        for alias in node.names:
-                            if alias.name != "*":
-                                yield rel, node.lineno, target, alias.name
+                    for alias in node.names:
+                        if alias.name != "*":
+                            yield rel, node.lineno, target, alias.name
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        yield rel, node.lineno, alias.name, None
+
+
+def _mentions(source: bytes, wanted, gone_leaves: set[bytes]) -> bool:
+    if any(leaf in source for leaf in gone_leaves):
+        return True
+    relative = b"from ." in source
+    return any((dotted in source or (relative and leaf in source))
+               and (names is None or any(n in source for n in names))
+               for dotted, leaf, names in wanted)
+
+
+def _statements(body: list):
+    """Every statement in ``body``, nested ones too (imports are statements: no need to
+    visit the far more numerous expression nodes, as ``ast.walk`` would)."""
+    for node in body:
+        yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, block, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
 
 
 def _absolute(importer: str, node: ast.ImportFrom) -> str:
@@ -134,3 +231,19 @@ def _absolute(importer: str, node: ast.ImportFrom) -> str:
 def _is_submodule(tree: Path, module: str, name: str) -> bool:
     folder = tree.joinpath(*module.split("."))
     return (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
+
+
+def _exists(tree: Path, module: str) -> bool:
+    """True if ``module`` can still be imported from ``tree``: a ``.py`` file, or a package
+    folder (with ``__init__.py`` or without: a namespace package)."""
+    path = tree.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or path.is_dir()
+
+
+def _package_names(tree: Path, package: str) -> set[str] | None:
+    """Top-level names of ``package``'s ``__init__.py`` (empty without one; None: unknowable)."""
+    source = read_regular(tree.joinpath(*package.split("."), "__init__.py"))
+    try:
+        return _top_level_names(ast.parse(source or b""))
+    except (SyntaxError, ValueError):
+        return set()

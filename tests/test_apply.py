@@ -189,3 +189,33 @@ def test_source_unreachable_exit_6(project, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "Project", lambda: project)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")
     assert cli.main(["--workdir", str(tmp_path / "wd"), "-q", "--vllm-ref", "v1.0.0"]) == errors.SOURCE
+
+
+def test_new_overlay_file_that_upstream_has_since_added_is_drift(project, upstream, tmp_path,
+                                                                  monkeypatch):
+    up = tmp_path / "up"
+    g(upstream, "clone", "-q", str(upstream), str(up))
+    g(up, "checkout", "-q", "--detach", "v1.0.0")
+    (up / "pkg/new.py").write_text("UPSTREAMS_OWN = 1\n")
+    g(up, "add", "pkg/new.py")
+    g(up, "commit", "-qm", "upstream adds pkg/new.py")
+    g(up, "tag", "v1.0.1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    out = tmp_path / "r.json"
+    code = cli.main(["-q", "--vllm-repo", str(up), "--vllm-ref", "v1.0.1", "--workdir", str(tmp_path / "wd"),
+                     "--json", str(out)])
+    assert code == errors.DRIFT
+    new = {f["path"]: f for f in json.loads(out.read_text())["overlay"]}["pkg/new.py"]
+    assert new["status"] == "drift" and new["detail"] == "upstream now has a file at this path"
+    assert "+UPSTREAMS_OWN = 1" in new["upstream_diff"]
+
+
+def test_json_report_carries_upstream_diff_of_a_drifted_file(project, upstream, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    out = tmp_path / "r.json"
+    code = cli.main(["-q", "--vllm-repo", str(upstream), "--vllm-ref", "v1.2.0",
+                     "--workdir", str(tmp_path / "wd"), "--json", str(out)])
+    assert code == errors.DRIFT
+    mod = {f["path"]: f for f in json.loads(out.read_text())["overlay"]}["pkg/mod.py"]
+    assert mod["status"] == "drift"
+    assert mod["upstream_diff"] == g(upstream, "diff", "--no-color", "v1.0.0", "v1.2.0", "--", "pkg/mod.py")

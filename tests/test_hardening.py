@@ -163,10 +163,14 @@ def test_after_export_apply_may_rebuild_the_branch(project, upstream, tmp_path):
     apply(project, upstream, wd)
     (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text() + "line 13\n")
     g(wd, "commit", "-qam", "model: line 13\n\nUpstream-Status: Pending")
+    (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text() + "line 14\n")
+    g(wd, "commit", "-qam", "model: line 14\n\nUpstream-Status: Pending")
     export(project, wd)
     assert json.loads(project.manifest_path.read_text()) == json.loads(manifest)  # order kept
+    assert (project.patches_dir / "series").read_text().splitlines() == [  # numbered after the last
+        "0001-model-line-4.patch", "0002-model-line-13.patch", "0003-model-line-14.patch"]
     report = apply(project, upstream, wd)
-    assert report.ok and [p.status for p in report.patches] == ["applied", "applied"]
+    assert report.ok and [p.status for p in report.patches] == ["applied", "applied", "applied"]
 
 
 def test_users_hooks_and_signing_config_change_nothing(project, upstream, tmp_path, monkeypatch):
@@ -185,3 +189,22 @@ def test_users_hooks_and_signing_config_change_nothing(project, upstream, tmp_pa
     assert report.ok, report.to_json()
     assert g(wd, "rev-parse", "HEAD") == g(tmp_path / "clean", "rev-parse", "HEAD")  # same shas
     assert clean.ok and not ran.exists()
+
+
+@pytest.mark.parametrize("operation, name", [
+    (["merge", "v1.3.0"], "git merge"), (["rebase", "--merge", "v1.3.0"], "git rebase"),
+    (["rebase", "--apply", "v1.3.0"], "git rebase"), (["revert", "--no-edit", "v1.3.0"], "git revert"),
+])
+def test_unfinished_merge_rebase_or_revert_is_refused(project, upstream, tmp_path, operation, name):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    g(wd, "checkout", "-q", "-b", "work", "v1.0.0")
+    who = {"GIT_AUTHOR_NAME": "m", "GIT_AUTHOR_EMAIL": "m@m", "GIT_COMMITTER_NAME": "m",
+           "GIT_COMMITTER_EMAIL": "m@m", "PATH": "/usr/bin:/bin"}
+    (wd / "pkg/model.txt").write_text("mine\n")
+    g(wd, "commit", "-qam", "mine")
+    assert subprocess.run(["git", *operation], cwd=wd, capture_output=True, env=who).returncode != 0
+    g(wd, "checkout", "--theirs", "pkg/model.txt")
+    g(wd, "add", "-A")  # resolved, but not concluded
+    with pytest.raises(errors.UsageError, match=f"has a {name} in progress"):
+        apply(project, upstream, wd)

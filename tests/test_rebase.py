@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -44,6 +45,7 @@ def test_each_target_classified(reports):
     assert v13.exit_code == errors.CONFLICT
     assert v13.tests["failed"] == 1  # tests still ran, on what applied: upstream's line 4
     assert reports["v7.0.0"].exit_code == errors.USAGE and "not found" in reports["v7.0.0"].error
+    assert reports["v7.0.0"].to_json()["overlay_version"] == "9.9.9"
 
 
 def test_reports_render_for_ci(reports):
@@ -114,7 +116,8 @@ def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path)
     g(wd, "commit", "-qam", "resolve pkg/mod.py")
     resolved = (wd / "pkg/mod.py").read_text()
     third = rebase_to(project, opts)  # re-running must not lay markers over the resolution
-    assert third.ok and any("already committed" in n for n in third.notes)
+    assert third.ok and "the overlay is already committed on the branch (a resolution is never " \
+        "overwritten): run apply.py --export" in third.notes
     assert (wd / "pkg/mod.py").read_text() == resolved and g(wd, "status", "--porcelain") == ""
     result = export(project, wd)
     assert result.patches == ["0001-model-line-4.patch"] and result.base == "v1.3.0"
@@ -143,8 +146,11 @@ def test_export_refuses_commit_mixing_overlay_and_upstream_files(project, upstre
     (wd / "pkg/model.txt").write_text("changed\n")
     (wd / "pkg/new.py").write_text("X = 1\n")
     g(wd, "commit", "-qam", "mixed\n\nUpstream-Status: Pending")
-    with pytest.raises(errors.UsageError, match="split it"):
+    sha = g(wd, "rev-parse", "HEAD").strip()
+    with pytest.raises(errors.UsageError) as err:
         export(project, wd)
+    assert str(err.value) == (f"commit {sha[:12]} changes overlay files (pkg/new.py) and upstream "
+                              f"files; split it")
 
 
 def data_files(project):
@@ -189,3 +195,110 @@ def test_export_refuses_an_overlay_laid_with_allow_drift(project, upstream, tmp_
                                       allow_drift=True)).ok
     with pytest.raises(errors.UsageError, match="--allow-drift"):
         export(project, wd)
+
+
+def load_ci_rebase():
+    """ci/rebase.py, the CI entry point, as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "ci" / "rebase.py"
+    spec = importlib.util.spec_from_file_location("ci_rebase", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("counts, code", [
+    ({"passed": 3, "failed": 0, "skipped": 0, "errors": 1}, errors.VERIFY),  # the tier crashed
+    ({"passed": 3, "failed": 1, "skipped": 0, "errors": 0}, errors.VERIFY),
+    ({"passed": 3, "failed": 0, "skipped": 2, "errors": 0}, errors.OK),
+])
+def test_rebase_job_exit_code_counts_test_errors(project, upstream, tmp_path, monkeypatch, counts, code):
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+
+    class Tier:  # the CPU tier as the job sees it, with the counts of this case
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def pristine(self, tree, report):
+            pass
+
+        def tests(self, tree):
+            return dict(counts)
+
+        def patched(self, tree, report):
+            pass
+
+    monkeypatch.setattr(ci_rebase, "TargetRun", Tier)
+    out = tmp_path / "out.json"
+    assert ci_rebase.main(["-q", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
+                           "--json", str(out)]) == code
+    [data] = json.loads(out.read_text())
+    assert data["tests"] == counts and data["ok"] is (code == errors.OK)
+
+
+def test_drift_whose_base_blob_is_unknown_is_a_conflict_that_says_why(project, upstream):
+    manifest = json.loads(project.manifest_path.read_text())
+    manifest["files"][0]["base_blob"] = "0" * 40  # a blob no repository has
+    project.manifest_path.write_text(json.dumps(manifest))
+    [report] = run_rebase(project, ["v1.1.0"], vllm_repo=str(upstream))
+    mod = {f.path: f for f in report.overlay}["pkg/mod.py"]
+    assert mod.status == "conflict" and report.exit_code == errors.DRIFT
+    assert mod.upstream_diff == g(upstream, "diff", "v1.0.0", "v1.1.0", "--", "pkg/mod.py")
+    assert mod.detail.startswith("upstream blob ") and "; cannot merge: blob 00000000 is not in" in mod.detail
+
+
+@pytest.mark.parametrize("spoil, message", [
+    ("dirty", "wd has uncommitted changes; finish and commit first"),
+    ("am", "wd has git am in progress; finish and commit first"),
+])
+def test_export_refuses_an_unsafe_checkout(project, upstream, tmp_path, spoil, message):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    if spoil == "dirty":
+        (wd / "pkg/model.txt").write_text("uncommitted\n")
+    else:
+        patch = project.patches_dir / "0001-model-line-4.patch"
+        subprocess.run(["git", "am", str(patch)], cwd=wd, capture_output=True)
+    before = data_files(project)
+    with pytest.raises(errors.UsageError) as err:
+        export(project, wd)
+    assert str(err.value) == f"{wd.parent / message}"
+    assert data_files(project) == before
+
+
+def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    g(project.root, "init", "-q")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-qm", "our data")
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n# edited\n")
+    with pytest.raises(errors.UsageError) as err:
+        export(project, wd)
+    assert str(err.value) == ("patches/, overlay/ or overlay.json have uncommitted changes; "
+                              "commit or stash them before --export")
+
+
+def test_a_conflicted_overlay_file_does_not_keep_the_next_from_being_laid(project, upstream):
+    seen = {}
+
+    def look(tree):
+        seen["new"] = (tree / "pkg/new.py").read_text()
+        seen["mod"] = (tree / "pkg/mod.py").read_text()
+        return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+
+    [report] = run_rebase(project, ["v1.3.0"], vllm_repo=str(upstream), tests=look)
+    assert [f.status for f in report.overlay] == ["conflict", "added"]
+    assert seen["new"] == (project.overlay_dir / "pkg/new.py").read_text()
+    assert seen["mod"] == g(upstream, "show", "v1.3.0:pkg/mod.py")  # upstream's, not markers
+
+
+def test_rebase_job_leaves_no_scratch_behind(project, upstream, tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    [report] = run_rebase(project, ["v1.1.0"], vllm_repo=str(upstream))
+    assert report.ok and list(scratch.iterdir()) == []

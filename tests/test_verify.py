@@ -54,3 +54,81 @@ def test_package_submodules_and_dynamic_modules(tmp_path):
     })
     result = verify(root, ["pkg/__init__.py", "lib/x.py", "lib/__init__.py"])
     assert result.errors == ["lib/user.py:2: cannot import name 'missing' from lib"]
+
+
+def test_every_form_of_import_of_a_deleted_module_fails(tmp_path):
+    root = tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "import pkg.gone\n",
+        "pkg/b.py": "import pkg.gone as g\n",
+        "pkg/c.py": "from pkg import gone\n",
+        "pkg/d.py": "from . import gone, kept\n",
+        "pkg/e.py": "from .gone import X\n",
+        "pkg/f.py": "import os, pkg.kept\nfrom pkg import kept\n",
+        "pkg/kept.py": "",
+    })
+    result = verify(root, ["pkg/gone.py"])  # touched, and not in the tree: deleted
+    assert result.errors == [
+        "pkg/a.py:1: cannot import pkg.gone: pkg.gone no longer exists",
+        "pkg/b.py:1: cannot import pkg.gone: pkg.gone no longer exists",
+        "pkg/c.py:1: cannot import name 'gone' from pkg: pkg.gone no longer exists",
+        "pkg/d.py:1: cannot import name 'gone' from pkg: pkg.gone no longer exists",
+        "pkg/e.py:1: cannot import pkg.gone: pkg.gone no longer exists",
+    ]
+
+
+def test_a_deleted_package_takes_its_submodules_with_it(tmp_path):
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/user.py": "from pkg.sub.deep import f\n"})
+    result = verify(root, ["pkg/sub/__init__.py", "pkg/sub/deep.py"])
+    assert result.errors == ["pkg/user.py:1: cannot import pkg.sub.deep: pkg.sub no longer exists"]
+
+
+def test_a_deleted_module_that_still_resolves_is_no_error(tmp_path):
+    root = tree(tmp_path, {
+        "pkg/__init__.py": "from .impl import gone\n",  # the package still binds the name
+        "pkg/impl.py": "gone = 1\n",
+        "pkg/c.py": "from pkg import gone\n",
+        "pkg/became/__init__.py": "X = 1\n",  # module turned into a package
+        "pkg/spaces/x.py": "",  # a folder without __init__.py: a namespace package
+        "pkg/u.py": "from pkg.became import X\nimport pkg.spaces\n",
+        "dyn/__init__.py": "def __getattr__(name):\n    return name\n",
+        "dyn/u.py": "from dyn import gone\n",
+    })
+    result = verify(root, ["pkg/gone.py", "pkg/became.py", "pkg/spaces.py", "dyn/gone.py"])
+    assert result.ok, result.errors
+
+
+def test_from_a_package_without_init_or_unreadable_init(tmp_path):
+    root = tree(tmp_path, {
+        "ns/user.py": "from ns import gone\n",  # ns has no __init__.py: a namespace package
+        "bad/__init__.py": "def (:\n",  # a package whose __init__ does not parse binds nothing
+        "bad/user.py": "from bad import gone\n",
+    })
+    result = verify(root, ["ns/gone.py", "bad/gone.py"])
+    assert result.errors == [
+        "bad/user.py:1: cannot import name 'gone' from bad: bad.gone no longer exists",
+        "ns/user.py:1: cannot import name 'gone' from ns: ns.gone no longer exists",
+    ]
+
+
+def test_a_submodule_of_a_touched_package_is_importable_by_name(tmp_path):
+    root = tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/sub/__init__.py": "X = 1\n",
+        "pkg/sub/mod.py": "",
+        "pkg/sub/inner/__init__.py": "",
+        "pkg/user.py": "from pkg.sub import X, mod, inner, missing\n",
+    })
+    result = verify(root, ["pkg/sub/__init__.py"])
+    assert result.errors == ["pkg/user.py:1: cannot import name 'missing' from pkg.sub"]
+
+
+def test_imports_in_handlers_and_dotted_imports_bind_what_python_binds(tmp_path):
+    root = tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": "import os.path\nimport json as j\n",
+        "pkg/user.py": ("from pkg.mod import os, j\n"
+                        "try:\n    import fast\nexcept ImportError:\n    from pkg.mod import path\n"),
+    })
+    result = verify(root, ["pkg/mod.py"])
+    assert result.errors == ["pkg/user.py:5: cannot import name 'path' from pkg.mod"]

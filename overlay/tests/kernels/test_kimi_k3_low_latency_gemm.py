@@ -139,6 +139,35 @@ def cfg(m, block, outputs, unroll=1, width=8, static_k=None) -> SkinnyGemmConfig
     return SkinnyGemmConfig(m, block, outputs, unroll, width, static_k)
 
 
+# The data modules, read here without the module under test: expectations of the
+# plan, routing and installation tests come from them, not from the tables built.
+DATA = {
+    SM103: (blackwell_data.SM103_ROWS, blackwell_data.SM103_RESIDUAL_ROWS),
+    SM100: (blackwell_data.SM100_ROWS, blackwell_data.SM100_RESIDUAL_ROWS),
+    SM90: (sm90_data.ROWS, {}),
+}
+
+
+def config_of(m: int, fields) -> SkinnyGemmConfig:
+    """A data-module config tuple (block, outputs, unroll, width, static_k) at M=m."""
+    return cfg(m, *fields)
+
+
+def data_plan(capability, shape, backends=k3.BACKENDS) -> dict:
+    """``{M: PlannedCall}`` the data module lists for ``shape``, keeping ``backends``."""
+    row = DATA[capability][0][shape]
+    return {
+        m: k3.PlannedCall(backend, None if fields is None else config_of(m, fields))
+        for m, (backend, fields) in row.items()
+        if backend in backends
+    }
+
+
+def data_residual_plan(capability, shape) -> dict:
+    row = DATA[capability][1].get(shape, {})
+    return {m: config_of(m, fields) for m, fields in row.items()}
+
+
 # ------------------------------------------------------------- table invariants
 
 
@@ -429,9 +458,8 @@ def test_capability_probe(monkeypatch, is_cuda, reported, expected) -> None:
 
 
 def routed_tokens(capability, n: int, k: int) -> set[int]:
-    """Token counts the table of ``capability`` routes for (n, k), read from the data."""
-    return {row.num_tokens for row in k3.routed_rows(capability)
-            if (row.n, row.k) == (n, k) and not row.has_residual}
+    """Token counts the data module of ``capability`` routes for (n, k)."""
+    return set(DATA[capability][0].get((n, k), {}))
 
 
 @pytest.mark.parametrize("capability", [SM103, SM90])
@@ -466,22 +494,24 @@ def test_select_without_gpu_is_none_and_capability_overrides(monkeypatch) -> Non
 
 
 @pytest.mark.parametrize("capability", [SM103, SM100, SM90])
-def test_routed_rows_cover_each_entry_once(monkeypatch, capability) -> None:
+def test_routed_rows_are_the_data_rows(monkeypatch, capability) -> None:
     pin_capability(monkeypatch, capability)
-    rows = k3.routed_rows()
-    assert rows == k3.routed_rows(capability)
-    table = k3.table_for_capability(capability)
-    expected_count = sum(
-        len(spec.winners) + len(spec.residual_configs) for spec in table.values()
-    )
-    assert len(rows) == expected_count
-    assert len({(r.n, r.k, r.num_tokens, r.has_residual) for r in rows}) == len(rows)
-    for row in rows:
-        backend = k3.select_kimi_k3_backend(
-            row.num_tokens, row.n, row.k, has_residual=row.has_residual
-        )
-        assert backend == row.backend
-        assert (row.config is None) == (row.backend == "dsv3_fused_a")
+    rows, residual_rows = DATA[capability]
+    expected = [
+        k3.RoutedRow(n, k, m, backend, None if f is None else config_of(m, f), False)
+        for (n, k), row in rows.items()
+        for m, (backend, f) in row.items()
+    ]
+    expected += [
+        k3.RoutedRow(n, k, m, "cute", config_of(m, f), True)
+        for (n, k), row in residual_rows.items()
+        for m, f in row.items()
+    ]
+    routed = k3.routed_rows()
+    assert routed == k3.routed_rows(capability)
+    assert len(routed) == len(expected) and set(routed) == set(expected)
+    order = [(r.has_residual, r.n, r.k, r.num_tokens) for r in routed]
+    assert order == sorted(order)
 
 
 def test_routed_rows_include_residual_epilogue_on_sm103() -> None:
@@ -495,15 +525,14 @@ def test_routed_rows_include_residual_epilogue_on_sm103() -> None:
 # -------------------------------------------------------------------------- plans
 
 
-@pytest.mark.parametrize("arch", ALL_TABLES)
-def test_build_plan_is_the_table(arch: str) -> None:
-    for spec in ALL_TABLES[arch].values():
-        plan = k3._build_plan(spec)
-        assert set(plan) == {m for m, _ in spec.winners}
-        for m, call in plan.items():
-            assert call.backend == k3._backend_for(spec, m, has_residual=False)
-            assert call.config == spec.cute_config(m)
-        assert k3._build_residual_plan(spec) == dict(spec.residual_configs)
+@pytest.mark.parametrize("capability", [SM103, SM100, SM90])
+def test_build_plan_is_the_data_row(capability) -> None:
+    table = k3.table_for_capability(capability)
+    for shape in DATA[capability][0]:
+        assert k3._build_plan(table[shape]) == data_plan(capability, shape)
+        assert k3._build_residual_plan(table[shape]) == data_residual_plan(
+            capability, shape
+        )
 
 
 def test_runnable_plan_drops_backends_not_built(monkeypatch, fake_cute) -> None:
@@ -600,12 +629,11 @@ def test_installed_plans_are_the_runnable_table_rows(monkeypatch, fake_cute) -> 
     monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
     model = tp8_model()
     k3.enable_kimi_k3_low_latency_gemm(model, BF16)
-    table = k3.KIMI_K3_PROJECTIONS
     for layer in (model.attn.o_proj, model.mlp, model.eh_proj, model.lm_head):
-        spec = table[tuple(layer.weight.shape)]
-        assert layer.quant_method._plan == k3._build_plan(spec)
-    assert model.mlp.quant_method._residual_plan == k3._build_residual_plan(
-        table[(7168, 3584)]
+        shape = tuple(layer.weight.shape)
+        assert layer.quant_method._plan == data_plan(SM103, shape, ("cute",))
+    assert model.mlp.quant_method._residual_plan == data_residual_plan(
+        SM103, (7168, 3584)
     )
     # dsv3 was not built: its rows stay on the normal path.
     assert model.attn.fused_qkv_a_proj.quant_method._plan == {}
@@ -626,14 +654,14 @@ def test_module_name_plays_no_role(monkeypatch, fake_cute) -> None:
 def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
     # dense_down_proj (7168, 4224): the two tables route it differently, so the
     # installed plan shows which table was read.
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
     plans = {}
     for capability in (SM103, SM90):
         pin_capability(monkeypatch, capability)
         root = nn.Module()
         root.down = FakeLinear(7168, 4224)
         k3.enable_kimi_k3_low_latency_gemm(root, BF16)
-        table = k3.table_for_capability(capability)
-        assert root.down.quant_method._plan == k3._runnable_plan(table[(7168, 4224)])
+        assert root.down.quant_method._plan == data_plan(capability, (7168, 4224))
         plans[capability] = root.down.quant_method._plan
     assert set(plans[SM103]) == routed_tokens(SM103, 7168, 4224) == {1}
     assert set(plans[SM90]) == routed_tokens(SM90, 7168, 4224)
@@ -1061,11 +1089,23 @@ def test_residual_fast_path(fake_cute) -> None:
 
 @pytest.mark.usefixtures("cpu_fast_path")
 @pytest.mark.parametrize(
-    "case", ["shape", "dtype", "device", "not packed", "M not planned", "bad x", "misaligned x"]
+    "case",
+    [
+        "shape",
+        "dtype",
+        "device",
+        "not packed",
+        "M not planned",
+        "bad x",
+        "misaligned x",
+        "batch invariant",
+    ],
 )
 def test_bad_residual_falls_back_to_addmm(monkeypatch, fake_cute, case) -> None:
     x, residual = bf16(1, K), bf16(1, N)
-    if case == "shape":
+    if case == "batch invariant":  # vLLM's own GEMM, so results do not depend on M
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    elif case == "shape":
         residual = bf16(2, N)
     elif case == "dtype":
         residual = residual.half()
@@ -1123,6 +1163,19 @@ def test_try_low_latency_gemm_residual(monkeypatch, fake_cute) -> None:
     torch.testing.assert_close(out, residual)
     assert k3.try_low_latency_gemm(bf16(5, 3584), weight, bf16(5, 7168)) is None
     assert k3.try_low_latency_gemm(x, weight, residual.half()) is None
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_try_low_latency_gemm_batch_invariant(monkeypatch, fake_cute, fake_dsv3):
+    pin_capability(monkeypatch, SM103)
+    weight, x = bf16(7168, 3584), bf16(2, 3584)  # SM103 routes M2 with and without residual
+    assert k3.try_low_latency_gemm(x, weight) is not None  # control: routed otherwise
+    assert k3.try_low_latency_gemm(x, weight, bf16(2, 7168)) is not None
+    calls = len(fake_cute.calls) + len(fake_dsv3.calls)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert k3.try_low_latency_gemm(x, weight) is None
+    assert k3.try_low_latency_gemm(x, weight, bf16(2, 7168)) is None
+    assert len(fake_cute.calls) + len(fake_dsv3.calls) == calls
 
 
 @pytest.mark.usefixtures("cpu_fast_path")

@@ -1,0 +1,473 @@
+"""Right verdicts for every kind of patch, on a synthetic upstream built for them.
+
+Each patch is a ``git format-patch`` of one commit on ``v1``; expectations come
+from git itself (``git apply --check``, ``ls-tree``, ``log``) or from how the
+upstream refs were built, never from the code under test.
+
+  v1        base: an executable-to-be script, a module and its user, a text file,
+            a file to rename, a binary file, a 12-line model file
+  v2        upstream made every patch's change itself, and changed line 1 of the
+            model file too (so only a 3-way merge sees that patch landed)
+  v3        upstream changed line 4 of the model file its own way (our model patch conflicts)
+  v4        upstream made only our ``chmod +x``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors, series
+from k3overlay.export import export
+from k3overlay.job import Options, run_apply
+from k3overlay.project import Project
+from k3overlay.rebase import rebase_to, run_rebase
+
+from .conftest import IDENT, g, model
+
+BINARY = bytes(range(256)) * 4
+BINARY_NEW = bytes(reversed(range(256))) * 4
+R_TXT = "".join(f"r{i}\n" for i in range(20))
+MOD = "VALUE = 1\n"
+USER = "from pkg.mod import VALUE\n"
+BASE = {"pkg/__init__.py": "", "pkg/tool.sh": "echo hi\n", "pkg/mod.py": MOD, "pkg/user.py": USER,
+        "pkg/old.txt": "old\n", "pkg/r.txt": R_TXT, "pkg/model.txt": model({}),
+        "pkg/naïve.py": "N = 1\n", "pkg/my mod.py": "M = 1\n"}
+
+# name -> (subject, author, message body, change); each change is made on v1.
+PATCHES = {
+    "chmod": ("[Kernel] make tool.sh executable", "José Núñez <jose@example.invalid>",
+              "Upstream-Status: Pending", {"chmod": "pkg/tool.sh"}),
+    "delete": ("[Misc] remove old.txt", "Upstream Dev <dev@upstream.invalid>",
+               "Upstream-Status: Pending", {"delete": "pkg/old.txt"}),
+    "rename": ("[Misc] move r.txt", "Upstream Dev <dev@upstream.invalid>",
+               "Upstream-Status: Pending", {"rename": ("pkg/r.txt", "pkg/moved.txt")}),
+    "binary": ("[Data] new table bytes", "Upstream Dev <dev@upstream.invalid>",
+               "Upstream-Status: Pending", {"bytes": ("pkg/data.bin", BINARY_NEW)}),
+    "model": ("[Model] line 4", "Upstream Dev <dev@upstream.invalid>",
+              "Why: decode.\n\nUpstream-Status: Pending\n---\nA note git am leaves out.",
+              {"write": ("pkg/model.txt", model({4: "line 4 (ours)"}))}),
+}
+
+
+def run_git(repo: Path, *args: str, env: dict | None = None) -> str:
+    return subprocess.run(["git", *args], cwd=repo, env={**os.environ, **IDENT, **(env or {})},
+                          check=True, capture_output=True, text=True).stdout
+
+
+def change(root: Path, what: dict) -> None:
+    for kind, arg in what.items():
+        if kind == "chmod":
+            (root / arg).chmod(0o755)
+        elif kind == "delete":
+            run_git(root, "rm", "-q", "--", arg)
+        elif kind == "rename":
+            run_git(root, "mv", "--", *arg)
+        elif kind == "bytes":
+            (root / arg[0]).write_bytes(arg[1])
+        else:
+            (root / arg[0]).write_text(arg[1])
+
+
+def commit(repo: Path, message: str, author: str | None = None) -> None:
+    run_git(repo, "add", "-A")
+    extra = ["--author", author] if author else []
+    run_git(repo, "commit", "-q", *extra, "-m", message)
+
+
+@pytest.fixture(scope="session")
+def kinds(tmp_path_factory):
+    """(upstream repo, {name: patch file}) — see the module docstring."""
+    root = tmp_path_factory.mktemp("kinds")
+    up = root / "up"
+    up.mkdir()
+    run_git(up, "init", "-q", "-b", "main")
+    for rel, text in BASE.items():
+        (up / rel).parent.mkdir(parents=True, exist_ok=True)
+        (up / rel).write_text(text)
+    (up / "pkg/data.bin").write_bytes(BINARY)
+    commit(up, "release v1")
+    run_git(up, "tag", "v1")
+    for spec in PATCHES.values():
+        change(up, spec[3])
+    change(up, {"write": ("pkg/model.txt", model({1: "line 1 (upstream)", 4: "line 4 (ours)"}))})
+    commit(up, "release v2")
+    run_git(up, "tag", "v2")
+    run_git(up, "checkout", "-q", "--detach", "v1")
+    change(up, {"write": ("pkg/model.txt", model({4: "line 4 (theirs)"}))})
+    commit(up, "release v3")
+    run_git(up, "tag", "v3")
+    run_git(up, "checkout", "-q", "--detach", "v1")
+    change(up, {"chmod": "pkg/tool.sh"})
+    commit(up, "release v4")
+    run_git(up, "tag", "v4")
+    patches = {name: patch_on_v1(up, root / "patches", subject, what, body, author)
+               for name, (subject, author, body, what) in PATCHES.items()}
+    return up, patches
+
+
+def patch_on_v1(up: Path, out_dir: Path, subject: str, what: dict,
+                body: str = "Upstream-Status: Pending", author: str | None = None) -> Path:
+    """``git format-patch`` of one commit on v1 making change ``what``."""
+    run_git(up, "checkout", "-q", "--detach", "v1")
+    change(up, what)
+    commit(up, f"{subject}\n\n{body}\n", author)
+    out = run_git(up, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index",
+                  "-o", str(out_dir), "HEAD").strip()
+    run_git(up, "checkout", "-q", "--detach", "v1")
+    return Path(out)
+
+
+def make_project(root: Path, patch_files: list[Path], base: str = "v1") -> Project:
+    """A project with these patches (in this order) and one new overlay file."""
+    (root / "patches").mkdir(parents=True)
+    for patch in patch_files:
+        shutil.copyfile(patch, root / "patches" / patch.name)
+    (root / "patches" / "series").write_text("".join(f"{p.name}\n" for p in patch_files))
+    (root / "overlay" / "pkg").mkdir(parents=True)
+    (root / "overlay" / "pkg" / "extra.py").write_text("from pkg.mod import VALUE\n")
+    (root / "overlay.json").write_text(json.dumps(
+        {"base": base, "files": [{"path": "pkg/extra.py", "base_blob": "new"}]}))
+    (root / "VERSION").write_text("1.0.0\n")
+    return Project(root)
+
+
+def apply(project, up, wd, **kw):
+    return run_apply(project, Options(vllm_repo=str(up), workdir=wd, **kw))
+
+
+def statuses(report) -> list[str]:
+    return [p.status for p in report.patches]
+
+
+def mode(repo: Path, rev: str, path: str) -> str:
+    return run_git(repo, "ls-tree", rev, "--", path).split()[0]
+
+
+def git_applies(repo: Path, rev: str, patch: Path, *args: str) -> bool:
+    """Whether git itself applies ``patch`` (with ``args``) to ``rev``'s tree, in a scratch index."""
+    index = repo / ".git" / "scratch-index"
+    env = {"GIT_INDEX_FILE": str(index)}
+    run_git(repo, "read-tree", rev, env=env)
+    proc = subprocess.run(["git", "apply", "--cached", *args, str(patch)], cwd=repo, capture_output=True,
+                          env={**os.environ, **env})
+    index.unlink()
+    return proc.returncode == 0
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def test_mode_only_patch_applies_on_its_own_base_and_keeps_its_mode(kinds, tmp_path):
+    up, patches = kinds
+    # A reverse check alone would call it landed: git reverse-applies it to v1 without complaint.
+    assert git_applies(up, "v1", patches["chmod"], "--reverse")
+    wd = tmp_path / "wd"
+    report = apply(make_project(tmp_path / "p", [patches["chmod"]]), up, wd)
+    assert report.ok and statuses(report) == ["applied"]
+    assert mode(up, "v1", "pkg/tool.sh") == "100644"
+    assert mode(wd, "HEAD", "pkg/tool.sh") == "100755"
+    assert run_git(wd, "log", "-1", "--format=%s", "HEAD~1").strip() == "[Kernel] make tool.sh executable"
+
+
+def test_every_kind_of_patch_applies_on_the_base(kinds, tmp_path):
+    up, patches = kinds
+    wd = tmp_path / "wd"
+    report = apply(make_project(tmp_path / "p", list(patches.values())), up, wd)
+    assert report.ok, report.to_json()
+    assert statuses(report) == ["applied"] * 5
+    assert not (wd / "pkg/old.txt").exists() and not (wd / "pkg/r.txt").exists()
+    assert (wd / "pkg/moved.txt").read_text() == R_TXT
+    assert (wd / "pkg/data.bin").read_bytes() == BINARY_NEW
+    # git am kept every subject verbatim, brackets and all, and the non-ASCII author
+    log = run_git(wd, "log", "--reverse", "--format=%s|%an", "v1..HEAD~1").splitlines()
+    assert log == [f"{s}|{a.split(' <')[0]}" for s, a, _, _ in PATCHES.values()]
+
+
+def test_every_kind_landed_upstream_leaves_no_commit(kinds, tmp_path):
+    up, patches = kinds
+    wd = tmp_path / "wd"
+    report = apply(make_project(tmp_path / "p", list(patches.values())), up, wd, ref="v2")
+    assert statuses(report) == ["landed-upstream"] * 5, report.to_json()
+    assert report.ok
+    assert run_git(wd, "rev-list", "--count", "v2..HEAD").strip() == "1"  # the overlay commit only
+    assert run_git(wd, "diff", "--stat", "v2", "HEAD~1") == ""
+
+
+def test_landed_through_a_3way_trial_only(kinds, tmp_path):
+    # v2 changed line 1 too, inside the model patch's context: git cannot reverse-apply
+    # it there, only a 3-way merge shows the change is already made.
+    up, patches = kinds
+    assert not git_applies(up, "v2", patches["model"], "--reverse")
+    assert not git_applies(up, "v2", patches["model"])
+    report = apply(make_project(tmp_path / "p", [patches["model"]]), up, tmp_path / "wd", ref="v2")
+    assert statuses(report) == ["landed-upstream"]
+
+
+@pytest.mark.parametrize("kind", ["delete", "rename"])
+def test_landed_through_an_unapply_reapply_trial_only(kinds, tmp_path, kind):
+    # git's 3-way apply cannot work on a file that is gone: only un-applying and
+    # re-applying the patch onto v2 shows upstream made the same deletion or rename.
+    up, patches = kinds
+    assert not git_applies(up, "v2", patches[kind], "--3way")
+    assert git_applies(up, "v2", patches[kind], "--reverse")
+    report = apply(make_project(tmp_path / "p", [patches[kind]]), up, tmp_path / "wd", ref="v2")
+    assert report.to_json()["patches"] == [{"name": patches[kind].name, "status": "landed-upstream"}]
+
+
+def foreign_upstream(tmp_path: Path, model_text: str) -> Path:
+    """A repository with its own history (none of v1's blobs) tagged f1: our package,
+    and pkg/model.txt as given."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    run_git(foreign, "init", "-q", "-b", "main")
+    for rel in ("pkg/__init__.py", "pkg/mod.py", "pkg/user.py"):
+        (foreign / rel).parent.mkdir(parents=True, exist_ok=True)
+        (foreign / rel).write_text(BASE[rel])
+    (foreign / "pkg/model.txt").write_text(model_text)
+    commit(foreign, "foreign release")
+    run_git(foreign, "tag", "f1")
+    return foreign
+
+
+def test_landed_when_the_patch_base_blobs_are_unknown(kinds, tmp_path):
+    # No 3-way is possible without the patch's base blob; un-apply and re-apply still proves it.
+    up, patches = kinds
+    foreign = foreign_upstream(tmp_path, model({4: "line 4 (ours)", 12: "line 12 (foreign)"}))
+    blob = run_git(up, "rev-parse", "v1:pkg/model.txt").strip()
+    assert subprocess.run(["git", "cat-file", "-e", blob], cwd=foreign).returncode != 0
+    report = apply(make_project(tmp_path / "p", [patches["model"]], base="f1"), foreign, tmp_path / "wd")
+    assert statuses(report) == ["landed-upstream"], report.to_json()
+
+
+def test_conflict_without_a_3way_names_the_patch_files_and_failed_hunk(kinds, tmp_path):
+    up, patches = kinds
+    foreign = foreign_upstream(tmp_path, model({3: "line 3 (foreign)"}))
+    report = apply(make_project(tmp_path / "p", [patches["model"]], base="f1"), foreign, tmp_path / "wd")
+    [result] = report.to_json()["patches"]
+    assert result["name"] == patches["model"].name
+    assert result["status"] == "conflict" and result["files"] == ["pkg/model.txt"]
+    assert result["hunks"] == ["error: patch failed: pkg/model.txt:1"]
+
+
+def test_a_change_upstream_lacks_is_never_landed(kinds, tmp_path):
+    # v4 made our chmod, nothing else: the other patches still apply there.
+    up, patches = kinds
+    report = apply(make_project(tmp_path / "p", list(patches.values())), up, tmp_path / "wd", ref="v4")
+    assert statuses(report) == ["landed-upstream", "applied", "applied", "applied", "applied"]
+
+
+def test_a_landed_patch_in_the_middle_leaves_the_commits_git_am_would_make_without_it(kinds, tmp_path):
+    # The chmod applies directly on v4 yet changes nothing; git am commits that as an
+    # empty commit, which must go, leaving exactly the commits of the series without it.
+    up, patches = kinds
+    with_it = [patches["delete"], patches["chmod"], patches["model"]]
+    report = apply(make_project(tmp_path / "a", with_it), up, tmp_path / "wa", ref="v4")
+    assert statuses(report) == ["applied", "landed-upstream", "applied"]
+    wb = tmp_path / "wb"
+    g(up, "clone", "-q", str(up), str(wb))
+    g(wb, "checkout", "-q", "--detach", "v4")
+    for patch in (patches["delete"], patches["model"]):
+        run_git(wb, "am", "-q", "--3way", "--keep-non-patch", "--committer-date-is-author-date",
+                str(patch), env={"GIT_COMMITTER_NAME": "vllm-k3-overlay",
+                                 "GIT_COMMITTER_EMAIL": "k3-overlay@users.noreply.localhost"})
+    assert run_git(tmp_path / "wa", "rev-parse", "HEAD~1") == run_git(wb, "rev-parse", "HEAD")
+
+
+def test_a_patch_an_earlier_patch_already_made_is_redundant_not_landed(kinds, tmp_path):
+    up, patches = kinds
+    twin = tmp_path / "0009-twin.patch"
+    text = patches["model"].read_text().replace("[Model] line 4", "[Model] line 4 again")
+    twin.write_text(text)
+    report = apply(make_project(tmp_path / "p", [patches["model"], twin]), up, tmp_path / "wd")
+    assert statuses(report) == ["applied", "redundant"]
+    assert report.ok  # the tree is right; the series has a patch that does nothing
+
+
+def test_conflict_in_the_middle_and_later_patches_still_tried(kinds, tmp_path, monkeypatch, capsys):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["delete"], patches["model"], patches["chmod"]])
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    out = tmp_path / "r.json"
+    code = cli.main(["-q", "--vllm-repo", str(up), "--workdir", str(tmp_path / "wd"), "--vllm-ref", "v3",
+                     "--json", str(out)])
+    assert code == errors.CONFLICT
+    data = json.loads(out.read_text())
+    assert [p["status"] for p in data["patches"]] == ["applied", "conflict", "applied"]
+    assert data["patches"][1]["files"] == ["pkg/model.txt"]
+    assert data["patches"][1]["hunks"] == ["pkg/model.txt:4-8",  # between the markers git left
+                                           "CONFLICT (content): Merge conflict in pkg/model.txt"]
+    assert data["ok"] is False and g(tmp_path / "wd", "branch", "--list", "k3-overlay/*") == ""
+
+    seen = {}
+
+    def look(tree):  # the rebase job still builds what applied, and runs tests on it
+        seen["mode"] = mode(tree, "HEAD", "pkg/tool.sh")
+        seen["old"] = (tree / "pkg/old.txt").exists()
+        seen["overlay"] = (tree / "pkg/extra.py").exists()
+        return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+
+    [report] = run_rebase(project, ["v3"], vllm_repo=str(up), tests=look)
+    assert statuses(report) == ["applied", "conflict", "applied"]
+    assert seen == {"mode": "100755", "old": False, "overlay": True}
+    assert report.verify.ok and report.exit_code == errors.CONFLICT
+
+
+def test_rebase_to_never_calls_our_own_bracketed_patch_landed(kinds, tmp_path, monkeypatch, capsys):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["chmod"], patches["model"]])
+    wd = tmp_path / "wd"
+    opts = Options(ref="v3", vllm_repo=str(up), workdir=wd)
+    first = rebase_to(project, opts)
+    assert statuses(first) == ["applied", "conflict"]
+    assert first.to_json()["workdir"] == str(wd) and first.to_json()["branch"] == "k3-overlay/1.0.0"
+    (wd / "pkg/model.txt").write_text(model({4: "line 4 (ours and theirs)"}))
+    run_git(wd, "add", "pkg/model.txt")
+    run_git(wd, "am", "--continue", env={"GIT_COMMITTER_NAME": "m", "GIT_COMMITTER_EMAIL": "m@m"})
+    second = rebase_to(project, opts)
+    assert statuses(second) == ["applied", "applied"] and second.ok, second.to_json()
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["--export", "--workdir", str(wd)]) == errors.OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == ["exported 2 patch(es) on base v3:", f"  {patches['chmod'].name}",
+                       f"  {patches['model'].name}"]
+    assert "overlay.json re-recorded at v3" in out and not any("dropped" in line for line in out)
+
+
+def test_series_status_words_and_listing(kinds, tmp_path, monkeypatch, capsys):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["chmod"]])
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    args = ["-q", "--vllm-repo", str(up), "--workdir", str(tmp_path / "wd"), "--check"]
+    series_file = project.patches_dir / "series"
+    series_file.write_text(f"# our series\n\n  # indented comment\n{patches['chmod'].name}\n")
+    assert cli.main(args) == errors.OK  # comments and blank lines are not patch names
+    stray = project.patches_dir / "0099-stray.patch"
+    shutil.copyfile(patches["model"], stray)
+    assert cli.main(args) == errors.USAGE
+    assert "patches not in series: 0099-stray.patch" in capsys.readouterr().err
+    stray.unlink()
+    patch = project.patches_dir / patches["chmod"].name
+    patch.write_text(patch.read_text().replace("Upstream-Status: Pending", "Upstream-Status: Maybe"))
+    assert cli.main(args) == errors.USAGE
+    assert "lacks an 'Upstream-Status:" in capsys.readouterr().err
+
+
+def test_upstream_status_after_a_dashes_line_is_not_in_the_commit(kinds, tmp_path):
+    # git am cuts the message at a "---" line; a status below it would be lost on export.
+    up, patches = kinds
+    text = patches["delete"].read_text().replace("Upstream-Status: Pending\n",
+                                                   "Intro.\n---\nUpstream-Status: Pending\n")
+    path = tmp_path / "0001-x.patch"
+    path.write_text(text)
+    with pytest.raises(errors.UsageError, match="Upstream-Status"):
+        series.read_patch(path)
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+@pytest.mark.parametrize("path", ["pkg/naïve.py", "pkg/my mod.py"])
+def test_syntax_error_in_a_file_with_an_odd_name_fails_verification(kinds, tmp_path, path):
+    up, _ = kinds
+    patch = patch_on_v1(up, tmp_path / "out", "break a file", {"write": (path, "def broken(:\n")})
+    report = apply(make_project(tmp_path / "p", [patch]), up, tmp_path / "wd")
+    assert report.exit_code == errors.VERIFY
+    assert report.verify.errors == [f"{path}:1: does not compile: invalid syntax"]
+
+
+@pytest.mark.parametrize("what", [{"delete": "pkg/mod.py"}, {"rename": ("pkg/mod.py", "pkg/core.py")}])
+def test_importers_of_a_deleted_or_renamed_module_fail_verification(kinds, tmp_path, what):
+    up, _ = kinds
+    patch = patch_on_v1(up, tmp_path / "out", "drop pkg.mod", what)
+    project = make_project(tmp_path / "p", [patch])
+    (project.overlay_dir / "pkg/extra.py").write_text("X = 1\n")  # only upstream's user is left
+    report = apply(project, up, tmp_path / "wd")
+    assert report.exit_code == errors.VERIFY
+    assert report.verify.errors == ["pkg/user.py:1: cannot import pkg.mod: pkg.mod no longer exists"]
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_apply_export_apply_is_the_identity(kinds, tmp_path):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", list(patches.values()))
+    original = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    wd = tmp_path / "wd"
+    assert apply(project, up, wd).ok
+    tip = run_git(wd, "rev-parse", "HEAD")
+    result = export(project, wd)
+    assert result.dropped == [] and result.patches == [p.name for p in patches.values()]
+    exported = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    assert set(exported) == set(original)
+    again = apply(project, up, tmp_path / "wd2")
+    assert again.ok and run_git(tmp_path / "wd2", "rev-parse", "HEAD") == tip  # same commits, same shas
+    export(project, tmp_path / "wd2")
+    assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == exported
+    # what git am kept of the "---" message is what the exported patch says
+    message = run_git(wd, "log", "-1", "--format=%B", "HEAD~1")
+    assert "Upstream-Status: Pending" in message and "A note git am leaves out" not in message
+
+
+def test_rebase_to_skips_a_patch_landed_through_a_failed_am(kinds, tmp_path):
+    # git am cannot apply a rename upstream already made; the verdict is landed and the
+    # maintainer's checkout is left with no am in progress.
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["rename"], patches["chmod"]])
+    wd = tmp_path / "wd"
+    report = rebase_to(project, Options(ref="v2", vllm_repo=str(up), workdir=wd))
+    assert statuses(report) == ["landed-upstream", "landed-upstream"] and report.ok
+    assert not (wd / ".git" / "rebase-apply").exists()
+    assert run_git(wd, "rev-list", "--count", "v2..HEAD").strip() == "1"  # the overlay commit
+
+
+def test_git_am_that_cannot_start_is_an_error(kinds, tmp_path):
+    up, patches = kinds
+    wd = tmp_path / "wd"
+    g(up, "clone", "-q", "--branch", "v3", str(up), str(wd))
+    subprocess.run(["git", "am", str(patches["model"])], cwd=wd, capture_output=True)
+    assert (wd / ".git" / "rebase-apply").is_dir()  # someone's am, stopped at a conflict
+    with pytest.raises(errors.OverlayError, match="git am failed: fatal: previous rebase directory"):
+        series.apply(series.git.open_repo(wd), series.load(make_project(tmp_path / "p", [
+            patches["chmod"]]).patches_dir), env=dict(os.environ, **IDENT), ref_sha="HEAD")
+
+
+def test_rebase_to_rebuilds_a_branch_that_apply_made_on_another_ref(kinds, tmp_path):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["chmod"]])
+    wd = tmp_path / "wd"
+    assert apply(project, up, wd).ok  # the work branch on v1
+    report = rebase_to(project, Options(ref="v3", vllm_repo=str(up), workdir=wd))
+    assert report.ok, report.to_json()
+    assert run_git(wd, "rev-parse", "HEAD~2") == run_git(up, "rev-parse", "v3")  # v3, patch, overlay
+
+
+def test_rebase_to_never_rewrites_a_branch_it_did_not_make(kinds, tmp_path):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["chmod"]])
+    wd = tmp_path / "wd"
+    g(up, "clone", "-q", str(up), str(wd))
+    g(wd, "branch", "k3-overlay/1.0.0", "v1")
+    tip = run_git(wd, "rev-parse", "k3-overlay/1.0.0")
+    with pytest.raises(errors.UsageError, match="not created by apply.py"):
+        rebase_to(project, Options(ref="v3", vllm_repo=str(up), workdir=wd))
+    assert run_git(wd, "rev-parse", "k3-overlay/1.0.0") == tip
+
+
+def test_an_overlay_upstream_already_matches_makes_no_commit(kinds, tmp_path):
+    up, patches = kinds
+    project = make_project(tmp_path / "p", [patches["chmod"]])
+    (project.overlay_dir / "pkg/extra.py").unlink()
+    (project.overlay_dir / "pkg/mod.py").write_text(MOD)  # byte for byte upstream's
+    project.manifest_path.write_text(json.dumps({"base": "v1", "files": [
+        {"path": "pkg/mod.py", "base_blob": run_git(up, "rev-parse", "v1:pkg/mod.py").strip()}]}))
+    wd = tmp_path / "wd"
+    report = apply(project, up, wd)
+    assert report.ok and [f.status for f in report.overlay] == ["replaced"]
+    assert run_git(wd, "log", "--format=%s", "v1..HEAD").splitlines() == [PATCHES["chmod"][0]]

@@ -1,0 +1,218 @@
+"""What CI and a person read: the JSON, JUnit XML, markdown and terminal renderings of
+hand-built reports, compared with hand-written expectations."""
+
+from __future__ import annotations
+
+import io
+import json
+import xml.etree.ElementTree as ET
+
+from rich.console import Console
+
+from k3overlay import errors
+from k3overlay.manifest import FileResult
+from k3overlay.report import Report, junit_xml, markdown, write_human, write_json
+from k3overlay.series import PatchResult
+from k3overlay.verify import VerifyResult
+
+DIFF = "diff --git a/m.py b/m.py\n-old\n+new\n"
+
+
+def clean() -> Report:
+    return Report("1.0.0", "v1", "v2", ref_sha="a" * 40, branch="k3/1", workdir="/w",
+                  patches=[PatchResult("0001-a.patch", "applied"),
+                           PatchResult("0002-b.patch", "landed-upstream")],
+                  overlay=[FileResult("m.py", "replaced")], verify=VerifyResult(), published=True)
+
+
+def broken() -> Report:
+    return Report(
+        "1.0.0", "v1", "v3", ref_sha="b" * 40,
+        patches=[PatchResult("0001-a.patch", "applied-3way"),
+                 PatchResult("0002-b.patch", "conflict", ["x.py"], ["x.py:4-8", "CONFLICT (content)"])],
+        overlay=[FileResult("m.py", "drift", "upstream blob 1234abcd differs", DIFF),
+                 FileResult("n.py", "conflict", "3-way merge: 1 conflicting region(s)", DIFF)],
+        verify=VerifyResult(False, ["x.py:1: does not compile: invalid syntax"]),
+        tests={"passed": 2, "failed": 1, "skipped": 3, "errors": 4})
+
+
+def test_exit_codes_by_kind():
+    assert clean().exit_code == errors.OK and clean().ok
+    assert broken().exit_code == errors.CONFLICT
+    drift = clean()
+    drift.overlay = [FileResult("m.py", "drift")]
+    assert drift.exit_code == errors.DRIFT
+    drift.allow_drift = True
+    assert drift.exit_code == errors.OK
+    merge = clean()
+    merge.overlay = [FileResult("m.py", "conflict")]
+    merge.allow_drift = True
+    assert merge.exit_code == errors.DRIFT
+    bad = clean()
+    bad.verify = VerifyResult(False, ["e"])
+    assert bad.exit_code == errors.VERIFY
+    for counts in ({"failed": 1}, {"errors": 1}):
+        tested = clean()
+        tested.tests = {"passed": 1, "failed": 0, "skipped": 0, "errors": 0, **counts}
+        assert tested.exit_code == errors.VERIFY
+    stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
+    assert stopped.exit_code == errors.USAGE
+
+
+def test_json_as_documented(tmp_path):
+    data = broken().to_json()
+    assert data == {
+        "overlay_version": "1.0.0", "base_ref": "v1", "ref": "v3", "ref_sha": "b" * 40,
+        "branch": "", "workdir": "", "ok": False,
+        "patches": [{"name": "0001-a.patch", "status": "applied-3way"},
+                    {"name": "0002-b.patch", "status": "conflict", "files": ["x.py"],
+                     "hunks": ["x.py:4-8", "CONFLICT (content)"]}],
+        "overlay": [{"path": "m.py", "status": "drift", "detail": "upstream blob 1234abcd differs",
+                     "upstream_diff": DIFF},
+                    {"path": "n.py", "status": "conflict",
+                     "detail": "3-way merge: 1 conflicting region(s)", "upstream_diff": DIFF}],
+        "verify": {"ok": False, "errors": ["x.py:1: does not compile: invalid syntax"]},
+        "tests": {"passed": 2, "failed": 1, "skipped": 3, "errors": 4},
+    }
+    assert clean().to_json()["overlay"] == [{"path": "m.py", "status": "replaced"}]
+    unverified = Report("1.0.0", "v1", "v3", patches=[PatchResult("p", "conflict", ["x"], [])])
+    assert unverified.to_json()["verify"] == {"ok": False, "errors": ["not run: a patch conflicts"]}
+    unverified.patches, unverified.overlay = [], [FileResult("m.py", "drift")]
+    assert unverified.to_json()["verify"]["errors"] == ["not run: overlay drift"]
+    unverified.overlay = []
+    assert unverified.to_json()["verify"]["errors"] == ["not run: stopped before verification"]
+    stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
+    assert stopped.to_json()["error"] == "ref 'v9' not found"
+    assert stopped.to_json()["verify"]["errors"] == ["not run: ref 'v9' not found"]
+    out = tmp_path / "r.json"
+    write_json([clean(), broken()], out)
+    assert json.loads(out.read_text()) == [clean().to_json(), broken().to_json()]
+    write_json(clean(), out)
+    assert json.loads(out.read_text()) == clean().to_json()
+
+
+def test_junit_one_suite_per_ref_one_case_per_item():
+    root = ET.fromstring(junit_xml([clean(), broken()]))
+    assert root.tag == "testsuites" and (root.get("tests"), root.get("failures")) == ("10", "5")
+    got = [(s.get("name"), s.get("tests"), s.get("failures"),
+            [(c.get("classname"), c.get("name"), c.findtext("system-out"),
+              None if c.find("failure") is None else c.find("failure").get("message"))
+             for c in s]) for s in root]
+    assert got == [
+        ("rebase onto v2", "4", "0", [
+            ("rebase.v2", "patch 0001-a.patch", "applied", None),
+            ("rebase.v2", "patch 0002-b.patch", "landed-upstream", None),
+            ("rebase.v2", "overlay m.py", "replaced", None),
+            ("rebase.v2", "verify", "ok", None)]),
+        ("rebase onto v3", "6", "5", [
+            ("rebase.v3", "patch 0001-a.patch", "applied-3way", None),
+            ("rebase.v3", "patch 0002-b.patch", "conflict", "x.py:4-8; CONFLICT (content)"),
+            ("rebase.v3", "overlay m.py", "drift", "upstream blob 1234abcd differs"),
+            ("rebase.v3", "overlay n.py", "conflict", "3-way merge: 1 conflicting region(s)"),
+            ("rebase.v3", "verify", "failed", "x.py:1: does not compile: invalid syntax"),
+            ("rebase.v3", "cpu tests", "2 passed, 1 failed, 3 skipped, 4 errors",
+             "2 passed, 1 failed, 3 skipped, 4 errors")]),
+    ]
+    case = root[1][1]
+    assert [child.tag for child in case] == ["failure", "system-out"]  # JUnit's schema order
+    assert case.find("failure").text == "x.py:4-8; CONFLICT (content)"
+    stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
+    [suite] = ET.fromstring(junit_xml([stopped]))
+    assert [(c.get("name"), c.find("error").get("message")) for c in suite] == \
+        [("job", "ref 'v9' not found")]  # a job that stopped is an error, not a failure
+
+
+def test_markdown_comment():
+    text = markdown([clean(), broken()])
+    assert text == (
+        "## vllm-k3-overlay rebase report\n\n"
+        "| ref | verdict | patches | overlay | verify | tests |\n"
+        "|---|---|---|---|---|---|\n"
+        f"| v2 `{'a' * 10}` | ok | 0001 applied, 0002 landed-upstream | `m.py` replaced | ok | - |\n"
+        f"| v3 `{'b' * 10}` | **exit 3** | 0001 applied-3way, 0002 conflict "
+        "| `m.py` drift, `n.py` conflict | failed | 2 passed, 1 failed, 3 skipped, 4 errors |\n"
+        "\n<details><summary>v3: upstream's diff of <code>m.py</code> since v1 (drift)</summary>\n\n"
+        f"```diff\n{DIFF}```\n</details>\n"
+        "\n<details><summary>v3: upstream's diff of <code>n.py</code> since v1 (conflict)</summary>\n\n"
+        f"```diff\n{DIFF}```\n</details>\n"
+    )
+    stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
+    assert markdown([stopped]).splitlines()[-3:] == ["| v9 | **exit 2** | - | - | - | - |", "",
+                                                     "v9: ref 'v9' not found"]
+
+
+def test_markdown_clips_long_diffs():
+    report = broken()
+    report.overlay = [FileResult("m.py", "drift", "d", "".join(f"+{i}\n" for i in range(200)))]
+    lines = markdown([report]).splitlines()
+    assert "+149" in lines and "+150" not in lines
+    assert "... 50 more lines (the whole diff is in --json's upstream_diff)" in lines
+
+
+def test_terminal_summary():
+    out = io.StringIO()
+    write_human(broken(), Console(file=out, width=120, highlight=False, color_system=None))
+    lines = [line.rstrip() for line in out.getvalue().splitlines()]
+    assert lines[0] == f"vllm-k3-overlay 1.0.0 on v3 ({'b' * 12}), base v1"
+    assert lines[1].split() == ["kind", "item", "status"]
+    assert [line.split() for line in lines[2:10]] == [
+        ["patch", "0001-a.patch", "applied-3way"],
+        ["patch", "0002-b.patch", "conflict"],
+        ["x.py:4-8"], ["CONFLICT", "(content)"],
+        ["overlay", "m.py", "drift"], ["upstream", "blob", "1234abcd", "differs"],
+        ["overlay", "n.py", "conflict"], ["3-way", "merge:", "1", "conflicting", "region(s)"]]
+    assert lines[10:] == ["verify: failed", "  x.py:1: does not compile: invalid syntax",
+                          "tests: 2 passed, 1 failed, 3 skipped, 4 errors", "failed (exit 3)"]
+    out = io.StringIO()
+    write_human(clean(), Console(file=out, width=120, highlight=False, color_system=None))
+    assert out.getvalue().rstrip().splitlines()[-2:] == ["verify: ok", "ok -> branch k3/1 in /w"]
+
+
+def test_counts_a_test_tier_left_out_read_as_zero():
+    report = clean()
+    report.tests = {"passed": 1}
+    report.published = False
+    out = io.StringIO()
+    write_human(report, Console(file=out, width=120, highlight=False, color_system=None))
+    assert out.getvalue().rstrip().splitlines()[-2:] == [
+        "tests: 1 passed, 0 failed, 0 skipped, 0 errors", "ok"]  # not published: no branch named
+    assert "| 1 passed, 0 failed, 0 skipped, 0 errors |" in markdown([report])
+    [suite] = ET.fromstring(junit_xml([report]))
+    assert suite[-1].findtext("system-out") == "1 passed, 0 failed, 0 skipped, 0 errors"
+
+
+def test_junit_failure_of_a_conflict_without_files_or_hunks():
+    report = clean()
+    report.patches = [PatchResult("0001-a.patch", "conflict")]
+    [suite] = ET.fromstring(junit_xml([report]))
+    assert suite[0].find("failure").get("message") == "conflict"
+
+
+def test_json_file_is_indented_for_people_too(tmp_path):
+    out = tmp_path / "r.json"
+    write_json(clean(), out)
+    assert out.read_text() == json.dumps(clean().to_json(), indent=2) + "\n"
+
+
+def test_counts_missing_from_a_test_tier_and_errors_alone_fail():
+    report = clean()
+    report.tests = {"errors": 2}
+    out = io.StringIO()
+    write_human(report, Console(file=out, width=120, highlight=False, color_system=None))
+    assert "tests: 0 passed, 0 failed, 0 skipped, 2 errors" in out.getvalue().splitlines()
+    [suite] = ET.fromstring(junit_xml([report]))
+    assert all(case.tag == "testcase" for case in suite)
+    assert suite[-1].find("failure").get("message") == "0 passed, 0 failed, 0 skipped, 2 errors"
+
+
+def test_wheel_lines():
+    built, failed = clean(), clean()
+    built.wheel = {"path": "/w/vllm.whl", "name": "vllm.whl", "size": 1234567, "sha256": "ab" * 32}
+    failed.wheel = {"error": "no release wheel", "exit_code": errors.USAGE}
+    out = io.StringIO()
+    write_human(built, Console(file=out, width=200, highlight=False, color_system=None))
+    assert f"wheel: /w/vllm.whl (1,234,567 bytes, sha256 {'ab' * 32})" in out.getvalue().splitlines()
+    text = markdown([built, failed])
+    assert f"v2: wheel `vllm.whl`, 1,234,567 bytes, sha256 `{'ab' * 32}`" in text.splitlines()
+    assert "v2: wheel not built: no release wheel" in text.splitlines()
+    assert failed.exit_code == errors.USAGE and failed.to_json()["wheel"] == failed.wheel
