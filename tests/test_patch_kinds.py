@@ -471,3 +471,16 @@ def test_an_overlay_upstream_already_matches_makes_no_commit(kinds, tmp_path):
     report = apply(project, up, wd)
     assert report.ok and [f.status for f in report.overlay] == ["replaced"]
     assert run_git(wd, "log", "--format=%s", "v1..HEAD").splitlines() == [PATCHES["chmod"][0]]
+
+
+def test_an_import_upstream_broke_itself_is_not_ours_to_judge(kinds, tmp_path):
+    # Upstream's own pkg/stale.py imports a name pkg.mod never had; our patch touches
+    # pkg.mod but takes nothing away, so verification has nothing to say about it.
+    up, _ = kinds
+    foreign = foreign_upstream(tmp_path, model({}))
+    (foreign / "pkg/stale.py").write_text("from pkg.mod import NEVER_THERE\n")
+    commit(foreign, "upstream's own broken import")
+    run_git(foreign, "tag", "-f", "f1")
+    patch = patch_on_v1(up, tmp_path / "out", "pkg.mod grows", {"write": ("pkg/mod.py", MOD + "MORE = 2\n")})
+    report = apply(make_project(tmp_path / "p", [patch], base="f1"), foreign, tmp_path / "wd")
+    assert report.ok and report.verify.errors == [], report.to_json()

@@ -243,10 +243,10 @@ def test_drift_whose_base_blob_is_unknown_is_a_conflict_that_says_why(project, u
     manifest = json.loads(project.manifest_path.read_text())
     manifest["files"][0]["base_blob"] = "0" * 40  # a blob no repository has
     project.manifest_path.write_text(json.dumps(manifest))
-    [report] = run_rebase(project, ["v1.1.0"], vllm_repo=str(upstream))
+    [report] = run_rebase(project, ["v1.2.0"], vllm_repo=str(upstream))
     mod = {f.path: f for f in report.overlay}["pkg/mod.py"]
     assert mod.status == "conflict" and report.exit_code == errors.DRIFT
-    assert mod.upstream_diff == g(upstream, "diff", "v1.0.0", "v1.1.0", "--", "pkg/mod.py")
+    assert mod.upstream_diff == g(upstream, "diff", "v1.0.0", "v1.2.0", "--", "pkg/mod.py") != ""
     assert mod.detail.startswith("upstream blob ") and "; cannot merge: blob 00000000 is not in" in mod.detail
 
 
