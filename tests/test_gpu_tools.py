@@ -1,4 +1,5 @@
-"""CPU checks of the GPU tier's pure parts: table rendering, config legality, tune cache.
+"""CPU checks of the GPU tier's pure parts: table rendering, config legality, tune cache,
+the tuner's seeds, skip rule and GPU lock.
 
 The GPU itself is exercised on the device (ci/gpu/README.md); these make sure
 the committed SM90 table is exactly what the committed run's JSON says, and
@@ -8,7 +9,10 @@ that the tuner never times a config the kernel would reject.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
+import threading
+import time
 
 import pytest
 
@@ -18,6 +22,7 @@ sys.path.insert(0, str(ROOT / "ci" / "gpu"))
 
 import render_table  # noqa: E402
 import space  # noqa: E402
+import tune  # noqa: E402
 import tune_cache  # noqa: E402
 
 RESULTS = ROOT / "ci" / "gpu" / "results" / "tune_sm90.json"
@@ -102,3 +107,77 @@ def test_tune_cache_resumes_and_survives_a_torn_line(tmp_path):
         f.write('{"N": 768, "K"')  # a call killed mid-write
     got = tune_cache.read(str(tmp_path), "NVIDIA H200", 3)
     assert list(got.values()) == [{**rec, "us": 1.6}]
+
+
+# ------------------------------------------------------------- tuner scheduling
+
+GPU = "NVIDIA H200"
+
+
+def _write(cache, m, *recs):
+    writer = tune_cache.Writer(str(cache), GPU, m)
+    for rec in recs:
+        writer.put(rec)
+    writer.f.close()
+
+
+def _timed(n, k, m, cfg, us):
+    return {"N": n, "K": k, "M": m, "cfg": list(cfg), "pass": 1, "status": "ok", "us": us}
+
+
+def test_gpu_lock_serves_the_smallest_waiting_m_first():
+    lock = tune.GpuLock(multiprocessing.get_context("spawn"), 16)
+    order: list = []
+
+    def worker(m):
+        with lock.held(m):
+            order.append(m)
+
+    with lock.held(1):  # the GPU is busy while three workers queue up
+        threads = [threading.Thread(target=worker, args=(m,)) for m in (9, 2, 5)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while sum(lock._waiting[:]) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert order == [2, 5, 9]
+
+
+def test_seeds_come_from_the_shape_and_its_donor_at_the_nearest_m(tmp_path):
+    view, donor = (6144, 7168), (6288, 7168)
+    _write(tmp_path, 1, _timed(*view, 1, (224, 2, 4, 4, None), 21.3),
+           _timed(*view, 1, (224, 3, 2, 8, None), 21.4),
+           {**_timed(*view, 1, (64, 1, 1, 8, None), 9.0), "status": "wrong"})
+    _write(tmp_path, 3, _timed(*donor, 3, (32, 3, 1, 8, 7168), 21.8),
+           _timed(*donor, 3, (64, 3, 1, 8, 7168), 22.0), _timed(*donor, 3, (32, 4, 1, 8, 7168), 22.4))
+    _write(tmp_path, 4, _timed(*donor, 4, (64, 4, 1, 8, 7168), 23.0))
+    got = tune.seeds_from_cache(str(tmp_path), GPU, *view, 3, (donor,), top=2)
+    # The view's own M1 (nearest measured), fastest first, the wrong one never; the
+    # donor's two fastest at the same M.
+    assert got == [(224, 2, 4, 4, None), (224, 3, 2, 8, None), (32, 3, 1, 8, 7168), (64, 3, 1, 8, 7168)]
+    # At M 16 the donor's nearest (M4) config would hold 16 x 4 accumulators: dropped.
+    assert tune.seeds_from_cache(str(tmp_path), GPU, *view, 16, (donor,), top=1) == [
+        (224, 2, 4, 4, None)]
+    assert tune.seeds_from_cache(str(tmp_path), GPU, 144, 7168, 2) == []  # nothing to seed from
+
+
+def test_a_donor_that_lost_at_m_minus_1_skips_the_view(tmp_path):
+    run, seed = tmp_path / "run", tmp_path / "seed"
+    view, donor = (6144, 7168), (6288, 7168)
+    _write(seed, 5, {"N": 6288, "K": 7168, "M": 5, "cfg": "done", "pass": 1, "best_speedup": 1.06})
+    _write(seed, 6, {"N": 6288, "K": 7168, "M": 6, "cfg": "done", "pass": 1, "best_speedup": 0.92})
+    _write(seed, 7, {"N": 6288, "K": 7168, "M": 7, "cfg": "skip", "pass": 1})
+
+    def why(m, donors=(donor,)):
+        return tune._prev_lost(str(run), GPU, *view, m, 0.0, donors, str(seed))
+
+    assert why(1) is None and why(6) is None  # M1 always; the donor won at M5
+    assert "donor 6288x7168 (seed cache)" in why(7) and "donor" in why(8)
+    assert why(9) is None and why(7, donors=()) is None  # no answer anywhere: tune it
+    # The view's own answer at M-1, once this run has it, comes before any donor's.
+    _write(run, 6, {"N": 6144, "K": 7168, "M": 6, "cfg": "done", "pass": 1, "best_speedup": 1.1})
+    assert why(7) is None
+    _write(run, 9, {"N": 6144, "K": 7168, "M": 9, "cfg": "done", "pass": 1, "best_speedup": 0.9})
+    assert why(10) == "nothing reached cuBLAS at M-1"

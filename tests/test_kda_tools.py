@@ -36,8 +36,9 @@ def test_bytes_moved_by_hand():
     assert report.bytes_moved("B", 3) == report.bytes_moved("A", 3)
     # (C) reads x twice and writes QKVG (6144) and F_A/beta (144) separately.
     assert report.bytes_moved("C", 1) == weights + 2 * (2 * 7168 + 6144 + 144 + 128 + 1536)
+    assert report.bytes_moved("D", 2) == report.bytes_moved("C", 2)  # only the stream differs
     with pytest.raises(ValueError):
-        report.bytes_moved("D", 1)
+        report.bytes_moved("E", 1)
 
 
 def test_roof_is_bytes_over_bandwidth_in_microseconds():
@@ -58,6 +59,33 @@ def test_overlap_runs_only_where_it_won_every_pass():
     ]
     assert report.overlap_tokens(rows) == [5, 16]
     assert report.overlap_tokens([]) == []
+
+
+def _row4(m, b, c, d):
+    return {"M": m, "us": {"A": [30.0, 30.0], "B": b, "C": c, "D": d}}
+
+
+def test_policy_time_takes_the_overlap_only_where_it_won():
+    rows = [_row4(1, [23.0, 23.0], [24.0, 24.0], [22.0, 22.5]),
+            _row4(5, [28.0, 28.0], [25.0, 25.5], [27.0, 29.0])]
+    # C: loses at 1 (B 23.0), wins at 5 (25.5); D: wins at 1 (22.5), loses a pass at 5 (B 28.0).
+    assert report.policy_us(rows, "C") == pytest.approx(23.0 + 25.5)
+    assert report.policy_us(rows, "D") == pytest.approx(22.5 + 28.0)
+
+
+def test_derive_picks_the_high_priority_stream_only_when_it_is_faster():
+    rows = [_row4(1, [23.0, 23.0], [24.0, 24.0], [22.0, 22.5]),
+            _row4(5, [28.0, 28.0], [25.0, 25.5], [27.0, 29.0])]
+    res = report.derive({"roof_weights_us": 20.0, "rows": rows})
+    assert (res["overlap_variant"], res["high_priority_aux"]) == ("C", False)  # 48.5 < 50.5
+    assert res["tokens_by_variant"] == {"C": [5], "D": [1]} and res["overlap_tokens"] == [5]
+    assert res["c_over_roof_weights_m_le_2"] == [1.2]  # C's 24.0 at M1 over the 20 µs roof
+    rows[1]["us"]["D"] = [24.0, 24.0]  # D now wins at 5 too: 22.5 + 24.0 < 48.5
+    res = report.derive({"roof_weights_us": 20.0, "rows": rows})
+    assert (res["overlap_variant"], res["high_priority_aux"]) == ("D", True)
+    assert res["overlap_tokens"] == [1, 5] and res["c_over_roof_weights_m_le_2"] == [1.125]
+    rows[1]["us"]["D"] = [25.0, 26.0]  # 22.5 + 26.0 ties 48.5: the model's stream stays
+    assert report.derive({"roof_weights_us": 20.0, "rows": rows})["overlap_variant"] == "C"
 
 
 def test_derive_checks_c_against_the_roof_at_m_le_2():

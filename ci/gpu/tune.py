@@ -7,29 +7,38 @@ beats cuBLAS by >= 5% in pass 1 *and* again in an independent pass 2, and
 writes a results JSON from which ``render_table.py`` builds the data module.
 
 Search per (shape, M): seeds (every config any upstream table used for this
-shape, plus a coarse grid) -> hill-climb one-parameter neighbours of the two
-best -> pass 2 on the top three. Illegal configs are pruned before anything is
-compiled (``space.illegal_reason``). A shape is skipped at M when nothing
-reached cuBLAS at M-1 (the CuTe kernel's cost grows with M, cuBLAS's is flat);
-workers tune consecutive M values as a wavefront so that answer is known. Every
-measurement goes to a per-(GPU, M) JSON-lines cache before the next starts, so a
-call stopped by ``--deadline-s`` (or killed) resumes where it was.
+shape, plus a coarse grid; or, with ``--seed-cache``, the fastest configs an
+earlier run measured for this shape and its ``--donor`` shapes) -> hill-climb
+one-parameter neighbours of the two best (``--refine-rounds``) -> pass 2 on the
+top three. Illegal configs are pruned before anything is compiled
+(``space.illegal_reason``). A shape is skipped at M when nothing reached cuBLAS
+at M-1 (the CuTe kernel's cost grows with M, cuBLAS's is flat): its own answer,
+waited for up to ``--wait-s`` (workers tune consecutive M values as a wavefront),
+else a donor's recorded answer. Every measurement goes to a per-(GPU, M)
+JSON-lines cache before the next starts, so a call stopped by ``--deadline-s``
+(or killed) resumes where it was. Seeds only choose what is timed: every figure
+in the results JSON is measured by this run, in this run's cache.
 
 Timing: ``timing.time_us`` (CUDA-graph replay, >= 256 MiB rotating weights,
 median; pass 1 7 replays, pass 2 15, fresh inputs). Worker processes (one per
 M at a time) compile on the CPU in parallel but time only while holding one
-GPU-wide lock, so no two timings overlap.
+GPU-wide lock (:class:`GpuLock`, lowest M first), so no two timings overlap and
+under a deadline the small M, which decide the larger ones, finish first.
 
 Usage (on the GPU machine, after ``install.sh``)::
 
     python ci/gpu/tune.py --cache DIR --priors priors.json --out results.json \
         --deadline-s 480 --workers 4 --run-id ID
+    # a few shapes, seeded from an earlier run's cache (ci/gpu/kda/device.sh):
+    python ci/gpu/tune.py --cache NEW_DIR --seed-cache ci/gpu/results/tune_cache \
+        --shape 6144x7168 --donor 6144x7168=6288x7168 --refine-rounds 1 --wait-s 0 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -47,18 +56,53 @@ WIN = 1.05  # keep a backend only if cuBLAS_us / us >= WIN in both passes
 REFINE_GATE = 0.95  # hill-climb only shapes whose best seed reaches this speedup
 REFINE_ROUNDS = 3
 PASS2_TOP = 3
+SEED_TOP = 6  # with --seed-cache: configs taken from each seed shape
 
-DEVICE = "cuda"  # the CPU self-check swaps in "cpu" with stand-in kernels
+DEVICE = "cuda"
 _lock = None
 _state: dict = {}
+_opts: dict = {"refine_rounds": REFINE_ROUNDS, "wait_s": 180.0, "seed_cache": None, "donors": {}}
 
 
-def _init_worker(lock):
+class GpuLock:
+    """One GPU-wide timing lock across worker processes, granted to the lowest M waiting.
+
+    ``held(m)`` is a context manager. Compiling happens outside it, so workers still
+    compile in parallel; only the timings queue, smallest M first (a larger M is tuned
+    only if M-1 reached cuBLAS, and decode runs small M most).
+    """
+
+    def __init__(self, ctx, max_m: int = 16):
+        self._lock = ctx.Lock()
+        self._waiting = ctx.Array("i", max_m + 1)
+
+    @contextlib.contextmanager
+    def held(self, m: int):
+        with self._waiting.get_lock():
+            self._waiting[m] += 1
+        while True:
+            self._lock.acquire()
+            with self._waiting.get_lock():
+                mine = not any(self._waiting[j] for j in range(m))
+                if mine:
+                    self._waiting[m] -= 1
+            if mine:
+                break
+            self._lock.release()  # a smaller M is waiting: let it in
+            time.sleep(0.001)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+def _init_worker(lock, opts):
     global _lock
     _lock = lock
+    _opts.update(opts)
 
 
-def _worker_setup():
+def _worker_setup(m: int):
     if _state:
         return _state
     import kernels
@@ -67,7 +111,7 @@ def _worker_setup():
 
     torch.cuda.init()
     max_w = max(shp.weight_bytes(n, k) for n, k in shp.SHAPES)
-    with _lock:
+    with _lock.held(m):
         _state["rot"] = timing.RotatingWeights(max_w, seed=os.getpid())
         torch.cuda.synchronize()
     _state.update(torch=torch, kernels=kernels, timing=timing, dsv3=kernels.dsv3_fn())
@@ -86,33 +130,73 @@ def _seeds(priors: dict, n: int, k: int, m: int) -> list:
     return [c for c in space.uniq(cfgs) if space.illegal_reason(c, n, k, m) is None]
 
 
-def _prev_lost(cache_dir: str, gpu: str, n: int, k: int, m: int, wait_s: float) -> bool:
-    """True if pass 1 at M-1 finished with nothing reaching cuBLAS, or M-1 was skipped.
+def _lost(recs: dict, n: int, k: int, m: int) -> bool | None:
+    """From one (GPU, M) cache: True if (N, K) was skipped at M or finished pass 1 there
+    with nothing reaching cuBLAS, False if something did, None if there is no answer."""
+    if (n, k, m, "skip", 1) in recs:
+        return True
+    done = recs.get((n, k, m, "done", 1))
+    return None if done is None else done.get("best_speedup", 0.0) < 1.0
+
+
+def _prev_lost(cache_dir: str, gpu: str, n: int, k: int, m: int, wait_s: float,
+               donors: tuple = (), seed_cache: str | None = None) -> str | None:
+    """Why (N, K) is not tuned at M, or None to tune it.
 
     The CuTe kernel's cost grows with M while cuBLAS's stays flat, so a shape that
     no config could win at M-1 is not timed at M. Waits up to ``wait_s`` for the
     worker tuning M-1 (tasks start in M order, so it is running or finished);
-    without an answer by then, the shape is tuned.
+    without its answer, a ``donor`` shape's recorded answer at M-1 (this run's cache,
+    then ``seed_cache``) decides; without any, the shape is tuned.
     """
     if m <= 1:
-        return False
+        return None
     t_end = time.time() + wait_s
     while True:
-        recs = tune_cache.read(cache_dir, gpu, m - 1)
-        if (n, k, m - 1, "skip", 1) in recs:
-            return True
-        done = recs.get((n, k, m - 1, "done", 1))
-        if done is not None:
-            return done.get("best_speedup", 0.0) < 1.0
-        if time.time() > t_end:
-            return False
+        lost = _lost(tune_cache.read(cache_dir, gpu, m - 1), n, k, m - 1)
+        if lost is not None:
+            return "nothing reached cuBLAS at M-1" if lost else None
+        if time.time() >= t_end:
+            break
         time.sleep(0.5)
+    for dn, dk in donors:
+        for where, label in ((cache_dir, "this run"), (seed_cache, "seed cache")):
+            if where is None:
+                continue
+            lost = _lost(tune_cache.read(where, gpu, m - 1), dn, dk, m - 1)
+            if lost is not None:
+                return f"nothing reached cuBLAS at M-1 for donor {dn}x{dk} ({label})" if lost else None
+    return None
+
+
+def seeds_from_cache(seed_cache: str, gpu: str, n: int, k: int, m: int,
+                     donors: tuple = (), top: int = SEED_TOP) -> list:
+    """Seeds for (N, K) at M from an earlier run's cache: for (N, K) itself and each
+    donor shape, the ``top`` fastest configs measured in pass 1 at the M nearest to
+    ``m`` that has any (the same M first, then the smaller of two equally near), legal
+    for (N, K, M), de-duplicated. Empty when the cache holds none of those shapes."""
+    out = []
+    for sn, sk in ((n, k), *donors):
+        by_m = {}
+        for mm in shp.M_RANGE:
+            recs = tune_cache.read(seed_cache, gpu, mm)
+            ok = [r for r in recs.values()
+                  if (r["N"], r["K"]) == (sn, sk) and r["pass"] == 1 and isinstance(r["cfg"], list)
+                  and r.get("status") == "ok" and r.get("us")]
+            if ok:
+                by_m[mm] = ok
+        if not by_m:
+            continue
+        near = min(by_m, key=lambda mm: (abs(mm - m), mm))
+        out += [tuple(r["cfg"]) for r in sorted(by_m[near], key=lambda r: r["us"])[:top]]
+    return [c for c in space.uniq(out) if space.illegal_reason(c, n, k, m) is None]
 
 
 def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shapes_sel) -> str:
     """Tune every selected shape at one M; returns a one-line summary."""
-    st = _worker_setup()
+    st = _worker_setup(m)
     torch, kernels, timing = st["torch"], st["kernels"], st["timing"]
+    seed_cache, donors_of = _opts["seed_cache"], _opts["donors"]
     recs = tune_cache.read(cache_dir, gpu, m)
     w = tune_cache.Writer(cache_dir, gpu, m)
     n_timed = 0
@@ -130,11 +214,14 @@ def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shap
         base = {"N": n, "K": k, "M": m}
         if (n, k, m, "done2", 2) in recs or (n, k, m, "skip", 1) in recs:
             continue
-        if (n, k, m, "done", 1) not in recs and _prev_lost(
-            cache_dir, gpu, n, k, m, min(180.0, max(0.0, deadline - time.time()))
-        ):
-            put({**base, "cfg": "skip", "pass": 1, "reason": "nothing reached cuBLAS at M-1"})
-            continue
+        donors = donors_of.get((n, k), ())
+        if (n, k, m, "done", 1) not in recs:
+            why = _prev_lost(cache_dir, gpu, n, k, m,
+                             min(_opts["wait_s"], max(0.0, deadline - time.time())),
+                             donors, seed_cache)
+            if why:
+                put({**base, "cfg": "skip", "pass": 1, "reason": why})
+                continue
         gen = torch.Generator(device=DEVICE).manual_seed(1000 * m + n + k)
         x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device=DEVICE)
         ws = st["rot"].views(n, k)
@@ -158,7 +245,7 @@ def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shap
                     kernels.cute_compile(m, tag)  # CPU only: outside the GPU lock
                     fn = kernels.cute_fn(m, tag)
                 rec["compile_s"] = round(time.time() - t0, 2)
-                with _lock:
+                with _lock.held(m):
                     if "ref" not in ref:
                         ref["ref"] = timing.ref64(x, ws[0])
                     out = fn(x, ws[0])
@@ -188,7 +275,10 @@ def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shap
             continue
         results = {}
         if (n, k, m, "done", 1) not in recs:
-            cands = _seeds(priors, n, k, m)
+            cands = []
+            if seed_cache:
+                cands = seeds_from_cache(seed_cache, gpu, n, k, m, donors)
+            cands = cands or _seeds(priors, n, k, m)
             if st["dsv3"] is not None:
                 results["dsv3"] = measure("dsv3", st["dsv3"], 1, xs1, 7)
             for c in cands:
@@ -199,7 +289,7 @@ def tune_m(m: int, cache_dir: str, gpu: str, priors: dict, deadline: float, shap
                 (c for c in results if c != "dsv3"), key=lambda c: -speed(results[c], cub1)
             )
             if best and speed(results[best[0]], cub1) >= REFINE_GATE:
-                for _ in range(REFINE_ROUNDS):
+                for _ in range(_opts["refine_rounds"]):
                     improved = False
                     top = best[:2]
                     for c0 in top:
@@ -274,6 +364,18 @@ def provenance(run_id: str) -> dict:
     }
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``"NxK"`` -> ``(N, K)`` (an argparse type: a ValueError is reported as a bad value)."""
+    n, k = text.lower().split("x")
+    return int(n), int(k)
+
+
+def _donor(text: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``"NxK=DxK"`` -> ``((N, K), (D, K))``."""
+    view, donor = text.split("=")
+    return _shape(view), _shape(donor)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", required=True, help="cache folder (resumable)")
@@ -283,7 +385,15 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--run-id", default=os.environ.get("K3_RUN_ID", "local"))
     ap.add_argument("--m", default="1-16", help="M values, e.g. 1-8 or 1,2,4")
-    ap.add_argument("--shape", action="append", default=[], help="NxK; repeatable")
+    ap.add_argument("--shape", action="append", default=[], type=_shape, help="NxK; repeatable")
+    ap.add_argument("--seed-cache", help="an earlier run's cache (read only): seeds from its "
+                    "fastest configs instead of the priors and the coarse grid")
+    ap.add_argument("--donor", action="append", default=[], type=_donor,
+                    help="NxK=DxK: shape DxK (e.g. the packed weight a view is cut from) also "
+                         "seeds NxK, and its answer at M-1 decides when NxK's own is unknown")
+    ap.add_argument("--refine-rounds", type=int, default=REFINE_ROUNDS)
+    ap.add_argument("--wait-s", type=float, default=180.0,
+                    help="how long a worker waits for M-1's answer before it tunes anyway")
     args = ap.parse_args(argv)
     t_end = time.time() + args.deadline_s
 
@@ -292,9 +402,12 @@ def main(argv=None) -> int:
         ms = list(range(lo, hi + 1))
     else:
         ms = [int(v) for v in args.m.split(",")]
-    sel = list(shp.SHAPES)
-    if args.shape:
-        sel = [tuple(map(int, s.lower().split("x"))) for s in args.shape]
+    sel = args.shape or list(shp.SHAPES)
+    donors: dict = {}
+    for view, donor in args.donor:
+        donors[view] = (*donors.get(view, ()), donor)
+    opts = {"refine_rounds": args.refine_rounds, "wait_s": args.wait_s,
+            "seed_cache": args.seed_cache, "donors": donors}
     priors = json.load(open(args.priors))
 
     import timing  # main process: bandwidth once, before workers exist
@@ -304,14 +417,14 @@ def main(argv=None) -> int:
     bw = timing.read_bandwidth_Bps()
     print(f"[tune] {gpu} read bandwidth {bw / 1e12:.2f} TB/s; {len(sel)} shapes x M {ms}", flush=True)
     ctx = mp.get_context("spawn")
-    lock = ctx.Lock()
+    lock = GpuLock(ctx, max(shp.M_RANGE))
     todo = list(ms)
     for attempt in range(3):
         if not todo or time.time() > t_end:
             break
         failed = []
         with cf.ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(lock,)) as pool:
+                                    initargs=(lock, opts)) as pool:
             futs = {pool.submit(tune_m, m, args.cache, gpu, priors, t_end, sel): m for m in todo}
             for fut in cf.as_completed(futs):
                 try:

@@ -6,7 +6,9 @@ Per token count M, in one process and one run:
   on the strided F_A slice, both cuBLAS (``torch.mm``);
 * (B) our sequential path: the same order, each GEMM through the device's low-latency
   table (``kda_projection._table_gemm``, what the planned linear methods run);
-* (C) our overlap: ``kda_projection.run_kda_projection_overlap`` with a second stream;
+* (C) our overlap: ``kda_projection.run_kda_projection_overlap`` with a second stream of
+  the default priority (what vLLM's aux stream is);
+* (D) the same with the chain on ``kda_projection.high_priority_aux_stream``;
 * F_B alone on the strided F_A three ways (cuBLAS; a packed copy, then the table's
   kernel; the table's kernel on the row-strided view): the figures behind the guard's
   row-stride rule;
@@ -16,7 +18,9 @@ each checked against a float64 reference first, then timed with ``timing.time_us
 >= 256 MiB, over 4x the H200's 60 MiB L2; median of ``--replays`` replays) in two
 passes, the second with fresh activations and the variants in reverse order. Roofs:
 ``report.bytes_moved`` over the read bandwidth of a reduction measured in the same run.
-Conclusions (where the overlap pays, (C) against the roof): ``report.derive``.
+Conclusions (which overlap, where it pays, against the roof): ``report.derive``. The
+JSON and markdown are rewritten after every M, so a run stopped by its deadline keeps
+what it measured.
 
 Usage (GPU machine, bundle installed, overlay copied into the tree)::
 
@@ -88,6 +92,7 @@ def main(argv=None) -> int:
     f_b_copies = [randn(rp.F_B_N, rp.HEAD_DIM, scale=rp.HEAD_DIM**-0.5)
                   for _ in range(timing.ROTATE_BYTES // (rp.BYTES * rp.F_B_N * rp.HEAD_DIM))]
     aux, events = _stream_and_events()
+    high = kp.high_priority_aux_stream(torch.device(DEVICE, torch.cuda.current_device()))
 
     def split(out, f_b_out):
         return out[:, : rp.QKVG_N], f_b_out, out[:, BETA_ROWS]
@@ -103,7 +108,10 @@ def main(argv=None) -> int:
     def overlap(x, w):
         return kp.run_kda_projection_overlap(x, w[0], w[1], aux, events)
 
-    variants = {"A": stock, "B": sequential, "C": overlap}
+    def overlap_high(x, w):
+        return kp.run_kda_projection_overlap(x, w[0], w[1], high, events)
+
+    variants = {"A": stock, "B": sequential, "C": overlap, "D": overlap_high}
     f_b_ways = {
         "cublas_strided": lambda a, w: torch.mm(a, w.t()),
         "copy_then_table": lambda a, w: kp._table_gemm(a.contiguous(), w),
@@ -130,7 +138,8 @@ def main(argv=None) -> int:
                    f"{args.replays} replays, two passes (fresh activations, reverse order)"),
         "variants": {"A": "vLLM v0.28.0: packed GEMM + F_B on strided F_A, cuBLAS",
                      "B": "ours sequential: same order, each GEMM through the low-latency table",
-                     "C": "ours overlap: QKVG | F_A/beta -> F_B on a second stream"},
+                     "C": "ours overlap: QKVG | F_A/beta -> F_B on a second stream (default priority)",
+                     "D": "ours overlap, the chain on a high-priority stream (priority -1)"},
         "roof_weights_us": round(rp.roof_us(rp.weights_bytes(), bw), 3),
         "rows": [],
     }
@@ -170,8 +179,8 @@ def main(argv=None) -> int:
         }
         res["rows"].append(row)
         write()
-        a, b, c = (row["us"][v][-1] for v in rp.VARIANTS)
-        print(f"[kda-bench] M={m}: A {a} B {b} C {c} us (roof {row['roof_us']['B']}), "
+        figs = " ".join(f"{v} {row['us'][v]}" for v in rp.VARIANTS)
+        print(f"[kda-bench] M={m}: {figs} us (roof {row['roof_us']['B']}), routes {row['routes']}, "
               f"err {row['relerr']}, F_B alone {row['f_b_alone_us']}", flush=True)
     write()
     print(rp.markdown(res), flush=True)

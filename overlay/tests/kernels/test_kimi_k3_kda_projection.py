@@ -265,6 +265,36 @@ def test_sm90_uses_the_table_and_its_measured_set(monkeypatch, warmups) -> None:
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
+@pytest.mark.parametrize(
+    "tokens,high,moved",
+    [({5}, True, True), ({5}, False, False), (set(), True, False)],
+    ids=["measured faster there", "model's stream measured faster", "overlap off"],
+)
+def test_chain_moves_to_the_high_priority_stream_only_where_measured(
+    monkeypatch, warmups, tokens, high, moved
+) -> None:
+    pin_capability(monkeypatch, SM90)
+    where = kp.OverlapTokens(frozenset(tokens), "test figure", high_priority_aux=high)
+    monkeypatch.setattr(kp, "KDA_OVERLAP_TOKENS", {SM90: where})
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    asked: list = []
+    monkeypatch.setattr(kp, "high_priority_aux_stream", lambda dev: asked.append(dev) or "high")
+    model = _model()
+    model.layers.append(FakeKDA())
+    models_stream = [layer.aux_stream for layer in model.layers[::2]]
+    kp.autotune_kda_qkvg(model)
+    streams = [layer.aux_stream for layer in model.layers[::2]]
+    assert streams == (["high", "high"] if moved else models_stream)
+    # One stream per device, asked for with the layer's weight device.
+    assert asked == ([torch.device("cpu")] * 2 if moved else [])
+
+
+def test_sm90_stream_choice_is_the_committed_runs() -> None:
+    where = kp.overlap_tokens(SM90)
+    assert where.high_priority_aux is kp.SM90_HIGH_PRIORITY_AUX
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
 def test_new_flashinfer_is_warmed_and_tuned_where_the_overlap_runs(monkeypatch, warmups):
     pin_capability(monkeypatch, SM100)
     pin_tokens(monkeypatch, SM100, {3, 1, 2})

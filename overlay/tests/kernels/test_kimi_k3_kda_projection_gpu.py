@@ -8,7 +8,8 @@ zero padding rows, F_B ``[1536, 128]``):
 * ``run_kda_projection_overlap`` on a real aux stream, captured in a CUDA graph and
   replayed on new inputs (outputs poisoned with NaN first), gives QKVG, F_B and beta
   within ``REL_TOL`` of a float64 reference and within 2x the sequential path's own
-  error (the packed GEMM and F_B on the strided F_A, as v0.28.0 runs them), M 1..16;
+  error (the packed GEMM and F_B on the strided F_A, as v0.28.0 runs them), M 1..16,
+  and on the high-priority aux stream at M 1, 2, 9, 16;
 * the returned views have the strides ``kda.py`` and the fused KDA decode kernel check;
 * F_B on the strided F_A slice takes the CuTe kernel where the table routes it;
 * ``try_low_latency_gemm`` and the planned apply fed views at misaligned addresses
@@ -106,8 +107,18 @@ def weights():
 
 @pytest.mark.parametrize("m", M_RANGE)
 def test_overlap_under_graph_replay_matches_reference_and_sequential(weights, m):
+    _check_overlap_under_graph_replay(weights, m, torch.cuda.Stream())
+
+
+@pytest.mark.parametrize("m", [1, 2, 9, 16])
+def test_overlap_on_the_high_priority_stream_matches_too(weights, m):
+    aux = kp.high_priority_aux_stream(torch.device("cuda", torch.cuda.current_device()))
+    assert aux.priority < torch.cuda.Stream().priority
+    _check_overlap_under_graph_replay(weights, m, aux)
+
+
+def _check_overlap_under_graph_replay(weights, m, aux):
     packed, f_b = weights
-    aux = torch.cuda.Stream()
     events = (torch.cuda.Event(), torch.cuda.Event())
     x = _x(m, seed=m)
     side = torch.cuda.Stream()

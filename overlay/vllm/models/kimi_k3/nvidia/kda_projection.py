@@ -26,6 +26,13 @@ measured faster (:data:`KDA_OVERLAP_TOKENS`, with its source) and the layer over
 there, only under CUDA-graph capture (decode); prefill and eager forwards keep v0.28.0's
 path (patch 0003 to ``kda.py``). An architecture nobody measured gets none.
 
+Which stream carries the chain matters too: on a stream of the same priority as the
+current one, the GPU dispatches the chain's blocks only after the QKVG GEMM's thousands
+of blocks, so the chain runs in QKVG's tail and delays the join. Where it measured
+faster, the chain runs on a stream of higher priority (:func:`high_priority_aux_stream`;
+CUDA graphs captured by PyTorch keep each kernel's priority) instead of the model's aux
+stream.
+
 Entry points: :func:`run_kda_projection_overlap` (the forward), and
 :func:`enable_kda_projection_overlap` (called by ``enable_kimi_k3_low_latency_gemm`` at
 model construction), which qualifies layers and runs :func:`autotune_kda_qkvg`.
@@ -33,6 +40,7 @@ model construction), which qualifies layers and runs :func:`autotune_kda_qkvg`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterator, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -55,10 +63,15 @@ FLASHINFER_QKVG_BACKEND = "cute-dsl"
 
 
 class OverlapTokens(NamedTuple):
-    """Token counts M at which the overlap runs on one architecture, and their source."""
+    """Token counts M at which the overlap runs on one architecture, and their source.
+
+    ``high_priority_aux``: the chain runs on :func:`high_priority_aux_stream` (measured
+    faster there) rather than on the model's aux stream.
+    """
 
     tokens: frozenset[int]
     source: str
+    high_priority_aux: bool = False
 
 
 #: H200 (SM90): the M of ``ci/gpu/kda/results/kda_bench_sm90.json`` at which (C), the
@@ -70,14 +83,30 @@ SM90_OVERLAP_SOURCE = (
     "NVIDIA H200 (SM90), run h200-20261130-kda (2026-11-30), "
     "ci/gpu/kda/results/kda_bench_sm90.json: (C) faster than (B) in both timing passes"
 )
+#: Whether that run chose the high-priority aux stream (its ``high_priority_aux``).
+SM90_HIGH_PRIORITY_AUX = False
 
 #: Per architecture, where the overlap measured faster than the sequential path.
 KDA_OVERLAP_TOKENS: Mapping[llg.Capability, OverlapTokens] = MappingProxyType(
-    {(9, 0): OverlapTokens(frozenset(SM90_OVERLAP_TOKENS), SM90_OVERLAP_SOURCE)}
+    {
+        (9, 0): OverlapTokens(
+            frozenset(SM90_OVERLAP_TOKENS), SM90_OVERLAP_SOURCE, SM90_HIGH_PRIORITY_AUX
+        )
+    }
 )
 
 #: Any architecture without figures of ours (B300's upstream limit of 14 is not reused).
 NOT_MEASURED = OverlapTokens(frozenset(), "not measured on this architecture: overlap off")
+
+
+@functools.cache
+def high_priority_aux_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream per device at a priority above the default (PyTorch's priority -1).
+
+    Shared by every KDA layer on ``device``: layers run one after another and each joins
+    the stream before it returns.
+    """
+    return torch.cuda.Stream(device=device, priority=-1)
 
 
 def overlap_tokens(capability: llg.Capability | None) -> OverlapTokens:
@@ -266,8 +295,10 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     Per layer: the QKVG backend, FlashInfer's ``cute-dsl`` BF16 GEMM where the installed
     FlashInfer offers it for this GPU (warmed and tuned by its autotuner at each M the
     overlap runs at), else our table (CuTe warm-up requested for the QKVG, F_A/beta and
-    F_B configs); and ``kda_overlap_tokens``, this architecture's measured set of M
-    (:func:`overlap_tokens`; empty where nothing was measured: overlap off).
+    F_B configs); ``kda_overlap_tokens``, this architecture's measured set of M
+    (:func:`overlap_tokens`; empty where nothing was measured: overlap off); and, where
+    the architecture measured it faster, ``aux_stream`` replaced by
+    :func:`high_priority_aux_stream`.
 
     Args:
         model: model (or sub-model) to walk; qualifying layers are changed in place.
@@ -283,6 +314,8 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     for layer in layers:
         layer.kda_qkvg_backend = backend
         layer.kda_overlap_tokens = where.tokens
+        if where.tokens and where.high_priority_aux:
+            layer.aux_stream = high_priority_aux_stream(layer.in_proj_qkvgfab.weight.device)
     # Every layer has the same shapes: one warm-up (or tuning) covers them all.
     packed, f_b = layers[0].in_proj_qkvgfab.weight, layers[0].f_b_proj.weight
     if where.tokens and backend is not None:
