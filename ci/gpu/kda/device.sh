@@ -10,18 +10,17 @@
 #  4. the KDA benchmark, M 1..16: (A) stock, (B) sequential, (C) overlap, (D) overlap with
 #     the chain on a high-priority stream, the read roof; its JSON carries the overlap
 #     set and stream to commit (report.derive).
-# Outputs in $OUT: tune_sm90_kda.json, tune.log, tune_cache_kda.tgz,
-# low_latency_gemm_sm90.py, gpu.log, pytest_kda.xml, pytest_llg_kda_rows.xml,
-# kda_bench_sm90.json/.md.
+# Outputs in $OUT (8 files): tune_sm90_kda.json, tune.log, tune_cache_kda.tgz, gpu.log,
+# pytest_kda.xml, pytest_llg_kda_rows.xml, kda_bench_sm90.json/.md.
 #   bash ci/gpu/kda/device.sh [TOTAL_S] [TUNE_S]
 set -uo pipefail
 START=$(date +%s)
 TOTAL=${1:-290} TUNE_S=${2:-115}
 KDA=$(cd "$(dirname "$0")" && pwd); GPU=$(dirname "$KDA"); ROOT=$(cd "$GPU/../.." && pwd)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-SITE=/tmp/site TABLE=vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py
+SITE=${K3_SITE:-/tmp/site} TABLE=vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py
 export PYTHONUNBUFFERED=1 K3_RUN_ID=${K3_RUN_ID:-h200-$(date -u +%Y%m%d-%H%M)-kda}
-CACHE=/root/k3cache-$K3_RUN_ID  # this run's measurements only: the JSON cites this run
+CACHE=${K3_CACHE_ROOT:-/root}/k3cache-$K3_RUN_ID  # this run's measurements only: its JSON cites it
 [ -f $SITE/.k3/env.sh ] || { echo "no $SITE: run device_run.sh install first" >&2; exit 3; }
 . $SITE/.k3/env.sh
 cp -r "$ROOT/overlay/vllm/." $SITE/vllm/      # our overlay as in this checkout
@@ -35,7 +34,7 @@ timeout -k 5 $((TUNE_S + 30)) python3 "$GPU/tune.py" --cache "$CACHE" \
 tar -czf "$OUT/tune_cache_kda.tgz" -C "$CACHE" . 2>/dev/null
 if [ -s "$OUT/tune_sm90_kda.json" ]; then
   (cd "$ROOT" && python3 ci/gpu/render_table.py ci/gpu/results/tune_sm90.json \
-     --add "$OUT/tune_sm90_kda.json" $SITE/$TABLE) && cp $SITE/$TABLE "$OUT/"
+     --add "$OUT/tune_sm90_kda.json" $SITE/$TABLE)
 else
   echo "[kda] no tuner JSON: tests and benchmark use the committed table"
 fi
@@ -44,8 +43,8 @@ echo "[kda] tuned and rendered at $(( $(date +%s) - START ))s"
 mkdir -p /tmp/k3t/tests/kernels && cp "$ROOT"/overlay/tests/kernels/test_kimi_k3_*_gpu.py /tmp/k3t/tests/kernels/
 # Tests and benchmark in one process: vLLM imports once and the CuTe configs compile once.
 # The benchmark gets what is left of TOTAL_S; it rewrites its JSON after every M.
-END=$(( START + TOTAL - 8 ))
-cd /tmp/k3t && timeout -k 5 $(( END - $(date +%s) )) python3 - "$KDA" "$OUT" "$END" <<'PY' 2>&1 | tee "$OUT/gpu.log"
+END=$(( START + TOTAL - 8 )); T=$(( END - $(date +%s) )); [ $T -ge 30 ] || T=30
+cd /tmp/k3t && timeout -k 5 $T python3 - "$KDA" "$OUT" "$END" <<'PY' 2>&1 | tee "$OUT/gpu.log"
 import sys
 import time
 
