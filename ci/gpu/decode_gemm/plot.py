@@ -101,10 +101,10 @@ def panels_from_figures(run: dict) -> tuple[list, list]:
         return r["roof_us"] / us, LETTER.get(w["backend"], "?") if w else None
 
     new, marks = _fill(shapes, per, routed)
-    return shapes, [(f"before: cuBLAS (run {rid})", cub, None),
-                    (f"before: today's table, C its CuTe rows (x: not re-timed), run {rid}",
+    return shapes, [(f"before: cuBLAS\n(run {rid})", cub, None),
+                    (f"before: today's table, C its CuTe rows\n(x: not re-timed; run {rid})",
                      before, before_marks),
-                    (f"after: table rendered from run {rid} (S swap-AB, C CuTe, L ll_bf16, "
+                    (f"after: table rendered from run {rid}\n(S swap-AB, C CuTe, L ll_bf16, "
                      "T tinygemm)", new, marks)]
 
 
