@@ -99,16 +99,20 @@ def test_decide_summarises_the_targets():
     assert s["geomean_vs_cublas_all_rows"] == pytest.approx((2 * 1 * (2 / 0.9)) ** (1 / 3), 1e-3)
 
 
-def test_cute_queue_ranks_by_scaled_time_and_drops_hopeless_rows():
-    table = {(64, 256): {1: ("cute", (32, 2, 1, 8, None)), 2: ("cute", (32, 2, 1, 8, None))}}
+def test_cute_queue_ranks_by_scaled_time_and_puts_unranked_rows_last():
+    cfg = (32, 2, 1, 8, None)
+    table = {(64, 256): {1: ("cute", cfg), 2: ("cute", cfg), 3: ("cute", cfg)}}
     tune = {"rows": [
         {"N": 64, "K": 256, "M": 1, "cublas_us": [0, 10.0], "winner": {"us": [0, 5.0]}},
         {"N": 64, "K": 256, "M": 2, "cublas_us": [0, 10.0], "winner": {"us": [0, 8.0]}},
     ]}
-    # Our run's cuBLAS is 20 (2x): CuTe scales to 10 and 16 against ours at 12 and 12.
+    # Our run's cuBLAS is 20 (2x): CuTe scales to 10 and 16 against ours at 12 and 12;
+    # M = 3 has no tuner row (a shape tuned by another run): last, unranked.
     sweep = {"shapes": [{"N": 64, "K": 256, "per_m": [
-        {"M": 1, "us": 12.0, "cublas_us": 20.0}, {"M": 2, "us": 12.0, "cublas_us": 20.0}]}]}
-    assert winners.cute_queue(table, tune, sweep) == [(64, 256, 1, (32, 2, 1, 8, None), 0.8333)]
+        {"M": 1, "us": 12.0, "cublas_us": 20.0}, {"M": 2, "us": 12.0, "cublas_us": 20.0},
+        {"M": 3, "us": 12.0, "cublas_us": 20.0}]}]}
+    assert winners.cute_queue(table, tune, sweep) == [
+        (64, 256, 1, cfg, 0.8333), (64, 256, 2, cfg, 1.3333), (64, 256, 3, cfg, None)]
 
 
 def test_table_rendered_from_a_figures_run_names_every_backend():
@@ -145,3 +149,164 @@ def test_committed_sweep_is_one_run_with_its_baselines():
             assert p["cublas_us"] > 0 and p["us"] > 0 and p["roof_us"] > 0
             assert p["status"] == "ok" and p["relerr"] < 1e-2
     assert all(e < 1e-2 for e in run["chain_relerr"])
+
+
+# ----------------------------------------------------------------- phases and runner
+
+import phases  # noqa: E402
+import runner  # noqa: E402
+
+STUB_WORKER = r'''
+import json, os, sys, time
+a = sys.argv[1:]
+opt = lambda k: a[a.index(k) + 1]
+part, prog = opt("--part"), opt("--progress")
+skip = [a[i + 1] for i, x in enumerate(a) if x == "--skip"]
+hang, crash = os.environ.get("STUB_HANG", ""), os.environ.get("STUB_CRASH", "")
+data = json.load(open(part)) if os.path.exists(part) else {"rows": [], "done": [], "skipped": []}
+def put(path, obj):
+    open(path + ".tmp", "w").write(json.dumps(obj)); os.replace(path + ".tmp", path)
+for unit in ["startup", "shape:1x8", "shape:2x8", "shape:3x8"]:
+    if unit in data["done"]:
+        continue
+    if unit in skip:
+        data["skipped"].append({"unit": unit, "reason": "killed before"}); continue
+    limit = float(os.environ.get("STUB_LIMIT", "1"))
+    put(prog, {"unit": unit, "since": time.time(), "limit_s": limit, "pid": os.getpid()})
+    if unit == hang:
+        time.sleep(60)
+    if unit == crash:
+        os._exit(7)
+    if unit.startswith("shape"):
+        n = int(unit[6])
+        data["rows"].append({"N": n, "K": 8, "M": 1, "cublas_us": [2.0, 2.0], "roof_us": 0.5,
+                             "weight_bytes": 16 * n, "today": ["cublas", None], "candidates": [
+            {"backend": opt("--phase"), "cfg": None, "us": [1.0, 1.0], "status": "ok"}]})
+    data["done"].append(unit)
+    put(part, data)
+    put(prog, {"unit": None, "since": time.time(), "pid": os.getpid()})
+'''
+
+
+def _stub_run(tmp_path, monkeypatch, env, phase_list, deadline=30.0):
+    worker = tmp_path / "worker.py"
+    worker.write_text(STUB_WORKER)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+
+    def argv_for(ph, part, progress, skip, deadline_s):
+        calls.append((ph.name, list(skip)))
+        cmd = [sys.executable, str(worker), "--phase", ph.name, "--part", part,
+               "--progress", progress]
+        for u in skip:
+            cmd += ["--skip", u]
+        return cmd
+
+    res = runner.run(argv_for, str(tmp_path), deadline, phase_list, poll_s=0.05)
+    return res, calls
+
+
+def test_runner_kills_a_hung_unit_records_it_and_resumes_after_it(tmp_path, monkeypatch):
+    ph = (phases.Phase("core", ("swap_ab",), 40.0, 0.5),)
+    res, calls = _stub_run(tmp_path, monkeypatch, {"STUB_HANG": "shape:2x8"}, ph)
+    assert calls == [("core", []), ("core", ["shape:2x8"])]
+    assert [(r["N"], r["M"]) for r in res["rows"]] == [(1, 1), (3, 1)]
+    assert res["skipped"][0]["unit"] == "shape:2x8" and "no progress in 1 s" in res["skipped"][0]["reason"]
+    assert [e["attempt"] for e in res["runner"]] == [1, 2] and res["runner"][1]["unit"] is None
+    on_disk = json.loads((tmp_path / runner.OUT_JSON).read_text())
+    assert on_disk["summary"]["rows"] == 2  # written by the runner, decided
+
+
+def test_runner_treats_a_crash_inside_a_unit_like_a_hang(tmp_path, monkeypatch):
+    ph = (phases.Phase("core", ("swap_ab",), 40.0, 0.5),)
+    res, calls = _stub_run(tmp_path, monkeypatch, {"STUB_CRASH": "shape:1x8"}, ph)
+    assert calls[1] == ("core", ["shape:1x8"])
+    assert res["skipped"][0]["reason"] == "child exited with status 7 inside this unit"
+    assert sorted(r["N"] for r in res["rows"]) == [2, 3]
+
+
+def test_runner_skips_phases_it_has_no_time_for_and_merges_the_others(tmp_path, monkeypatch):
+    ph = (phases.Phase("core", ("swap_ab",), 40.0, 0.5),
+          phases.Phase("tinygemm", ("tinygemm",), 40.0, 1000.0))
+    res, calls = _stub_run(tmp_path, monkeypatch, {}, ph)
+    assert [c[0] for c in calls] == ["core"]
+    assert res["skipped"] == [{"phase": "tinygemm", "unit": "phase",
+                               "reason": res["skipped"][0]["reason"]}]
+    assert "under the 1000 s it needs" in res["skipped"][0]["reason"]
+
+
+def test_runner_gives_up_a_phase_at_its_cap(tmp_path, monkeypatch):
+    ph = (phases.Phase("core", ("swap_ab",), 1.5, 0.5),)
+    # The hung unit may take 100 s by its own word: the phase cap (1.5 s) stops it, and
+    # nothing is restarted after a cap.
+    res, calls = _stub_run(tmp_path, monkeypatch, {"STUB_HANG": "shape:2x8", "STUB_LIMIT": "100"}, ph)
+    assert len(calls) == 1
+    [skip] = res["skipped"]
+    assert skip["unit"] == "shape:2x8" and skip["reason"].startswith("phase cap")
+    assert [r["N"] for r in res["rows"]] == [1]  # the unit finished before the hang is kept
+
+
+def test_merge_keeps_each_later_phase_candidate_with_its_own_cublas():
+    core = {"provenance": {"run_id": "r"}, "read_bw_TBps": 4.0, "trivial_us": {"pdl=True": 0.7},
+            "rows": [dict(_row((10.0, 10.0), [("swap_ab", [64, 128, 1, 4, 6], (9.0, 9.0))]),
+                          today=["cublas", None])]}
+    ll = {"rows": [{"N": 64, "K": 256, "M": 1, "cublas_us": [12.0, 12.0], "candidates": [
+        {"backend": "ll_bf16", "cfg": ["splitk", 2, 4], "us": [8.0, 8.0], "status": "ok"}]},
+        {"N": 64, "K": 256, "M": 2, "cublas_us": [12.0, 12.0], "candidates": []}]}
+    res = winners.decide(phases.merge({"core": core, "ll_bf16": ll}, [], []))
+    row = res["rows"][0]
+    # ll_bf16: 12/8 = 1.5x against its own cuBLAS beats swap_ab's 10/9 = 1.11x.
+    assert row["winner"]["backend"] == "ll_bf16" and row["winner"]["speedup"] == [1.5, 1.5]
+    assert row["candidates"][1]["phase"] == "ll_bf16"
+    # A row only the later phase timed gets the core run's roof: 2*(64*256+2*256+2*64) B / 4 TB/s.
+    assert res["rows"][1]["roof_us"] == round(2 * (64 * 256 + 2 * 256 + 2 * 64) / 4e12 * 1e6, 3)
+    assert res["summary"]["geomean_vs_cublas_all_rows"] == pytest.approx(1.5 ** 0.5, 1e-3)
+
+
+def test_ll_bf16_split_k_only_where_every_split_owns_a_k_tile():
+    for n, k in shapes.SHAPES:
+        for m in shapes.M_RANGE:
+            for cfg in phases.ll_configs(n, k, m):
+                if cfg[0] == "splitk":
+                    assert math.ceil(k / 256) >= cfg[1]  # K tiles of 256 >= splits
+    assert phases.ll_configs(1536, 128, 8) == []
+
+
+def test_phase_orders_put_the_important_rows_first():
+    sel = list(shapes.SHAPES)
+    core = phases.shape_order("core", sel)
+    assert core[0] == (40960, 7168) and set(core) == set(sel)
+    ll = phases.shape_order("ll_bf16", sel)
+    assert all(k >= 2048 for _, k in ll) and ll[0] == (144, 7168)
+    assert set(phases.shape_order("tinygemm", sel)) == set(sel)  # every K % 64, N % 16
+
+
+def test_today_speedup_counts_only_the_very_config_retimed():
+    row = dict(_row((10.0, 10.0), [("cute", [32, 2, 1, 8, None], (8.0, None))]),
+               today=["cute", [32, 2, 1, 8, None]])
+    assert winners.today_speedup(row) == 10.0 / 8.0  # pass 1 when pass 2 was not run
+    row["today"] = ["cute", [64, 2, 1, 8, None]]
+    assert winners.today_speedup(row) is None
+    row["today"] = ["cublas", None]
+    assert winners.today_speedup(row) == 1.0
+
+
+def test_report_reads_every_figure_from_the_run():
+    import report
+
+    run = {"provenance": {"run_id": "r1", "gpu": "NVIDIA H200"}, "read_bw_TBps": 4.0,
+           "trivial_us": {"pdl=True": 1.0}, "skipped": [
+               {"phase": "ll_bf16", "unit": "shape:1x8", "reason": "no progress in 45 s"}],
+           "rows": [
+               dict(_row((10.0, 10.0), [("swap_ab", [64, 128, 1, 4, 6], (5.0, 5.0))],
+                         n=4096, k=4096, roof=4.6), today=["cublas", None]),  # 92% of roof
+               dict(_row((10.0, 10.0), [("cute", [32, 2, 1, 8, None], (9.9, 9.9))],
+                         n=4096, k=4096, m=2, roof=4.6), today=["cute", [32, 2, 1, 8, None]]),
+           ]}
+    text = report.render(winners.decide(run), "ci/gpu/results/x.json")
+    assert "| weights >= 20 MB at >= 90% of the read roof | 1 of 2 | 0 (cuBLAS) |" in text
+    # after: 2x and 1x (cute 1.01x is under the 5% margin); before: 1x and 10/9.9.
+    assert f"| {2 ** 0.5:.3f}x over 2 | {(10 / 9.9) ** 0.5:.3f}x (today's table; 0 CuTe" in text
+    assert "| 4096x4096 | 33.6 | `S.` | 46-92% | 46% | 1.00-2.00x | 5.00 / 10.00 |" in text
+    assert "- skipped `shape:1x8` (ll_bf16): no progress in 45 s" in text

@@ -5,8 +5,8 @@
 #   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
-#   decode SECONDS       issue 12: every backend on every shape x M (decode_gemm/figures.py),
-#                        the SM90 table rendered from that run, the GPU tests, same process
+#   decode SECONDS       issue 12: every backend on every shape x M (decode_gemm/runner.py:
+#                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -71,12 +71,20 @@ except Exception:
 decode)
   envs; shim
   cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (our kernel included)
-  mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py /tmp/k3t/tests/kernels/
-  python3 "$HERE/decode_gemm/figures.py" --out "$OUT/decode_gemm_sm90.json" \
-     --sweep "$HERE/results/swap_ab_sweep_sm90.json" --tune "$HERE/results/tune_sm90.json" \
-     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py --deadline-s "${1:-300}" \
-     --render $SITE/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
-     --pytest /tmp/k3t/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py 2>&1 \
-     | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$" ;;
+  # FlashInfer (tinygemm) from carried wheels into a folder of its own, searched after
+  # the bundle's (pip --target --upgrade would replace the bundle's bin/ wholesale).
+  FI=${K3_FI_WHEELS:-.dev/kernel/fi}
+  if ls "$FI"/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/fi
+    timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/fi "$FI"/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/fi PATH=$PATH:/tmp/fi/bin
+  fi
+  left=$(( ${1:-370} - ($(date +%s) - START) ))
+  R=$HERE/results
+  python3 "$HERE/decode_gemm/runner.py" --out-dir "$OUT" --deadline-s $left -- \
+     --sweep $R/swap_ab_sweep_sm90.json --tune $R/tune_sm90.json --tune $R/tune_sm90_kda.json \
+     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
+     | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
+  timeout 30 python3 "$HERE/decode_gemm/plot.py" "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
 esac
 echo "[device_run] $step done in $(( $(date +%s) - START ))s"

@@ -85,6 +85,23 @@ def routed(backend: str, cfg, m: int) -> Callable:
     return f
 
 
+def warm(backend: str, cfg, m: int, k: int) -> None:
+    """Compile what ``routed(backend, cfg, m)`` needs for K = ``k`` (before any timing).
+
+    ``ll_bf16``: vLLM's own warm-up of the pinned variant; ``tinygemm``: one call, on
+    which FlashInfer JIT-builds its module. Raises whatever the compile raises.
+    """
+    llg = importlib.import_module(LLG_MODULE)
+    if backend == "ll_bf16":
+        runner = llg._ll_bf16_runner(llg.config_from_data(backend, m, cfg))
+        runner.warmup(shapes=[(k, 16)], m_values=[m])
+        return
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(16, k, dtype=torch.bfloat16, device="cuda")
+    routed(backend, cfg, m)(x, w)
+    torch.cuda.synchronize()
+
+
 def available(backend: str) -> bool:
     """Whether ``backend`` can run here (module importable and kernel present)."""
     try:

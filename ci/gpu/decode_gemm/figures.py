@@ -1,55 +1,56 @@
-"""One H200 run: every SM90 shape x M 1..16 x every decode-GEMM backend (GPU).
+"""One phase of the all-backend decode-GEMM figures run on the GPU (``runner.py`` starts it).
 
-Per (shape, M), in one process and one run: cuBLAS; ours (swap-AB; the config picked
-per shape in this run from ``tiles.seeded``: the earlier sweep's best three plus the
-16-row tiles); vLLM's CuTe skinny GEMM at today's table config where :func:`winners.cute_queue`
-ranks it worth re-timing (until ``--cute-budget-s`` of compiling is spent); vLLM's
-``ll_bf16`` (+ cast to bf16) at a few pinned configs; FlashInfer's ``tinygemm_bf16``
-where installed; the read roof ``min_bytes_moved / read bandwidth`` (a bf16 reduction
-over 4 GiB at the start of the run) and the fastest launch of a trivial kernel in a
-graph (PDL on and off).
+Phases (``phases.py``): ``core`` times cuBLAS, ours (swap-AB; the config picked per
+shape in this run from ``tiles.seeded``: the earlier sweep's best three plus the 16-row
+tiles) and today's CuTe rows (``winners.cute_queue`` order, until ``--cute-budget-s``
+of compiling is spent), the read roof ``min_bytes_moved / read bandwidth`` (a bf16
+reduction over 4 GiB) and the fastest launch of a trivial kernel in a graph (PDL on and
+off); ``ll_bf16`` times vLLM's ``ll_bf16`` (+ cast) at ``phases.ll_configs``;
+``tinygemm`` FlashInfer's ``tinygemm_bf16``; each next to cuBLAS timed in the same pass.
 
 Timing is ``timing.time_us`` (CUDA graph of >= 12 calls over >= 256 MiB of rotating
 weight copies, median of the replays). Pass 1: every candidate, 7 replays, after a
 float64 check (rel. err <= 1e-2); pass 2: fresh activations, cuBLAS, ours and every
-other candidate within ``winners.WIN`` of cuBLAS in pass 1, 15 replays. ``winners.decide``
-then picks each row's winner. Then, with ``--render`` and ``--pytest``, the SM90 table
-is rendered from this JSON into the installed tree and the GPU numerics tests run in
-this same process (so CuTe configs compiled here are not compiled again).
+other candidate within ``winners.WIN`` of cuBLAS in pass 1 (best three), 15 replays.
 
-Usage (after ``install.sh``, see ``ci/gpu/README.md``)::
+Work is cut into units (compiles, baselines, one unit per weight shape with all its M).
+Before each unit the progress file names it with the seconds it may take; after it the
+part JSON is rewritten whole, so a phase killed at any point keeps every finished unit,
+and one started again with ``--skip UNIT`` (the unit that hung) resumes after it.
+Compiles are done before any timing, each counted in ``compile_s`` and stopped at their
+budget (what was not compiled is listed under ``skipped`` with the reason).
 
-    python ci/gpu/decode_gemm/figures.py --out OUT.json --sweep SWEEP.json \\
-        --tune ci/gpu/results/tune_sm90.json --table TABLE.py [--render OUT.py] [--pytest FILE]
+Usage (after ``install.sh``, normally through ``runner.py``)::
+
+    python ci/gpu/decode_gemm/figures.py --phase core --part P.json --progress P.progress \\
+        --sweep SWEEP.json --tune TUNE.json [--tune MORE.json] --table TABLE.py
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata as md
 import json
 import os
 import runpy
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import candidates  # noqa: E402
+import phases  # noqa: E402
 import shapes as shp  # noqa: E402
-import sweep  # noqa: E402
 import tiles  # noqa: E402
 import winners  # noqa: E402
 
 REL_TOL = 1e-2
-# ll_bf16 variants timed: its split-K kernel is shape-dynamic (one compile each); the
-# dot-product kernel compiles per (M, K), so only where the probe saw it win (K = 7168, M <= 2).
-LL_SPLITK = ("splitk", 2, 4)
-LL_SPLITK_NARROW = ("splitk", 4, 4)  # N <= 1536: the probe's best there
-LL_DOTPROD = ("dotprod", 256)
+SHAPE_LIMIT_S = 45.0  # one shape, every M: ~1-3 s measured; the rest is slack for a lazy compile
+BASELINE_LIMIT_S = 60.0
+COMPILE_LIMIT_S = 120.0  # one compile unit (a JIT build of tinygemm took 10 s)
+PER_PROCESS = ("startup", "compile:")
 
 
 def _ver(dist: str) -> str:
@@ -60,202 +61,337 @@ def _ver(dist: str) -> str:
 
 
 def provenance(run_id: str) -> dict:
+    import sweep
+
     p = sweep.provenance(run_id)
     p.update(cutlass_dsl=_ver("nvidia-cutlass-dsl"), flashinfer=_ver("flashinfer-python"),
              vllm=_ver("vllm"), tool="ci/gpu/decode_gemm/figures.py")
     return p
 
 
-def ll_configs(n: int, k: int, m: int) -> list:
-    """ll_bf16 variants for one row, inside the domain vLLM's own dispatch uses it in.
+class Part:
+    """A phase's part JSON and progress file, both rewritten whole (write, then rename).
 
-    Its split-K kernel only where vLLM dispatches it (K >= 2048): with fewer K tiles
-    than splits it hung the H200 (K = 128, split_k = 2; run h200-20261130-decode), and
-    ``low_latency_gemm`` now refuses such a row.
+    Resumes from ``path`` when it exists (a restarted phase keeps what it finished).
     """
-    cfgs = []
-    if k >= 2048:
-        cfgs += [LL_SPLITK] + ([LL_SPLITK_NARROW] if n <= 1536 else [])
-    if k == 7168 and m <= 2:
-        cfgs.append(LL_DOTPROD)
-    return cfgs
+
+    def __init__(self, path: str, progress: str, phase: str, skip: list):
+        self.path, self.progress, self.skip_units = path, progress, set(skip)
+        self.data = {"phase": phase, "rows": [], "done": [], "skipped": [], "compile_s": {}}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+            # Compiles live in the process that made them: a new attempt makes its own.
+            self.data["done"] = [u for u in self.data["done"] if not u.startswith(PER_PROCESS)]
+            self.data["skipped"] = [s for s in self.data["skipped"]
+                                    if not s["unit"].startswith(PER_PROCESS)]
+            self.data["attempts"] = self.data.get("attempts", 1) + 1
+            for key in ("compiled", "cute_timed"):
+                self.data.pop(key, None)
+        self.t0 = time.time()
+
+    def _write(self, path: str, obj) -> None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+
+    def start(self, unit: str, limit_s: float) -> bool:
+        """Announce ``unit``; False (nothing to do) if it is done or to be skipped."""
+        if unit in self.data["done"] or any(s["unit"] == unit for s in self.data["skipped"]):
+            return False
+        if unit in self.skip_units:
+            self.skip(unit, "killed in an earlier attempt of this phase (see the runner's log)")
+            return False
+        self._write(self.progress, {"unit": unit, "since": time.time(), "limit_s": limit_s,
+                                    "pid": os.getpid()})
+        return True
+
+    def finish(self, unit: str) -> None:
+        self.data["done"].append(unit)
+        self.save()
+        self._write(self.progress, {"unit": None, "since": time.time(), "pid": os.getpid()})
+
+    def skip(self, unit: str, reason: str, **extra) -> None:
+        self.data["skipped"].append({"unit": unit, "reason": reason, **extra})
+        print(f"[figures] skip {unit}: {reason}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.data["wall_s"] = round(self.data.get("wall_s", 0) + time.time() - self.t0, 1)
+        self.t0 = time.time()
+        self._write(self.path, self.data)
+
+
+def measure(timing, fn, xs, ws, ref, replays):
+    """``(µs or None, rel. err, status)`` of ``fn``: float64 check first, then timed."""
+    try:
+        err = timing.rel_err(fn(xs[0], ws[0]), ref)
+        if not err <= REL_TOL:
+            return None, err, "wrong"
+        return round(timing.time_us(fn, xs, ws, replays=replays), 3), err, "ok"
+    except Exception as exc:
+        return None, None, f"error: {type(exc).__name__}: {exc}"[:200]
+
+
+def time_row(ctx, n: int, k: int, m: int, plan: list, ws, gen) -> dict:
+    """cuBLAS and every ``(backend, cfg)`` of ``plan`` on one (shape, M), both passes."""
+    import candidates
+    import torch
+
+    timing = ctx["timing"]
+    xs1 = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")]
+    xs2 = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")
+           for _ in range(4)]
+    ref1, ref2 = timing.ref64(xs1[0], ws[0]), timing.ref64(xs2[0], ws[0])
+    row = {"N": n, "K": k, "M": m, "candidates": []}
+    c1 = round(timing.time_us(candidates.cublas, xs1, ws, replays=7), 3)
+    for backend, cfg in plan:
+        us, err, st = measure(timing, ctx["fn_for"](backend, cfg, m), xs1, ws, ref1, 7)
+        row["candidates"].append({"backend": backend, "cfg": cfg, "us": [us, None],
+                                  "relerr": err, "status": st})
+    c2 = round(timing.time_us(candidates.cublas, xs2, ws, replays=15), 3)
+    row["cublas_us"] = [c1, c2]
+    ranked = sorted((c for c in row["candidates"] if c["us"][0]), key=lambda c: c["us"][0])
+    again = [c for c in ranked if c["backend"] == "swap_ab"]
+    again += [c for c in ranked if c["backend"] != "swap_ab" and c1 / c["us"][0] >= winners.WIN][:3]
+    for c in again:
+        us, err, st = measure(timing, ctx["fn_for"](c["backend"], c["cfg"], m), xs2, ws, ref2, 15)
+        c["us"][1] = us
+        if st != "ok":
+            c["status"] = f"pass 2: {st}"
+    return row
+
+
+def setup_core(args, part: Part, ctx: dict) -> None:
+    """Compile ours (parallel processes) while CuTe compiles here; then roof and floor."""
+    import candidates
+    import kernels
+    import sweep
+    import timing
+    import torch
+
+    sw = json.load(open(args.sweep))
+    ctx["seeds"] = {(s["N"], s["K"]): [c["cfg"] for c in sorted(
+        (c for c in s["configs"] if c["M"] == 16 and c["status"] == "ok"),
+        key=lambda c: c["us"])][:3] for s in sw["shapes"]}
+    today = runpy.run_path(args.table)["ROWS"]
+    ctx["today"] = today
+    tuned = {"rows": [r for path in args.tune for r in json.load(open(path))["rows"]]}
+    if part.start("compile:core", args.cute_budget_s + COMPILE_LIMIT_S):
+        pre: dict = {}
+
+        def precompile():
+            try:
+                pre["s"] = round(sweep.precompile({k for _, k in ctx["shapes"]}, 14), 1)
+            except Exception as exc:  # ours then compiles on first use, inside its shape
+                pre["error"] = f"{type(exc).__name__}: {exc}"[:200]
+
+        th = threading.Thread(target=precompile)
+        th.start()
+        cute_ok, queue, t0 = [], [], time.time()
+        if part.data["available"]["cute"]:
+            queue = winners.cute_queue(today, tuned, sw)
+            for i, (n, k, m, cfg, _) in enumerate(queue):
+                if time.time() - t0 > args.cute_budget_s:
+                    part.skip("compile:cute", f"compile budget {args.cute_budget_s:.0f} s spent",
+                              rows=[list(q[:3]) for q in queue[i:]])
+                    break
+                try:
+                    kernels.cute_compile(m, cfg)
+                    cute_ok.append([n, k, m, list(cfg)])
+                except Exception as exc:
+                    print(f"[figures] cute {n}x{k} M{m} {cfg}: {exc!r}"[:200], flush=True)
+        part.data["compile_s"]["cute"] = round(time.time() - t0, 1)
+        th.join()
+        part.data["compile_s"]["swap_ab"] = pre.get("s")
+        if "error" in pre:
+            part.data["swap_ab_precompile_error"] = pre["error"]
+        part.data["cute_queue"] = [list(q) for q in queue]
+        part.data["cute_timed"] = cute_ok
+        print(f"[figures] compiled {part.data['compile_s']}; CuTe rows {len(cute_ok)} of "
+              f"{len(queue)}", flush=True)
+        part.finish("compile:core")
+    ctx["cute_ok"] = {tuple(r[:3]): tuple(r[3]) for r in part.data.get("cute_timed", [])}
+    if part.start("baselines", BASELINE_LIMIT_S):
+        part.data["read_bw_TBps"] = round(timing.read_bandwidth_Bps() / 1e12, 3)
+        dummy = torch.randn(1, 64, dtype=torch.bfloat16, device="cuda")
+        part.data["trivial_us"] = {f"pdl={p}": round(timing.time_us(
+            candidates.trivial(p), [dummy], [dummy] * 64, replays=15), 3) for p in (False, True)}
+        print(f"[figures] read bw {part.data['read_bw_TBps']} TB/s; trivial "
+              f"{part.data['trivial_us']}", flush=True)
+        part.finish("baselines")
+
+
+def setup_compiled(args, part: Part, ctx: dict, backend: str) -> None:
+    """Compile every ll_bf16 / tinygemm variant the phase will time, within the budget."""
+    import candidates
+
+    keys = []
+    for n, k in ctx["shapes"]:
+        for m in shp.M_RANGE:
+            cfgs = phases.ll_configs(n, k, m) if backend == "ll_bf16" else [None]
+            for cfg in cfgs:
+                # split-K is shape-dynamic, the dot-product kernel compiles per (M, K).
+                key = (cfg, m, k) if cfg and cfg[0] == "dotprod" else (cfg, 0, 0)
+                if key not in keys:
+                    keys.append(key)
+    spent = 0.0
+    for cfg, m, k in keys:
+        unit = f"compile:{backend}:{cfg}:M{m}:K{k}"
+        if spent > args.compile_budget_s:
+            part.skip(unit, f"compile budget {args.compile_budget_s:.0f} s spent")
+            continue
+        # A compile past what is left of the budget (+ slack) is killed and skipped.
+        if not part.start(unit, min(COMPILE_LIMIT_S, args.compile_budget_s - spent + 15.0)):
+            continue
+        t = time.time()
+        try:
+            candidates.warm(backend, cfg, max(m, 1), k or 2048)
+            part.data.setdefault("compiled", []).append(_compiled_key(cfg, m, k))
+        except Exception as exc:
+            part.data["skipped"].append({"unit": unit, "reason": f"compile failed: {exc!r}"[:200]})
+        spent += time.time() - t
+        part.data["compile_s"][backend] = round(spent, 1)
+        print(f"[figures] {unit}: {time.time() - t:.1f} s", flush=True)
+        part.finish(unit)
+    ctx["compiled"] = {tuple(c) for c in part.data.get("compiled", [])}
+
+
+def _compiled_key(cfg, m: int, k: int) -> list:
+    """JSON-able name of one compiled variant (split-K is shape-dynamic: M = K = 0)."""
+    if cfg and cfg[0] == "dotprod":
+        return [json.dumps(list(cfg)), m, k]
+    return [json.dumps(None if cfg is None else list(cfg)), 0, 0]
+
+
+def plan_for(phase: str, ctx: dict, n: int, k: int, m: int, ours) -> list:
+    """``[(backend, cfg)]`` this phase times on one (shape, M)."""
+    if phase == "core":
+        plan = [("swap_ab", ours)] if ours else []
+        if (n, k, m) in ctx["cute_ok"]:
+            plan.append(("cute", list(ctx["cute_ok"][(n, k, m)])))
+        return plan
+    cfgs = [None] if phase == "tinygemm" else phases.ll_configs(n, k, m)
+    return [(phase, None if cfg is None else list(cfg)) for cfg in cfgs
+            if tuple(_compiled_key(cfg, m, k)) in ctx["compiled"]]
+
+
+def pick_ours(ctx, n, k, ws, gen) -> list | None:
+    """Our config for ``n x k``: the fastest at M = 16 of the seeded space (pass 1)."""
+    import torch
+
+    timing = ctx["timing"]
+    x16 = [torch.randn(16, k, generator=gen, dtype=torch.bfloat16, device="cuda")]
+    ref16 = timing.ref64(x16[0], ws[0])
+    seeds = ctx["seeds"]
+    # A shape the sweep never saw (added to shapes.py since) gets the whole space.
+    space = tiles.seeded(n, k, seeds[(n, k)]) if (n, k) in seeds else tiles.candidates(n, k)
+    pick = []
+    for cfg in space:
+        us, _, _ = measure(timing, ctx["fn_for"]("swap_ab", cfg, 0), x16, ws, ref16, 7)
+        if us:
+            pick.append((us, cfg))
+    return list(min(pick)[1]) if pick else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--phase", required=True, choices=[p.name for p in phases.PHASES])
+    ap.add_argument("--part", required=True, help="this phase's part JSON (resumed if present)")
+    ap.add_argument("--progress", required=True, help="progress file the runner watches")
+    ap.add_argument("--skip", action="append", default=[], help="a unit not to start")
     ap.add_argument("--sweep", required=True, help="our earlier sweep JSON (seeds)")
-    ap.add_argument("--tune", required=True, help="the CuTe tuner JSON behind today's table")
+    ap.add_argument("--tune", action="append", required=True,
+                    help="tuner JSON(s) behind today's table (CuTe rows' earlier times)")
     ap.add_argument("--table", required=True, help="today's SM90 data module")
-    ap.add_argument("--cute-budget-s", type=float, default=40.0)
-    ap.add_argument("--deadline-s", type=float, default=330.0)
-    ap.add_argument("--render", help="write the SM90 table rendered from this run here")
-    ap.add_argument("--pytest", help="then run this GPU test file in this process")
+    ap.add_argument("--cute-budget-s", type=float, default=60.0)
+    ap.add_argument("--compile-budget-s", type=float, default=60.0,
+                    help="ll_bf16 / tinygemm compiles, all together")
+    ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument("--shape", action="append", default=[])
     ap.add_argument("--run-id", default=os.environ.get("K3_RUN_ID", "local"))
     args = ap.parse_args(argv)
     t_end = time.time() + args.deadline_s
+    part = Part(args.part, args.progress, args.phase, args.skip)
+    part.start("startup", phases.STARTUP_LIMIT_S)
 
-    import kernels
+    import candidates
     import timing
     import torch
 
-    sel_shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shape] or list(shp.SHAPES)
-    sw = json.load(open(args.sweep))
-    seeds = {(s["N"], s["K"]): [c["cfg"] for c in sorted(
-        (c for c in s["configs"] if c["M"] == 16 and c["status"] == "ok"),
-        key=lambda c: c["us"])][:3] for s in sw["shapes"]}
-    today = runpy.run_path(args.table)["ROWS"]
-    res = {"provenance": provenance(args.run_id), "rows": [],
-           "criteria": {"win_both_passes": winners.WIN, "pass1_replays": 7, "pass2_replays": 15},
-           "method": {"timing": "ci/gpu/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB "
-                                "rotating weights, median; pass 1 7 replays, pass 2 15 (fresh x)",
-                      "win_both_passes": winners.WIN, "sweep": os.path.basename(args.sweep)}}
-    res["available"] = {b: candidates.available(b) for b in ("cute", "ll_bf16", "tinygemm")}
-    print(f"[figures] {res['provenance']} available {res['available']}", flush=True)
-
-    # Our configs compile in parallel processes; CuTe's on this CPU in queue order.
-    res["compile_s"] = {"swap_ab": round(sweep.precompile({k for _, k in sel_shapes}, 14), 1)}
-    cute_ok: dict = {}
-    queue = []
-    if res["available"]["cute"]:
-        queue = winners.cute_queue(today, json.load(open(args.tune)), sw)
-        t0 = time.time()
-        for n, k, m, cfg, _ in queue:
-            if time.time() - t0 > args.cute_budget_s:
-                break
-            try:
-                kernels.cute_compile(m, cfg)
-                cute_ok[(n, k, m)] = cfg
-            except Exception as exc:
-                print(f"[figures] cute {n}x{k} M{m} {cfg}: {exc!r}"[:200], flush=True)
-        res["compile_s"]["cute"] = round(time.time() - t0, 1)
-    res["cute_queue"] = [list(q) for q in queue]
-    res["cute_timed"] = [[n, k, m] for (n, k, m) in cute_ok]
-    print(f"[figures] compiled {res['compile_s']}; CuTe rows {len(cute_ok)} of {len(queue)} queued",
-          flush=True)
-
-    bw = timing.read_bandwidth_Bps()
-    res["read_bw_TBps"] = round(bw / 1e12, 3)
-    dummy = torch.randn(1, 64, dtype=torch.bfloat16, device="cuda")
-    res["trivial_us"] = {f"pdl={p}": round(timing.time_us(candidates.trivial(p), [dummy],
-                                                          [dummy] * 64, replays=15), 3)
-                         for p in (False, True)}
-    rot = timing.RotatingWeights(max(shp.weight_bytes(n, k) for n, k in sel_shapes))
-    print(f"[figures] read bw {res['read_bw_TBps']} TB/s; trivial {res['trivial_us']}", flush=True)
-
+    sel = [tuple(map(int, s.lower().split("x"))) for s in args.shape] or list(shp.SHAPES)
+    ctx: dict = {"timing": timing, "shapes": phases.shape_order(args.phase, sel)}
+    backends = next(p.backends for p in phases.PHASES if p.name == args.phase)
+    if "provenance" not in part.data:
+        part.data["provenance"] = provenance(args.run_id)
+        part.data["available"] = {b: candidates.available(b) for b in backends}
+        part.data["criteria"] = {"win_both_passes": winners.WIN, "pass1_replays": 7,
+                                 "pass2_replays": 15}
+        part.data["method"] = {
+            "timing": "ci/gpu/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB rotating "
+                      "weights, median; pass 1 7 replays, pass 2 15 (fresh x); each phase "
+                      "times cuBLAS next to its own candidates", "win_both_passes": winners.WIN,
+            "sweep": os.path.basename(args.sweep)}
+    print(f"[figures] {args.phase}: {part.data['provenance']} available "
+          f"{part.data['available']}", flush=True)
+    part.finish("startup")
     fns: dict = {}
 
     def fn_for(backend, cfg, m):
-        key = (backend, None if cfg is None else tuple(cfg), m if backend == "cute" else 0)
+        key = (backend, None if cfg is None else tuple(cfg), m if backend in ("cute", "ll_bf16") else 0)
         if key not in fns:
             if backend == "swap_ab":
                 fns[key] = candidates.swap_ab(cfg)
             elif backend == "cute":
+                import kernels
+
                 fns[key] = kernels.cute_fn(m, tuple(cfg))
             else:
                 fns[key] = candidates.routed(backend, cfg, m)
         return fns[key]
 
-    def measure(fn, xs, ws, ref, replays):
-        try:
-            err = timing.rel_err(fn(xs[0], ws[0]), ref)
-            if not err <= REL_TOL:
-                return None, err, "wrong"
-            return round(timing.time_us(fn, xs, ws, replays=replays), 3), err, "ok"
-        except Exception as exc:
-            return None, None, f"error: {type(exc).__name__}: {exc}"[:200]
-
-    for n, k in sel_shapes:
-        if time.time() > t_end:
-            print(f"[figures] deadline: stopping before {n}x{k}", flush=True)
-            break
+    ctx["fn_for"] = fn_for
+    if not any(part.data["available"].values()):
+        part.skip(f"phase:{args.phase}", f"{'/'.join(backends)} not available here")
+        return 0
+    if args.phase == "core":
+        setup_core(args, part, ctx)
+    else:
+        setup_compiled(args, part, ctx, backends[0])
+    bw = part.data.get("read_bw_TBps")  # None only if the baselines unit was killed
+    rot = timing.RotatingWeights(max(shp.weight_bytes(n, k) for n, k in ctx["shapes"]))
+    longest = 3.0
+    for n, k in ctx["shapes"]:
+        unit = phases.shape_unit(n, k)
+        if time.time() + 1.5 * longest > t_end and unit not in part.data["done"]:
+            part.skip(unit, f"phase deadline ({args.deadline_s:.0f} s) reached")
+            continue
+        if not part.start(unit, SHAPE_LIMIT_S):
+            continue
         t0 = time.time()
         ws = rot.views(n, k)
         gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
-        x16 = [torch.randn(16, k, generator=gen, dtype=torch.bfloat16, device="cuda")]
-        ref16 = timing.ref64(x16[0], ws[0])
-        pick = []
-        # A shape the sweep never saw (added to shapes.py since) gets the whole space.
-        ours_space = tiles.seeded(n, k, seeds[(n, k)]) if (n, k) in seeds else tiles.candidates(n, k)
-        for cfg in ours_space:
-            us, err, st = measure(fn_for("swap_ab", cfg, 0), x16, ws, ref16, 7)
-            if us:
-                pick.append((us, cfg))
-        ours = list(min(pick)[1]) if pick else None
+        ours = pick_ours(ctx, n, k, ws, gen) if args.phase == "core" else None
         for m in shp.M_RANGE:
-            xs1 = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")]
-            xs2 = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")
-                   for _ in range(4)]
-            ref1, ref2 = timing.ref64(xs1[0], ws[0]), timing.ref64(xs2[0], ws[0])
-            row = {"N": n, "K": k, "M": m, "label": shp.SHAPES.get((n, k), ("",))[0],
-                   "weight_bytes": shp.weight_bytes(n, k),
-                   "roof_us": round(shp.min_bytes_moved(n, k, m) / bw * 1e6, 3),
-                   "today": list(today.get((n, k), {}).get(m, ("cublas", None))),
-                   "candidates": []}
-            plan = [("swap_ab", ours)] if ours else []
-            if (n, k, m) in cute_ok:
-                plan.append(("cute", list(cute_ok[(n, k, m)])))
-            if res["available"]["ll_bf16"]:
-                plan += [("ll_bf16", list(c)) for c in ll_configs(n, k, m)]
-            if res["available"]["tinygemm"]:
-                plan.append(("tinygemm", None))
-            c1 = round(timing.time_us(candidates.cublas, xs1, ws, replays=7), 3)
-            for backend, cfg in plan:
-                us, err, st = measure(fn_for(backend, cfg, m), xs1, ws, ref1, 7)
-                row["candidates"].append({"backend": backend, "cfg": cfg, "us": [us, None],
-                                          "relerr": err, "status": st})
-            c2 = round(timing.time_us(candidates.cublas, xs2, ws, replays=15), 3)
-            row["cublas_us"] = [c1, c2]
-            ranked = sorted((c for c in row["candidates"] if c["us"][0]), key=lambda c: c["us"][0])
-            again = [c for c in ranked if c["backend"] == "swap_ab"]
-            again += [c for c in ranked if c["backend"] != "swap_ab"
-                      and c1 / c["us"][0] >= winners.WIN][:3]
-            for c in again:
-                us, err, st = measure(fn_for(c["backend"], c["cfg"], m), xs2, ws, ref2, 15)
-                c["us"][1] = us
-                if st != "ok":
-                    c["status"] = f"pass 2: {st}"
-            res["rows"].append(row)
-        done = [r for r in res["rows"] if (r["N"], r["K"]) == (n, k)]
-        best = [min((c["us"][1] or 1e9) for c in r["candidates"]) if r["candidates"] else 1e9
-                for r in done]
-        print(f"[figures] {n}x{k} ours {ours}: roof/best "
-              f"{min(r['roof_us'] / b for r, b in zip(done, best)):.2f}-"
-              f"{max(r['roof_us'] / b for r, b in zip(done, best)):.2f} "
+            plan = plan_for(args.phase, ctx, n, k, m, ours)
+            if not plan:
+                continue
+            row = time_row(ctx, n, k, m, plan, ws, gen)
+            if args.phase == "core":
+                row.update(label=shp.SHAPES.get((n, k), ("",))[0],
+                           weight_bytes=shp.weight_bytes(n, k),
+                           roof_us=bw and round(shp.min_bytes_moved(n, k, m) / (bw * 1e12) * 1e6, 3),
+                           today=list(ctx["today"].get((n, k), {}).get(m, ("cublas", None))))
+            part.data["rows"].append(row)
+        longest = max(longest, time.time() - t0)
+        done = [r for r in part.data["rows"] if (r["N"], r["K"]) == (n, k)]
+        best = [min([c["us"][1] or c["us"][0] or 1e9 for c in r["candidates"]]) for r in done]
+        print(f"[figures] {args.phase} {n}x{k}: {len(done)} rows, best vs cuBLAS "
+              f"{min((r['cublas_us'][1] / b for r, b in zip(done, best)), default=0):.2f}-"
+              f"{max((r['cublas_us'][1] / b for r, b in zip(done, best)), default=0):.2f}x "
               f"({time.time() - t0:.1f} s)", flush=True)
-        winners.decide(res)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, sort_keys=True)
-    winners.decide(res)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, sort_keys=True)
-    print("[figures] summary " + json.dumps(res["summary"]), flush=True)
-    if args.render:
-        render_into(res, args.render)
-    if args.pytest:
-        return run_pytest(args.pytest, os.path.dirname(args.out))
+        part.finish(unit)
     return 0
-
-
-def render_into(res: dict, path: str) -> None:
-    """Write the SM90 table rendered from ``res`` to ``path`` and reload the overlay."""
-    import render_table
-
-    with open(path, "w") as f:
-        f.write(render_table.render(res, "ci/gpu/results/decode_gemm_sm90.json"))
-    for name in ("vllm.models.kimi_k3.nvidia.low_latency_gemm_sm90",
-                 "vllm.models.kimi_k3.nvidia.low_latency_gemm"):
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
-    print(f"[figures] rendered the table into {path}", flush=True)
-
-
-def run_pytest(test_file: str, out_dir: str) -> int:
-    import pytest
-
-    return pytest.main([test_file, "-p", "no:cacheprovider", "-q", "-rs", "--tb=short",
-                        f"--junitxml={os.path.join(out_dir, 'pytest_gpu.xml')}"])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ than the reduction that defines the roof). Panels come from the JSON given:
   (``shared/reference/h200/sm90_table_vs_roof_*.json``: another run, so its panel
   is labelled with that run and never mixed into the others); cells the table
   routes to CuTe are marked with a dot;
-* or a figures JSON (``figures.py``): cuBLAS, today's table where re-timed, and the
-  table rendered from that run, its routed backend marked per cell by a letter.
+* or a figures JSON (``runner.py``): cuBLAS, today's table (its CuTe rows as re-timed in
+  that run; ``x`` where one was not) and the table rendered from that run, its routed
+  backend marked per cell by a letter.
 
 Usage: ``python ci/gpu/decode_gemm/plot.py RUN.json OUT.png [--today TODAY.json]``.
 """
@@ -20,8 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import matplotlib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import winners  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -75,11 +81,19 @@ def panel_today(today: dict, shapes: list) -> tuple:
 
 
 def panels_from_figures(run: dict) -> tuple[list, list]:
-    """cuBLAS and the table rendered from one figures run, its backends lettered."""
-    per = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
+    """cuBLAS, today's table and the table rendered from one figures run (all that run)."""
+    per = {(r["N"], r["K"], r["M"]): r for r in run["rows"] if r.get("roof_us")}
     shapes = _order({k[:2] for k in per})
     rid = run["provenance"]["run_id"]
     cub, _ = _fill(shapes, per, lambda r: (r["roof_us"] / r["cublas_us"][1], None))
+
+    def today(r):
+        sp = winners.today_speedup(r)
+        if sp is None:  # a CuTe row of today's table this run did not re-time
+            return np.nan, "x"
+        return r["roof_us"] * sp / r["cublas_us"][1], "C" if r["today"][0] == "cute" else None
+
+    before, before_marks = _fill(shapes, per, today)
 
     def routed(r):
         w = r.get("winner")
@@ -87,9 +101,11 @@ def panels_from_figures(run: dict) -> tuple[list, list]:
         return r["roof_us"] / us, LETTER.get(w["backend"], "?") if w else None
 
     new, marks = _fill(shapes, per, routed)
-    return shapes, [(f"cuBLAS (run {rid})", cub, None),
-                    (f"table rendered from run {rid} (S swap-AB, C CuTe, L ll_bf16, T tinygemm)",
-                     new, marks)]
+    return shapes, [(f"before: cuBLAS\n(run {rid})", cub, None),
+                    (f"before: today's table, C its CuTe rows\n(x: not re-timed; run {rid})",
+                     before, before_marks),
+                    (f"after: table rendered from run {rid}\n(S swap-AB, C CuTe, L ll_bf16, "
+                     "T tinygemm)", new, marks)]
 
 
 def draw(shapes: list, panels: list, out: str, note: str) -> None:
