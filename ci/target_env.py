@@ -25,7 +25,6 @@ the same one at once.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -39,6 +38,8 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from k3overlay.files import read_regular  # noqa: E402
+from k3overlay.lock import held  # noqa: E402
 from k3overlay.project import cache_dir  # noqa: E402
 
 FORMAT = 1  # bump when what goes into an environment changes
@@ -126,19 +127,23 @@ def _read(path: Path, missing_ok: bool = False) -> str:
 
 
 def ensure(tree: Path, root: Path | None = None) -> Env:
-    """The environment for ``tree`` (built now unless cached). Raises EnvError.
+    """The environment for ``tree`` (built now unless cached). Raises EnvError; UsageError
+    (k3overlay's, one line) if something other than a regular file is at its lock file.
 
-    ``root`` is where environments live (default ``<cache>/envs``).
+    ``root`` is where environments live (default ``<cache>/envs``). An environment whose
+    ``env.json`` is not a regular file (a link, a FIFO: never read) is built again.
     """
     spec = spec_of(tree)
     root = root or cache_dir() / "envs"
-    root.mkdir(parents=True, exist_ok=True)
     home = root / spec.key
-    with open(root / f"{spec.key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (home / "env.json").is_file():
+    with held(root / f"{spec.key}.lock"):
+        record = read_regular(home / "env.json")
+        if record is None:
             _build(spec, tree, home)
-    info = json.loads((home / "env.json").read_text())
+            record = read_regular(home / "env.json")
+    if record is None:
+        raise EnvError(f"{home / 'env.json'} is not a regular file after the build")
+    info = json.loads(record)
     return Env(str(home / "bin" / "python"), spec.key, info["installed_torch"], spec.torch,
                spec.cute_dsl)
 

@@ -3,8 +3,9 @@
 Modules, one concept each:
   errors    exit codes and the one-line errors a user sees
   git       project-agnostic git verbs, each run with the user's git config shut out
-  files     writing files: into a tree without following links, reports whole or not at all
-  lock      one run at a time per work directory
+  files     writing files: into a tree without following links, reports whole or not at all;
+            opening the tool's own files: never through a link, never waiting on a FIFO
+  lock      one run at a time per work directory; the cache's lock files
   interrupts  where Ctrl-C/SIGTERM may stop the tool, and where it waits
   project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
   downloads vLLM's release files (sdists, wheels), cached, checked against the index on every use

@@ -7,7 +7,9 @@ when it was downloaded, checked against the sha256 the index publishes: a
 cached file that was truncated, tampered with or half-written is deleted and
 fetched again. If the fresh copy does not match either, or the archive cannot
 be read even after one fresh fetch, the job stops with a SourceError (exit 6),
-one line, and nothing unverified is ever used.
+one line, and nothing unverified is ever used. The cache's files (the lock,
+cached and partial downloads) are opened without following a link or waiting
+on a FIFO: anything but a regular file there is refused, one line, exit 2.
 
 Why not ``pip download``: for vLLM's sdist it prepares metadata by running
 vLLM's own build (it wants a CUDA torch), i.e. it executes upstream code just
@@ -16,12 +18,11 @@ to fetch a tarball.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import requests
 from packaging.tags import sys_tags
@@ -30,6 +31,8 @@ from packaging.version import InvalidVersion, Version
 from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError, PyPISimple
 
 from .errors import SourceError, UsageError
+from .files import open_regular
+from .lock import held
 from .progress import ByteBar, say, step
 
 PROJECT = "vllm"
@@ -115,19 +118,23 @@ class ReleaseFiles:
         """The path of ``pkg``'s file, downloaded unless a cached copy matches the index's sha256.
 
         Raises SourceError if the index publishes no sha256 for it, the download
-        does not match, or the index cannot be reached.
+        does not match, or the index cannot be reached; UsageError if something
+        other than a regular file sits where the cache keeps its files.
         """
         expected = pkg.digests.get("sha256")
         if not expected:
             raise SourceError(f"the package index publishes no sha256 for {pkg.filename}; "
                               f"refusing to use it unchecked")
         target = self._path(pkg)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two jobs on one cache must not write one file
-            if target.exists():
-                if file_sha256(target) == expected:
-                    return target
+        with held(target.parent / ".lock"):  # two jobs on one cache must not write one file
+            try:
+                fd = open_regular(target, os.O_RDONLY)
+            except FileNotFoundError:
+                pass
+            else:
+                with open(fd, "rb") as cached:
+                    if _sha256(cached) == expected:
+                        return target
                 say(f"cached {target.name} does not match the index's sha256; fetching it again")
                 target.unlink()
             self._download(pkg, target)
@@ -136,6 +143,8 @@ class ReleaseFiles:
     def _download(self, pkg: DistributionPackage, target: Path) -> None:
         """Download ``pkg`` to ``target``, verified; only a complete, matching file lands there."""
         partial = target.with_name(target.name + ".part")
+        # pypi-simple opens it by name, following a link: be sure it is a plain file first
+        os.close(open_regular(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         try:
             with step(f"downloading {pkg.filename}"), self._index() as index:
                 index.download_package(pkg, partial, verify=True,
@@ -162,10 +171,14 @@ class ReleaseFiles:
 
 def file_sha256(path: Path) -> str:
     """Hex sha256 of the file at ``path``, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        return _sha256(f)
+
+
+def _sha256(stream: BinaryIO) -> str:
+    digest = hashlib.sha256()
+    for block in iter(lambda: stream.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 

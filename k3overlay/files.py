@@ -1,6 +1,9 @@
 """Reading and writing files without surprises: never through a link, never half-written.
 
   ``read_regular``     the bytes of a regular file; None for a link, a FIFO, anything else
+  ``open_regular``     a descriptor of one of the tool's own files (a lock file, a cached
+                       download, a partial one): a link, a FIFO or a device there is refused
+                       in one line, never followed or waited on;
   ``write_in_tree``    a file laid into a tree (a vLLM work tree, ``overlay/``): every folder
                        below the tree's top is opened without following links, so a link
                        anywhere on the way (``pkg -> /etc``) or at the destination is refused,
@@ -52,14 +55,14 @@ def write_in_tree(root: Path, rel: str, data: bytes, *, executable: bool = False
                 if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise UsageError(f"cannot write {rel}: {err.strerror}") from err
                 raise UsageError(f"refusing to write {rel}: {'/'.join(parts[:depth])} is a "
-                                 f"{_kind(dirfd, name)}, not a folder") from err
+                                 f"{_kind(name, dirfd)}, not a folder") from err
             os.close(dirfd)
             dirfd = inner
         name = parts[-1]
         with contextlib.suppress(FileNotFoundError):
             mode = os.lstat(name, dir_fd=dirfd).st_mode
             if not stat.S_ISREG(mode):
-                raise UsageError(f"refusing to write {rel}: it is a {_kind(dirfd, name)} in the "
+                raise UsageError(f"refusing to write {rel}: it is a {_kind(name, dirfd)} in the "
                                  f"tree, not a file")
         _replace(dirfd, name, data, 0o777 if executable else 0o666)
     except OSError as err:
@@ -163,6 +166,37 @@ def read_regular(file: Path) -> bytes | None:
         os.close(fd)
 
 
+def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
+    """A descriptor of the regular file at ``path`` (made, with ``mode``, if ``flags`` has
+    ``O_CREAT``), opened without following a link and without waiting on a FIFO.
+
+    For the files the tool keeps for itself (``~/.cache/vllm-k3-overlay``: lock files,
+    cached and partial downloads): nothing else should ever sit there, so a link, a
+    FIFO, a socket, a device or a folder is refused, not used. Raises
+    FileNotFoundError if there is nothing at ``path`` (and no ``O_CREAT``), else
+    UsageError (one line): "PATH is a KIND, not a regular file; …" or "cannot open PATH: …".
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # ELOOP (a link), ENXIO (a FIFO nobody reads), EISDIR, EACCES, ...
+        kind = _kind(path)
+        if kind not in ("file", "missing path"):
+            raise _not_regular(path, kind) from err
+        raise UsageError(f"cannot open {path}: {err.strerror}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_regular(path, _kind(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _not_regular(path: Path, kind: str) -> UsageError:
+    return UsageError(f"{path} is a {kind}, not a regular file; refusing to use it (the tool "
+                      f"keeps only its own files there: remove it)")
+
+
 def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> None:
     """Write ``data`` to a new temporary file in folder ``dirfd``, flush it to disk and
     rename it to ``name``. The rename replaces ``name`` itself (never follows a link there)."""
@@ -187,14 +221,12 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
     os.fsync(dirfd)  # the rename itself survives a crash
 
 
-def _kind(dirfd: int, name: str) -> str:
-    """What ``name`` in folder ``dirfd`` is, in words (for an error message)."""
+def _kind(name: str | Path, dirfd: int | None = None) -> str:
+    """What ``name`` (in folder ``dirfd``) is, in words (for an error message)."""
     try:
         mode = os.lstat(name, dir_fd=dirfd).st_mode
     except OSError:
         return "missing path"
-    if stat.S_ISLNK(mode):
-        return "symbolic link"
-    if stat.S_ISDIR(mode):
-        return "folder"
-    return "file" if stat.S_ISREG(mode) else "special file"
+    kinds = ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"),
+             (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+    return next((word for test, word in kinds if test(mode)), "device")

@@ -41,6 +41,7 @@ import git as gitpython
 from git.exc import InvalidGitRepositoryError, NoSuchPathError
 
 from .errors import OverlayError
+from .files import read_regular
 from .interrupts import deferred
 
 Repo = gitpython.Repo
@@ -339,7 +340,7 @@ def _remove_stale_worktrees(repo: Repo) -> None:
     admin = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
     for gitdir_file in sorted(admin.glob("worktrees/*/gitdir")):
         with contextlib.suppress(OSError):
-            tree = Path(gitdir_file.read_text().strip()).parent
+            tree = _tree_of(gitdir_file)
             parent = tree.parent
             if tree.name != "tree" or not parent.name.startswith(_WORKTREE_PREFIX):
                 continue  # not ours
@@ -349,11 +350,18 @@ def _remove_stale_worktrees(repo: Repo) -> None:
                         _remove_worktree(repo, parent)
 
 
+def _tree_of(gitdir_file: Path) -> Path:
+    """The linked worktree a ``worktrees/NAME/gitdir`` file names; ``Path()`` if it is not a
+    regular file (a link is not followed, a FIFO not waited on)."""
+    data = read_regular(gitdir_file)
+    return Path(os.fsdecode(data.strip())).parent if data else Path()
+
+
 @contextlib.contextmanager
 def _owner_gone(parent: Path) -> Iterator[bool]:
     """True (and the owner lock, held for the block) if no live process owns ``parent``."""
     try:
-        fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         yield True  # folder gone (a cleaned /tmp) or never locked: nobody can own it
         return
@@ -380,7 +388,7 @@ def _remove_worktree(repo: Repo, parent: Path) -> None:
     if ok:
         for gitdir_file in Path(admin.strip()).glob("worktrees/*/gitdir"):
             with contextlib.suppress(OSError):
-                if Path(gitdir_file.read_text().strip()).parent == tree:
+                if _tree_of(gitdir_file) == tree:
                     shutil.rmtree(gitdir_file.parent)
     shutil.rmtree(parent, ignore_errors=True)
 

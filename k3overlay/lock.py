@@ -7,6 +7,11 @@ keyed by the work directory's absolute path (the folder need not exist yet),
 and a second run waits, saying for whom. The lock files live in the cache
 directory, never in the user's checkout; the kernel drops a lock when its
 holder dies, so a killed run never leaves a stale lock behind.
+
+``held`` is the same exclusive lock for the cache's own files (downloads, the
+release mirror, test environments). Every lock file is opened without following
+a link or waiting on a FIFO (``files.open_regular``): anything but a regular
+file at its path is refused in one line, exit 2.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UsageError
+from .files import open_regular
 from .project import cache_dir
 
 
@@ -31,12 +37,7 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
     """
     workdir = workdir.resolve()  # one folder, one lock, however it was named
     key = hashlib.sha256(os.fsencode(workdir)).hexdigest()[:32]
-    path = cache_dir() / "locks" / f"{key}.lock"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as err:
-        raise UsageError(f"cannot make the lock file {path}: {err.strerror}") from err
+    fd = lock_file(cache_dir() / "locks" / f"{key}.lock")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -49,3 +50,28 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock of the lock file ``path`` (made if missing) for the block,
+    waiting for whoever holds it. Raises UsageError as ``lock_file``."""
+    fd = lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def lock_file(path: Path) -> int:
+    """A descriptor of the lock file ``path``, made (and its folder) if missing.
+
+    Raises UsageError (one line) if it cannot be made, or if something other than a
+    regular file is there (a link is not followed, a FIFO not waited on).
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open_regular(path, os.O_RDWR | os.O_CREAT)
+    except OSError as err:
+        raise UsageError(f"cannot make the lock file {path}: {err.strerror}") from err

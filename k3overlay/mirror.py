@@ -18,7 +18,6 @@ from trees, and upstream's diffs are tree-to-tree.
 
 from __future__ import annotations
 
-import fcntl
 import re
 import shutil
 import tarfile
@@ -33,6 +32,7 @@ from packaging.version import InvalidVersion, Version
 from . import git
 from .downloads import ReleaseFiles
 from .errors import SourceError
+from .lock import held
 from .progress import step
 
 MIRROR_NAME = "mirror-v2.git"  # the format's folder under the cache directory (see above)
@@ -75,12 +75,11 @@ class ReleaseMirror:
     def ensure(self, versions: Iterable[Version]) -> None:
         """Make sure every release in ``versions`` is in the mirror.
 
-        Raises UsageError if the index has no sdist for a version, SourceError
+        Raises UsageError if the index has no sdist for a version (or something
+        other than a regular file sits at the lock file's path), SourceError
         if the index cannot be reached or the sdist fails its sha256 check.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.parent / ".mirror.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two jobs on one cache must not race on tags
+        with held(self.path.parent / ".mirror.lock"):  # two jobs on one cache must not race on tags
             repo = git.init_bare(self.path)
             for version in sorted(set(versions)):
                 if git.resolve(repo, tag_of(version)) is None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UsageError
+from .files import read_regular
 
 STATUS_LINE = re.compile(
     r"^Upstream-Status: (?:Pending|(?:Submitted|Backport|Inappropriate) \[[^\]]+\])\s*$", re.M
@@ -210,10 +211,10 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
     """``path:first-last`` for each region a 3-way merge left between conflict markers."""
     regions = []
     for path in paths:
-        try:
-            lines = (tree / path).read_text(errors="replace").splitlines()
-        except OSError:
+        data = read_regular(tree / path)  # a link git left there is not followed
+        if data is None:
             continue
+        lines = data.decode(errors="replace").splitlines()
         start = None
         for number, line in enumerate(lines, 1):
             if line.startswith("<<<<<<< "):

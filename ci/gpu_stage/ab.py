@@ -22,6 +22,7 @@ import fcntl
 import math
 import multiprocessing as mp
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -67,13 +68,19 @@ class GpuLock:
         self.path = path
 
     def __enter__(self):
-        self._f = open(self.path, "w")
-        fcntl.flock(self._f, fcntl.LOCK_EX)
+        # Its default place is the shared /tmp: a link planted there is not followed (nor
+        # written through), a FIFO not waited on. (No k3overlay here: this runs offline.)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"the GPU lock {self.path} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._fd = fd
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self._f, fcntl.LOCK_UN)
-        self._f.close()
+        os.close(self._fd)  # releases the lock
 
 
 def _kernel_fn(choice: dict | None, m: int, kernels):

@@ -26,6 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
+from k3overlay.errors import UsageError  # noqa: E402
+from k3overlay.files import read_regular, write_in_tree  # noqa: E402
 from k3overlay.project import cache_dir  # noqa: E402
 
 RUN = HERE / "run.py"
@@ -76,17 +78,21 @@ def export(tree: Path, target_meta: dict, dest: Path) -> None:
 def cute_dsl_site(lines: tuple[str, ...]) -> Path:
     """A ``pip --target`` folder holding the CuTe DSL release of ``lines``, cached by hash.
 
-    Raises RuntimeError if pip fails.
+    Raises RuntimeError if pip fails, or the ``.complete`` mark cannot be written (a link
+    there is neither taken for the mark nor written through).
     """
     key = hashlib.sha256(json.dumps(sorted(lines)).encode()).hexdigest()[:16]
     site = cache_dir() / "cute-dsl" / key
-    if not (site / ".complete").is_file():
+    if read_regular(site / ".complete") is None:
         site.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--upgrade",
                                "--target", str(site), *lines], stdout=sys.stderr)
         if proc.returncode:
             raise RuntimeError(f"pip could not install {' '.join(lines)}")
-        (site / ".complete").write_text("\n".join(lines) + "\n")
+        try:
+            write_in_tree(site, ".complete", ("\n".join(lines) + "\n").encode())
+        except UsageError as err:
+            raise RuntimeError(str(err)) from err
     return site
 
 
