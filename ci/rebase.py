@@ -148,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     progress.quiet = args.quiet
     stop_like_ctrl_c()
-    outputs = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
+    reports_to = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
+    folders = [(args.wheels, "--wheels"), (args.gpu_export, "--gpu-export")]
     try:
-        for path, option in outputs:
+        for path, option in reports_to + folders:
+            if path:
+                Project().refuse_as_output(path, option)
+        for path, option in reports_to:
             if path:
                 check_writable(path, option)
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]

@@ -93,7 +93,11 @@ def _left_as_it_was(args: argparse.Namespace | None) -> str:
 
 
 def _run(project: Project, args: argparse.Namespace) -> int:
+    json_to = None  # where an error report may go: not before --json is known not to be our data
     try:
+        if args.json:
+            project.refuse_as_output(args.json, "--json")
+            json_to = args.json
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
@@ -112,11 +116,11 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             report = run_apply(project, opts)
     except errors.OverlayError as err:
         print(f"apply.py: error: {err}", file=sys.stderr)
-        if args.json:
+        if json_to:
             report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
                             error=str(err), error_code=err.exit_code)
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
-                write_json(report, args.json)
+                write_json(report, json_to)
         return err.exit_code
     if wheel_opts and report.ok:
         try:
@@ -136,10 +140,12 @@ def _run(project: Project, args: argparse.Namespace) -> int:
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
-    """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it:
-    publishing there would switch the tool's own files out for vLLM's."""
+    """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it
+    (publishing there would switch the tool's own files out for vLLM's), or lies inside
+    its data or a ``.git`` folder (``Project.refuse_as_output``)."""
     if workdir is None:
         return
+    project.refuse_as_output(workdir, "--workdir")
     root, chosen = project.root.resolve(), workdir.resolve()
     if root == chosen or chosen in root.parents:
         raise errors.UsageError(f"--workdir {workdir} holds this repository ({root}); give a "
@@ -157,6 +163,8 @@ def _wheel_options(args: argparse.Namespace, project: Project) -> WheelOptions |
                                 "it does not go with --check, --rebase-to or --export")
     if args.release_wheel and not args.release_wheel.is_file():
         raise errors.UsageError(f"--release-wheel {args.release_wheel}: no such file")
+    if args.wheel_dir:  # the wheel and, if vLLM's build fails, vllm-build.log go there
+        project.refuse_as_output(args.wheel_dir, "--wheel-dir")
     wheel_dir = (args.wheel_dir or project.default_wheel_dir).resolve()
     try:
         wheel_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Commits the tool writes (patch applications, the overlay commit) carry this
@@ -60,6 +62,33 @@ class Project:
     def default_wheel_dir(self) -> Path:
         """Where ``--build-wheel`` puts wheels when not told: ``work/wheels`` (git-ignored)."""
         return self.root / "work" / "wheels"
+
+    @property
+    def data_paths(self) -> tuple[Path, ...]:
+        """What the tool reads as its input: VERSION, overlay.json, patches/ (the series
+        file and each patch) and overlay/."""
+        return (self.root / "VERSION", self.manifest_path, self.patches_dir, self.overlay_dir)
+
+    def refuse_as_output(self, path: Path, option: str) -> None:
+        """Raise UsageError (one line, exit 2) if ``path``, a file or folder the user named
+        for ``option`` to write (a report, the wheel folder, the work directory), is one of
+        ``data_paths`` or inside one, or inside a ``.git`` folder (this repository's, a
+        linked worktree's or the vLLM checkout's). Links are followed: the file written
+        is the one they lead to."""
+        target = path.resolve()
+        for data in self.data_paths:
+            data = data.resolve()
+            what = f"{data.name}/" if data.is_dir() else data.name
+            if target == data:
+                raise UsageError(f"{option} {path} is this repository's {what}; refusing to "
+                                 f"write over it")
+            if data in target.parents:
+                raise UsageError(f"{option} {path} is inside this repository's {what}; "
+                                 f"refusing to write there")
+        gitdirs = [p for p in (target, *target.parents) if p.name.casefold() == ".git"]
+        if gitdirs:
+            raise UsageError(f"{option} {path} is inside a .git folder ({gitdirs[-1]}); refusing "
+                             f"to write there")
 
 
 def cache_dir() -> Path:
