@@ -17,4 +17,9 @@ except KeyboardInterrupt:  # Ctrl-C while starting up: nothing was done yet
     sys.exit(130)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:  # main() catches Ctrl-C itself; this catches one landing on its first instruction
+        code = main()
+    except KeyboardInterrupt:
+        print("apply.py: interrupted; the checkout was left as it was", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -28,28 +28,34 @@ it as advisory.
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
+    import argparse
+    import sys
+    from pathlib import Path
 
-from k3overlay import errors, git, progress  # noqa: E402
-from k3overlay.cli import report_console, stop_like_ctrl_c  # noqa: E402
-from k3overlay.project import Project  # noqa: E402
-from k3overlay.rebase import run_rebase  # noqa: E402
-from k3overlay.report import (  # noqa: E402
-    check_writable,
-    junit_xml,
-    markdown,
-    write_human,
-    write_json,
-    write_text,
-)
-from k3overlay.source import default_mirror  # noqa: E402
-from k3overlay.wheel import WheelOptions  # noqa: E402
+    HERE = Path(__file__).resolve().parent
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE))
+
+    from k3overlay import errors, git, progress
+    from k3overlay.cli import report_console, stop_like_ctrl_c
+    from k3overlay.project import Project
+    from k3overlay.rebase import run_rebase
+    from k3overlay.report import (
+        check_writable,
+        junit_xml,
+        markdown,
+        write_human,
+        write_json,
+        write_text,
+    )
+    from k3overlay.source import default_mirror
+    from k3overlay.wheel import WheelOptions
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=__import__("sys").stderr)
+    raise SystemExit(130) from None
 
 LLG_PACKAGE = "vllm/models/kimi_k3/nvidia"
 LLG = f"{LLG_PACKAGE}/low_latency_gemm.py"
@@ -126,6 +132,16 @@ class TargetRun:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the job; return its exit code. Ctrl-C (or SIGTERM) at any point: one line, 130."""
+    try:
+        stop_like_ctrl_c()
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--onto", action="append", required=True, metavar="REF",
                    help="upstream ref to rebase onto (repeatable); 'latest' = the newest vLLM "
@@ -147,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
-    stop_like_ctrl_c()
     reports_to = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
     folders = [(args.wheels, "--wheels"), (args.gpu_export, "--gpu-export")]
     try:
@@ -172,9 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("rebase.py: interrupted", file=sys.stderr)
-        return 130
     console = report_console()
     for report in reports:
         write_human(report, console)
@@ -194,4 +206,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:  # main() catches Ctrl-C itself; this catches one landing on its first instruction
+        code = main()
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        code = 130
+    sys.exit(code)

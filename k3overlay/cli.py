@@ -67,9 +67,9 @@ def parser(project: Project) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
-    stop_like_ctrl_c()
     args = None
     try:
+        stop_like_ctrl_c()
         project = Project()
         args = parser(project).parse_args(argv)
         progress.quiet = args.quiet

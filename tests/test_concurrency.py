@@ -221,10 +221,18 @@ def test_interrupt_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstr
     assert snapshot(wd) == before and worktree_entries(wd) == [] and os.listdir(tmp) == []
 
 
-def test_interrupt_while_starting_up_prints_no_traceback(tmp_path):
-    # "ready" is printed just before apply.py's own code runs: the interrupt lands in its imports.
-    path = str(ROOT / "apply.py")
-    script = (f"import sys; sys.argv = ['apply.py', '--check', '-q']; path = {path!r}; "
+REBASE_INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
+
+
+@pytest.mark.parametrize("script", ["apply.py", "ci/rebase.py"])
+def test_interrupt_while_starting_up_prints_no_traceback(tmp_path, upstream, script):
+    # "ready" is printed just before the script's own code runs: the interrupt lands in its imports.
+    path = str(ROOT / script)
+    argv = (["apply.py", "--check", "-q"] if script == "apply.py" else
+            ["rebase.py", "--onto", "v1.1.0", "--vllm-repo", str(upstream), "--no-tests", "-q"])
+    expected = INTERRUPTED + "the checkout was left as it was" if script == "apply.py" else \
+        REBASE_INTERRUPTED
+    script = (f"import sys; sys.argv = {argv!r}; path = {path!r}; "
               "code = compile(open(path).read(), path, 'exec'); print('ready', flush=True); "
               "exec(code, {'__name__': '__main__', '__file__': path})")
     for delay in (0.0, 0.05, 0.15):
@@ -236,5 +244,22 @@ def test_interrupt_while_starting_up_prints_no_traceback(tmp_path):
         run.send_signal(signal.SIGINT)
         _, err = run.communicate(timeout=60)
         assert "Traceback" not in err and run.returncode == 130, (delay, err)
-        assert err.splitlines() == [INTERRUPTED + "the checkout was left as it was"]
+        assert err.splitlines() == [expected]
+
+
+def test_rebase_job_interrupted_while_writing_its_reports_is_one_line(monkeypatch, capsys, tmp_path):
+    """After the refs are done, the reports are printed and written: Ctrl-C there too is one line."""
+    from k3overlay.report import Report
+
+    from .test_rebase import load_ci_rebase
+
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "run_rebase", lambda *a, **k: [Report("9.9.9", "v1.0.0", "v1.1.0")])
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "write_human", interrupted)
+    assert job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--json", str(tmp_path / "r.json")]) == 130
+    assert capsys.readouterr().err.splitlines() == [REBASE_INTERRUPTED]
 
