@@ -504,13 +504,14 @@ def stage_exact(repo: Repo, files: dict[str, tuple[bytes, bool]]) -> None:
     (eol, ``ident``, a filter) or ``core.fileMode`` can leave a file out or change it.
     """
     for path, (data, executable) in files.items():
-        blob = hash_blob(repo, data)
+        blob = write_blob(repo, data)
         run(repo, "update-index", "--add", "--cacheinfo",
             f"{'100755' if executable else '100644'},{blob},{path}")
 
 
-def hash_blob(repo: Repo, data: bytes) -> str:
-    """Write ``data`` into ``repo`` as a blob, byte for byte (no filters); return its sha."""
+def write_blob(repo: Repo, data: bytes) -> str:
+    """Write ``data`` into ``repo``'s object store as a blob, byte for byte (no filters);
+    return its id. To only compute an id, without writing: ``blob_id``."""
     status, out, err = _execute(["hash-object", "-w", "--no-filters", "--stdin"], cwd=_cwd(repo),
                                 stdin=data)
     if status != 0:
@@ -577,8 +578,9 @@ def tree_files(repo: Repo, sha: str, folder: str) -> dict[str, str]:
             if mode in ("100644", "100755")}
 
 
-def blob_hash(data: bytes, *, width: int = 40) -> str:
-    """The blob id git gives ``data`` (``width`` 40: SHA-1 repositories, 64: SHA-256 ones)."""
+def blob_id(data: bytes, *, width: int = 40) -> str:
+    """The blob id git gives ``data`` (``width`` 40: SHA-1 repositories, 64: SHA-256 ones),
+    computed here; nothing is written (that is ``write_blob``)."""
     digest = hashlib.sha1 if width == 40 else hashlib.sha256
     return digest(b"blob %d\0" % len(data) + data).hexdigest()
 

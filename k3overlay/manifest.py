@@ -244,7 +244,7 @@ def committed_mismatches(repo: git.Repo, sha: str, laid: dict[str, tuple[bytes, 
     entries = git.tree_entries(repo, sha, sorted(laid))
     problems = []
     for path, (data, executable) in sorted(laid.items()):
-        want = ("100755" if executable else "100644", git.hash_blob(repo, data))
+        want = ("100755" if executable else "100644", git.write_blob(repo, data))
         got = entries.get(path)
         if got != want:
             problems.append(f"{path}: committed {got[0] + ' ' + got[1][:12] if got else 'nothing'}, "

@@ -248,7 +248,7 @@ def check_release(repo: git.Repo, ref_sha: str, wheel: Path, release: Version) -
             raise UsageError(f"{wheel.name} has a .data folder; repacking handles wheels without one")
         bad = [f"{p} is not in it" if p not in members else f"{p} differs"
                for p, blob in sorted(expected.items())
-               if p not in members or git.blob_hash(archive.read(members[p]), width=width) != blob]
+               if p not in members or git.blob_id(archive.read(members[p]), width=width) != blob]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UsageError(f"{wheel.name} is not the vLLM {release} the tree came from: {bad[0]}{more}")

@@ -263,6 +263,22 @@ def test_committed_blob_check_names_a_difference(upstream, tmp_path):
     assert "committed nothing" in problems[2] and "committed 100644" in problems[1]
 
 
+@pytest.mark.parametrize("fmt", ["sha1", "sha256"])
+def test_blob_id_only_computes_and_write_blob_writes(tmp_path, fmt):
+    """The two names say the difference: ``blob_id`` leaves the object store as it was."""
+    g(tmp_path, "init", "-q", f"--object-format={fmt}", "repo")
+    repo, data = git.open_repo(tmp_path / "repo"), b"line\r\n\x00binary\n"
+    (tmp_path / "data").write_bytes(data)
+    want = g(tmp_path / "repo", "hash-object", "--no-filters", str(tmp_path / "data")).strip()
+
+    def stored() -> bool:
+        return subprocess.run(["git", "cat-file", "-e", want], cwd=tmp_path / "repo",
+                              stderr=subprocess.DEVNULL).returncode == 0
+
+    assert git.blob_id(data, width=len(want)) == want and not stored()
+    assert git.write_blob(repo, data) == want and stored()
+
+
 # -- 4. the user's git config and GIT_* variables change nothing ------------------------------
 
 HOSTILE_CONFIG = """\
