@@ -99,8 +99,8 @@ class Part:
         """Announce ``unit``; False (nothing to do) if it is done or to be skipped."""
         if unit in self.data["done"] or any(s["unit"] == unit for s in self.data["skipped"]):
             return False
-        if unit in self.skip_units:
-            self.skip(unit, "killed in an earlier attempt of this phase (see the runner's log)")
+        if unit in self.skip_units:  # the runner has recorded why
+            print(f"[figures] not starting {unit} again: killed in an earlier attempt", flush=True)
             return False
         self._write(self.progress, {"unit": unit, "since": time.time(), "limit_s": limit_s,
                                     "pid": os.getpid()})
@@ -190,7 +190,9 @@ def setup_core(args, part: Part, ctx: dict) -> None:
         th.start()
         cute_ok, queue, t0 = [], [], time.time()
         if part.data["available"]["cute"]:
-            queue = winners.cute_queue(today, tuned, sw)
+            # A resumed phase compiles only for the shapes it has still to time.
+            queue = [q for q in winners.cute_queue(today, tuned, sw)
+                     if phases.shape_unit(*q[:2]) not in part.data["done"]]
             for i, (n, k, m, cfg, _) in enumerate(queue):
                 if time.time() - t0 > args.cute_budget_s:
                     part.skip("compile:cute", f"compile budget {args.cute_budget_s:.0f} s spent",
@@ -206,7 +208,7 @@ def setup_core(args, part: Part, ctx: dict) -> None:
         part.data["compile_s"]["swap_ab"] = pre.get("s")
         if "error" in pre:
             part.data["swap_ab_precompile_error"] = pre["error"]
-        part.data["cute_queue"] = [list(q) for q in queue]
+        part.data.setdefault("cute_queue", [list(q) for q in queue])
         part.data["cute_timed"] = cute_ok
         print(f"[figures] compiled {part.data['compile_s']}; CuTe rows {len(cute_ok)} of "
               f"{len(queue)}", flush=True)

@@ -174,8 +174,9 @@ def _check_call(shape: Shape, m: int, call: PlannedCall) -> None:
         if k % 8:
             raise ValueError(f"{where}: ll_bf16 needs K % 8 == 0")
         # Its split-K kernel (K tiles of 256, taken round-robin) primes a pipeline
-        # stage in every split; a split with no K tile was seen to hang the GPU on
-        # the H200 (K = 128, split_k = 2). vLLM's own dispatch never asks for it.
+        # stage in every split; in a split with no K tile no consumer releases it and
+        # producer_tail waits forever: the H200 hung (K = 128, split_k = 2). vLLM's own
+        # dispatch never asks for it (split-K from K = 2048 on).
         if config.variant == "splitk" and -(-k // _LL_BF16_TILE_K) < config.split_k:
             raise ValueError(f"{where}: ll_bf16 split_k={config.split_k} > K tiles")
     elif backend in ("dsv3_fused_a", "tinygemm"):
