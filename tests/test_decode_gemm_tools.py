@@ -97,6 +97,9 @@ def test_decide_summarises_the_targets():
     assert s["routed_by_backend"] == {"cute": 1, "swap_ab": 1}
     assert s["lt8MB_rows"] == 1 and s["lt8MB_within_1p2_of_trivial"] == 1
     assert s["geomean_vs_cublas_all_rows"] == pytest.approx((2 * 1 * (2 / 0.9)) ** (1 / 3), 1e-3)
+    # At the roof (4.6, 4.6) and, for the small one, at the 0.8 µs launch floor (roof 0.1).
+    bound = (10 / 4.6 * 10 / 4.6 * 2 / 0.8) ** (1 / 3)
+    assert s["geomean_bound_roof_or_launch"] == pytest.approx(bound, 1e-3)
 
 
 def test_cute_queue_ranks_by_scaled_time_and_puts_unranked_rows_last():

@@ -42,6 +42,8 @@ def targets(res: dict) -> list[str]:
         f"{s['geomean_vs_cublas_all_rows']:.3f}x over {s['rows']} | "
         f"{s['before_today_geomean_vs_cublas']:.3f}x (today's table; "
         f"{s['before_today_rows_not_retimed']} CuTe rows not re-timed) |",
+        f"| ceiling: geo-mean if every row ran at its roof, no faster than the trivial launch "
+        f"| {s['geomean_bound_roof_or_launch']:.3f}x | - |",
         f"| routed rows slower than cuBLAS (target 0) | {len(slow)} | - |",
         f"| weights < 8 MB within 1.2x of a trivial launch ({floor} µs) | "
         f"{s['lt8MB_within_1p2_of_trivial']} of {s['lt8MB_rows']} (worst "
