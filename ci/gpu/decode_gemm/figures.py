@@ -278,8 +278,9 @@ def plan_for(phase: str, ctx: dict, n: int, k: int, m: int, ours) -> list:
             if tuple(_compiled_key(cfg, m, k)) in ctx["compiled"]]
 
 
-def pick_ours(ctx, n, k, ws, gen) -> list | None:
-    """Our config for ``n x k``: the fastest at M = 16 of the seeded space (pass 1)."""
+def pick_ours(ctx, n, k, ws, gen) -> tuple[list | None, list]:
+    """Our config for ``n x k``, the fastest at M = 16 of the seeded space (pass 1), and
+    ``[[cfg, µs or None], ...]`` of every config timed for the pick."""
     import torch
 
     timing = ctx["timing"]
@@ -288,12 +289,13 @@ def pick_ours(ctx, n, k, ws, gen) -> list | None:
     seeds = ctx["seeds"]
     # A shape the sweep never saw (added to shapes.py since) gets the whole space.
     space = tiles.seeded(n, k, seeds[(n, k)]) if (n, k) in seeds else tiles.candidates(n, k)
-    pick = []
+    pick, tried = [], []
     for cfg in space:
         us, _, _ = measure(timing, ctx["fn_for"]("swap_ab", cfg, 0), x16, ws, ref16, 7)
+        tried.append([list(cfg), us])
         if us:
             pick.append((us, cfg))
-    return list(min(pick)[1]) if pick else None
+    return (list(min(pick)[1]) if pick else None), tried
 
 
 def main(argv=None) -> int:
@@ -373,7 +375,10 @@ def main(argv=None) -> int:
         t0 = time.time()
         ws = rot.views(n, k)
         gen = torch.Generator(device="cuda").manual_seed(n * 31 + k)
-        ours = pick_ours(ctx, n, k, ws, gen) if args.phase == "core" else None
+        ours = None
+        if args.phase == "core":
+            ours, tried = pick_ours(ctx, n, k, ws, gen)
+            part.data.setdefault("ours_pick_m16_us", {})[f"{n}x{k}"] = tried
         for m in shp.M_RANGE:
             plan = plan_for(args.phase, ctx, n, k, m, ours)
             if not plan:
