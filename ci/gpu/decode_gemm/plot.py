@@ -118,7 +118,9 @@ def draw(shapes: list, panels: list, out: str, note: str) -> None:
         ax.set_xticks(range(len(MS)), MS, fontsize=7)
         ax.set_xlabel("M (tokens)")
         for i, j, ch in marks or ():
-            ax.text(j, i, ch, ha="center", va="center", color="white", fontsize=6)
+            # "x" sits on an empty (white) cell.
+            ax.text(j, i, ch, ha="center", va="center", color="black" if ch == "x" else "white",
+                    fontsize=6)
         big = [i for i, (n, k) in enumerate(shapes) if 2 * n * k >= 20e6]
         if big:
             ax.axhline(max(big) + 0.5, color="red", lw=0.8)

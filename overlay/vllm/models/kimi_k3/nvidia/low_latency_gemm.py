@@ -405,8 +405,9 @@ KIMI_K3_PROJECTIONS_SM100: ShapeTable = _table_from_rows(
     _blackwell_data.SM100_ROW_PROVENANCE,
 )
 
-#: SM90 (H200). Figures: ``low_latency_gemm_sm90.PROVENANCE`` (our tuner's H200 run), and
-#: ``ROW_PROVENANCE`` for shapes a later run tuned (e.g. the KDA row views).
+#: SM90 (H200). Figures: ``low_latency_gemm_sm90.PROVENANCE`` (one H200 run timing every
+#: backend against cuBLAS, ``ci/gpu/results/decode_gemm_sm90.json``), and
+#: ``ROW_PROVENANCE`` for shapes a later run tuned, if any.
 KIMI_K3_PROJECTIONS_SM90: ShapeTable = _table_from_rows(
     "SM90",
     _sm90_data.ROWS,

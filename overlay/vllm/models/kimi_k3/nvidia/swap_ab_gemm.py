@@ -33,19 +33,19 @@ needs no bundle to reach the GPU; Triton compiles it for sm_90a on a machine wit
 GPU (the PTX shows ``wgmma``, 16-byte ``cp.async`` and ``griddepcontrol.wait`` ahead
 of every load of ``x``), and its interpreter runs this very kernel on a CPU, so CI
 checks its numerics without a GPU. The measurement, and its limit: one H200 run
-(``ci/gpu/results/swap_ab_sweep_sm90.json``, run h200-20261130-sweep, torch 2.11.0,
-Triton 3.6.0) timed this kernel on every SM90 shape x M 1..16 against cuBLAS and the
-read roof of the same run: geo-mean 1.21x cuBLAS over the 464 (shape, M), at or above
-98% of the roof on every weight >= 178 MB, 59-91% on the 22-90 MB ones. vLLM's CuTe
-skinny GEMM was *not* in that run: the run meant to put both (and ``ll_bf16``,
-``tinygemm_bf16``) side by side, h200-20261130-decode, made no progress on its first
-shape (K = 128), most likely inside ``ll_bf16``'s split-K kernel, which read from its
-source primes a pipeline stage even in a split that owns no K tile. Scaled by cuBLAS
-to the CuTe rows of today's table (another run that day), this kernel is slower than
-those rows at M = 1..4 on most K = 7168 shapes (there CuTe reaches up to 111% of this
-run's roof) and faster where the table routes nothing. So the route is Triton for the reasons above, not
-because a same-run measurement showed it faster than a CuTe DSL kernel of ours, which
-was not written.
+(``ci/gpu/results/decode_gemm_sm90.json``, run h200-20261130-figures, torch 2.11.0,
+Triton 3.6.0, read roof 4.218 TB/s) timed this kernel next to cuBLAS, vLLM's CuTe
+skinny GEMM (96 of the 144 rows of the previous table, at their tuned configs),
+``ll_bf16`` and FlashInfer's ``tinygemm_bf16`` on every SM90 shape x M 1..16: against
+cuBLAS it is 1.21x geo-mean over the 496 (shape, M), and the SM90 table rendered from
+that run routes it on 346 of its 431 rows. Where both ran, CuTe was faster on 76 of the
+96 rows (mostly M <= 5; up to 109% of the roof), so the table keeps CuTe there. Over
+that run's timings of this kernel (every shape under 130 MB, M = 1, 8, 16) its time
+fits ``2.2 µs + bytes / 4.22 TB/s`` without split-K and ``3.8 µs + bytes / 4.22 TB/s``
+with it: the fixed part, not the stream, keeps 20-90 MB weights
+under 90% of the roof. So the route is Triton for the reasons above, not because a
+same-run measurement showed it faster than a CuTe DSL kernel of ours, which was not
+written.
 
 Concurrency: the split-K workspace is private to a (device, stream) pair, so GEMMs on
 different streams (or different branches of a captured graph) never share counters;
