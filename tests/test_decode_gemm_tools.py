@@ -296,7 +296,7 @@ def test_today_speedup_counts_only_the_very_config_retimed():
 
 
 def test_report_reads_every_figure_from_the_run():
-    import report
+    import targets as figures_targets
 
     run = {"provenance": {"run_id": "r1", "gpu": "NVIDIA H200"}, "read_bw_TBps": 4.0,
            "trivial_us": {"pdl=True": 1.0}, "skipped": [
@@ -307,9 +307,17 @@ def test_report_reads_every_figure_from_the_run():
                dict(_row((10.0, 10.0), [("cute", [32, 2, 1, 8, None], (9.9, 9.9))],
                          n=4096, k=4096, m=2, roof=4.6), today=["cute", [32, 2, 1, 8, None]]),
            ]}
-    text = report.render(winners.decide(run), "ci/gpu/results/x.json")
+    text = figures_targets.render(winners.decide(run), "ci/gpu/results/x.json")
     assert "| weights >= 20 MB at >= 90% of the read roof | 1 of 2 | 0 (cuBLAS) |" in text
     # after: 2x and 1x (cute 1.01x is under the 5% margin); before: 1x and 10/9.9.
     assert f"| {2 ** 0.5:.3f}x over 2 | {(10 / 9.9) ** 0.5:.3f}x (today's table; 0 CuTe" in text
     assert "| 4096x4096 | 33.6 | `S.` | 46-92% | 46% | 1.00-2.00x | 5.00 / 10.00 |" in text
     assert "- skipped `shape:1x8` (ll_bf16): no progress in 45 s" in text
+
+
+def test_ci_gpu_readme_carries_the_committed_runs_report_verbatim():
+    import targets as figures_targets
+
+    path = ROOT / "ci" / "gpu" / "results" / "decode_gemm_sm90.json"
+    text = figures_targets.render(json.loads(path.read_text()), "ci/gpu/results/decode_gemm_sm90.json")
+    assert text.strip() in (ROOT / "ci" / "gpu" / "README.md").read_text()

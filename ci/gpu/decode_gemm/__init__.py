@@ -16,7 +16,7 @@ Issue 12's tooling, a package of its own (the CuTe tuner stays in ``ci/gpu/``):
   hangs killed and skipped with its reason, the merged JSON after every phase (CPU side).
 * ``winners``: each (shape, M)'s backend from a figures JSON, and the targets (pure).
 * ``plot``: fraction of the read roof per (shape, M), before and after (matplotlib).
-* ``report``: the run's figures against issue 12's targets as markdown (pure).
+* ``targets``: the run's figures against issue 12's targets as markdown (pure).
 
 Timing is ``ci/gpu/timing.py``'s (CUDA-graph replay over >= 256 MiB of rotating weights,
 median), so every figure here is comparable with the CuTe tuner's.

@@ -10,7 +10,10 @@ re-run the tuner (ci/gpu/README.md) and re-render.
 
 PROVENANCE = {
     "gpu": "NVIDIA H200 (SM90)",
-    "source": "ci/gpu/decode_gemm/figures.py run h200-20261130-figures -> ci/gpu/results/decode_gemm_sm90.json",
+    "source": (
+        "ci/gpu/decode_gemm/figures.py run h200-20261130-figures"
+        " -> ci/gpu/results/decode_gemm_sm90.json"
+    ),
     "date": "2026-11-30",
     "torch": "2.11.0+cu130",
     "cutlass_dsl": "4.6.2",

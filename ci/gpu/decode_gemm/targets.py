@@ -5,7 +5,7 @@ routed table against cuBLAS and today's table, both timed in the same run) and o
 per weight shape, every figure read from the JSON (``winners.summary`` and the rows),
 so the README's tables can be re-rendered from the committed JSON and checked.
 
-Usage: ``python ci/gpu/decode_gemm/report.py RESULTS.json [OUT.md]``.
+Usage: ``python ci/gpu/decode_gemm/targets.py RESULTS.json [OUT.md]``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _span(xs, fmt: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def targets(res: dict) -> list[str]:
+def target_lines(res: dict) -> list[str]:
     """The targets table's lines."""
     s = res["summary"]
     floor = s["trivial_floor_us"]
@@ -78,7 +78,7 @@ def render(res: dict, path: str) -> str:
             f"in the run. Routed: S swap-AB (ours), C CuTe, L ll_bf16, T tinygemm, . cuBLAS.")
     skipped = [f"- skipped `{s['unit']}` ({s.get('phase', '?')}): {s['reason']}"
                for s in res.get("skipped", [])]
-    return "\n".join([head, "", *targets(res), "", *per_shape(res), "", *skipped]).rstrip() + "\n"
+    return "\n".join([head, "", *target_lines(res), "", *per_shape(res), "", *skipped]).rstrip() + "\n"
 
 
 def main(argv: list[str]) -> int:
