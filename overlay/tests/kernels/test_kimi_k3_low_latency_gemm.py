@@ -148,8 +148,16 @@ DATA = {
 }
 
 
-def config_of(m: int, fields) -> SkinnyGemmConfig:
-    """A data-module config tuple (block, outputs, unroll, width, static_k) at M=m."""
+def config_of(m: int, fields, backend: str = "cute"):
+    """A data-module config tuple -> the config object ``backend`` takes at M = ``m``:
+    cute (block, outputs, unroll, width, static_k), swap_ab (block_n, block_k, split_k,
+    num_warps, num_stages), ll_bf16 ("splitk", split_k, stages) / ("dotprod", block)."""
+    if backend == "swap_ab":
+        return SwapAbConfig(*fields)
+    if backend == "ll_bf16":
+        if fields[0] == "splitk":
+            return k3.LLBf16Config("splitk", split_k=fields[1], num_stages=fields[2])
+        return k3.LLBf16Config("dotprod", block_size=fields[1])
     return cfg(m, *fields)
 
 
@@ -157,7 +165,7 @@ def data_plan(capability, shape, backends=k3.BACKENDS) -> dict:
     """``{M: PlannedCall}`` the data module lists for ``shape``, keeping ``backends``."""
     row = DATA[capability][0][shape]
     return {
-        m: k3.PlannedCall(backend, None if fields is None else config_of(m, fields))
+        m: k3.PlannedCall(backend, None if fields is None else config_of(m, fields, backend))
         for m, (backend, fields) in row.items()
         if backend in backends
     }
@@ -198,7 +206,8 @@ def test_token_counts_are_decode_sized_and_routed_once(arch: str) -> None:
         assert len(token_counts) == len(set(token_counts)), spec
         cute = {m for m, _ in spec.cute_configs}
         assert not cute & spec.dsv3_tokens
-        assert cute | spec.dsv3_tokens == set(token_counts)
+        assert cute == {m for m, call in spec.winners if call.backend == "cute"}
+        assert spec.dsv3_tokens == {m for m, c in spec.winners if c.backend == "dsv3_fused_a"}
         assert {m for m, _ in spec.residual_configs} <= set(range(1, 17))
 
 
@@ -498,7 +507,7 @@ def test_routed_rows_are_the_data_rows(monkeypatch, capability) -> None:
     pin_capability(monkeypatch, capability)
     rows, residual_rows = DATA[capability]
     expected = [
-        k3.RoutedRow(n, k, m, backend, None if f is None else config_of(m, f), False)
+        k3.RoutedRow(n, k, m, backend, None if f is None else config_of(m, f, backend), False)
         for (n, k), row in rows.items()
         for m, (backend, f) in row.items()
     ]
@@ -655,16 +664,19 @@ def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
     # dense_down_proj (7168, 4224): the two tables route it differently, so the
     # installed plan shows which table was read.
     monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    # Only CuTe (faked) and dsv3 are built here: rows of other backends stay on cuBLAS.
+    built = ("cute", "dsv3_fused_a")
+    monkeypatch.setattr(k3, "_backend_available", lambda backend: backend in built)
     plans = {}
     for capability in (SM103, SM90):
         pin_capability(monkeypatch, capability)
         root = nn.Module()
         root.down = FakeLinear(7168, 4224)
         k3.enable_kimi_k3_low_latency_gemm(root, BF16)
-        assert root.down.quant_method._plan == data_plan(capability, (7168, 4224))
+        assert root.down.quant_method._plan == data_plan(capability, (7168, 4224), built)
         plans[capability] = root.down.quant_method._plan
     assert set(plans[SM103]) == routed_tokens(SM103, 7168, 4224) == {1}
-    assert set(plans[SM90]) == routed_tokens(SM90, 7168, 4224)
+    assert set(plans[SM90]) == set(data_plan(SM90, (7168, 4224), built)) != set()
     assert plans[SM90] != plans[SM103]
 
 
