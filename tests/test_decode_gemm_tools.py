@@ -110,12 +110,16 @@ def test_cute_queue_ranks_by_scaled_time_and_puts_unranked_rows_last():
         {"N": 64, "K": 256, "M": 2, "cublas_us": [0, 10.0], "winner": {"us": [0, 8.0]}},
     ]}
     # Our run's cuBLAS is 20 (2x): CuTe scales to 10 and 16 against ours at 12 and 12;
-    # M = 3 has no tuner row (a shape tuned by another run): last, unranked.
+    # M = 3 has no tuner row (a shape tuned by a run not given): last, unranked.
     sweep = {"shapes": [{"N": 64, "K": 256, "per_m": [
         {"M": 1, "us": 12.0, "cublas_us": 20.0}, {"M": 2, "us": 12.0, "cublas_us": 20.0},
         {"M": 3, "us": 12.0, "cublas_us": 20.0}]}]}
     assert winners.cute_queue(table, tune, sweep) == [
         (64, 256, 1, cfg, 0.8333), (64, 256, 2, cfg, 1.3333), (64, 256, 3, cfg, None)]
+    # A shape our sweep never saw: ranked by the tuner's own speedup (10 / 9 -> 0.9).
+    table[(32, 256)] = {1: ("cute", cfg)}
+    tune["rows"].append({"N": 32, "K": 256, "M": 1, "cublas_us": [0, 10.0], "winner": {"us": [0, 9.0]}})
+    assert winners.cute_queue(table, tune, sweep)[1] == (32, 256, 1, cfg, 0.9)
 
 
 def test_table_rendered_from_a_figures_run_names_every_backend():

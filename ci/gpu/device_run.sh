@@ -83,6 +83,7 @@ decode)
   R=$HERE/results
   python3 "$HERE/decode_gemm/runner.py" --out-dir "$OUT" --deadline-s $left -- \
      --sweep $R/swap_ab_sweep_sm90.json --tune $R/tune_sm90.json --tune $R/tune_sm90_kda.json \
+     --cute-budget-s ${K3_CUTE_BUDGET_S:-60} \
      --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
      | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
   timeout 30 python3 "$HERE/decode_gemm/plot.py" "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;

@@ -39,7 +39,7 @@ class Phase(NamedTuple):
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("core", ("swap_ab", "cute"), 200.0, 60.0),
+    Phase("core", ("swap_ab", "cute"), 240.0, 60.0),
     Phase("ll_bf16", ("ll_bf16",), 120.0, 45.0),
     Phase("tinygemm", ("tinygemm",), 90.0, 35.0),
 )

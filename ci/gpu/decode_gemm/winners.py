@@ -142,8 +142,9 @@ def cute_queue(table_rows: dict, tune: dict, sweep: dict) -> list:
 
     ``table_rows``: today's SM90 ``ROWS``; ``tune``: the tuner JSON(s') rows that
     measured them; ``sweep``: our sweep JSON. A row's ratio is its CuTe time (tuner pass
-    2, scaled by the ratio of the two runs' cuBLAS times) over ours (sweep); a row either
-    run lacks (a shape added since) gets ratio None and comes last. Returns
+    2, scaled by the ratio of the two runs' cuBLAS times) over ours (sweep); a row our
+    sweep lacks (a shape added since) is ranked as if ours ran at cuBLAS's time (ratio =
+    1 / the tuner's speedup), one no tuner JSON given has ratio None and comes last. Returns
     ``[(N, K, M, cfg, ratio)]``: the order a run's compile budget spends itself in,
     never a measurement of its own.
     """
@@ -162,5 +163,7 @@ def cute_queue(table_rows: dict, tune: dict, sweep: dict) -> list:
             ratio = None
             if r and r.get("winner") and ours.get(key):
                 ratio = round(r["winner"]["us"][1] * cub_s[key] / r["cublas_us"][1] / ours[key], 4)
+            elif r and r.get("winner"):
+                ratio = round(r["winner"]["us"][1] / r["cublas_us"][1], 4)
             out.append((n, k, m, tuple(cfg), ratio))
     return sorted(out, key=lambda t: (t[4] is None, t[4] or 0.0, t[:3]))
