@@ -262,7 +262,8 @@ def ab_line(ab: dict) -> str:
     return (f"{ab.get('arch', '?')} {s['measured']}/{s['rows']} rows measured; geo-mean x cuBLAS "
             f"ours {s['geomean_ours']} upstream {s['geomean_upstream']} (ours/upstream "
             f"{s['geomean_ours_over_upstream']}); wins ours {wins['ours']}, upstream "
-            f"{wins['upstream']}, tie {wins['tie']}")
+            f"{wins['upstream']}, tie {wins['tie']}"
+            + (f" (partial: {ab['partial']})" if ab.get("partial") else ""))
 
 
 def junit_xml(reports: list[Report]) -> str:
@@ -418,7 +419,9 @@ def _markdown_gpu(r: Report) -> list[str]:
             p = r.ab["provenance"]
             lines.append(f"  - measured on {p.get('gpu')} {p.get('date')}, torch {p.get('torch')}, "
                          f"nvidia-cutlass-dsl {p.get('cutlass_dsl')}; {r.ab.get('method', '')}")
-        rows = [f"| {x['N']}x{x['K']} | {x['M']} | {x['cublas_us']} | {_choice(x['upstream'])} "
+        # A row the stage never timed (cut at its deadline) has no cuBLAS time: its status.
+        rows = [f"| {x['N']}x{x['K']} | {x['M']} | {x.get('cublas_us', x.get('status'))} "
+                f"| {_choice(x['upstream'])} "
                 f"| {_us(x['upstream'])} | {_choice(x['ours'])} | {_us(x['ours'])} | {x['winner']} |"
                 for x in r.ab.get("rows", [])]
         if rows:

@@ -7,10 +7,11 @@ the host read them). A side without a row runs cuBLAS there (its time is cuBLAS'
 (CUDA-graph replay over >= 256 MiB of rotating weight copies, median of ``replays``),
 each output first checked against float64 (relative error <= 1e-2). CuTe configs are
 compiled before the lock is taken, so worker processes compile in parallel and only the
-timings are serialised. A dsv3_fused_a choice is timed only where that op is built;
-elsewhere the row is ``unmeasured`` and left out of the head-to-head geo-mean, as is a row
-where ours chose a backend upstream does not have (swap_ab, ll_bf16, tinygemm: no handle
-here).
+timings are serialised. Rows are handed out one at a time and come back as they finish
+(``measure``'s ``on_row``), so a stage stopped at its deadline keeps every row timed.
+A dsv3_fused_a choice is timed only where that op is built; elsewhere the row is
+``unmeasured`` and left out of the head-to-head geo-mean, as is a row where ours chose a
+backend upstream does not have (swap_ab, ll_bf16, tinygemm: no handle here).
 
 ``winner`` per row: ``ours`` or ``upstream`` when one side is faster by more than
 ``TIE`` (2%, above the ~1% spread of a median of 15 replays seen on the H200), else ``tie``.
@@ -159,42 +160,66 @@ def winner(upstream: dict, ours: dict) -> str:
     return "ours" if ratio > 1.0 else "upstream"
 
 
-def _worker(rows: list[dict], lock_path: str, replays: int, deadline: float) -> list[dict]:
+_STATE: dict = {}  # per worker process: its GPU lock and rotating weights, made once
+
+
+def _row_task(args: tuple) -> tuple[int, dict]:
+    """One row in a pool worker: ``(index, result)``; a row begun after the deadline, or
+    whose inputs or cuBLAS fail, comes back with a ``status`` saying so."""
     import timing
     import torch
 
-    torch.cuda.init()
-    lock = GpuLock(lock_path)
-    biggest = max(2 * r["N"] * r["K"] for r in rows)
-    with lock:
-        rot = timing.RotatingWeights(biggest, seed=os.getpid())
-    results = []
-    for row in rows:
-        status = "not run: deadline" if time.time() > deadline else None
-        if status is None:
-            try:
-                results.append(_time_row(row, rot, lock, replays))
-                continue
-            except Exception as exc:  # cuBLAS or the inputs failed: the row, not the run
-                status = f"error: {type(exc).__name__}: {exc}"[:300]
-        results.append({**{k: row[k] for k in ("N", "K", "M", "residual")},
-                        "upstream": row["upstream"], "ours": row["ours"],
-                        "winner": "unmeasured", "status": status})
-    return results
+    index, row, lock_path, biggest, replays, deadline = args
+    status = "not run: deadline" if time.time() > deadline else None
+    if status is None:
+        try:
+            if not _STATE:
+                torch.cuda.init()
+                _STATE["lock"] = GpuLock(lock_path)
+                with _STATE["lock"]:
+                    _STATE["rot"] = timing.RotatingWeights(biggest, seed=os.getpid())
+            return index, _time_row(row, _STATE["rot"], _STATE["lock"], replays)
+        except Exception as exc:  # cuBLAS or the inputs failed: the row, not the run
+            status = f"error: {type(exc).__name__}: {exc}"[:300]
+    return index, not_run(row, status)
+
+
+def not_run(row: dict, status: str) -> dict:
+    """A result row for ``row`` without times: ``winner`` unmeasured, ``status`` why."""
+    return {**{k: row[k] for k in ("N", "K", "M", "residual")}, "upstream": row["upstream"],
+            "ours": row["ours"], "winner": "unmeasured", "status": status}
 
 
 def measure(rows: list[dict], *, lock_path: str, workers: int, replays: int,
-            deadline_s: float) -> list[dict]:
-    """Time every row (see the module docstring) with ``workers`` processes; row order kept."""
+            deadline_s: float, grace_s: float = 20.0, on_row=None) -> list[dict]:
+    """Time every row (see the module docstring) with ``workers`` processes; row order kept.
+
+    Rows go to whichever worker is free, one at a time. A row not begun by ``deadline_s``
+    (seconds from now) is ``not run: deadline``; one still running ``grace_s`` later is
+    abandoned (the pool is terminated) as ``not run: deadline (still running)``.
+    ``on_row(done)``, if given, is called after each row with the finished rows so far
+    (row order), so a caller can save them as they come.
+    """
     if not rows:
         return []
     deadline = time.time() + deadline_s
-    shards = [rows[i::workers] for i in range(workers) if rows[i::workers]]
+    biggest = max(2 * r["N"] * r["K"] for r in rows)
+    tasks = [(i, row, lock_path, biggest, replays, deadline) for i, row in enumerate(rows)]
+    done: dict[int, dict] = {}
     ctx = mp.get_context("spawn")
-    with ctx.Pool(len(shards)) as pool:
-        done = pool.starmap(_worker, [(s, lock_path, replays, deadline) for s in shards])
-    by_key = {(r["N"], r["K"], r["M"], r["residual"]): r for part in done for r in part}
-    return [by_key[(r["N"], r["K"], r["M"], r["residual"])] for r in rows]
+    with ctx.Pool(max(1, min(workers, len(rows)))) as pool:
+        results = pool.imap_unordered(_row_task, tasks)
+        while len(done) < len(rows):
+            try:
+                index, result = results.next(timeout=max(1.0, deadline + grace_s - time.time()))
+            except mp.TimeoutError:
+                break
+            done[index] = result
+            if on_row is not None:
+                on_row([done[i] for i in sorted(done)])
+        pool.terminate()
+    return [done.get(i) or not_run(row, "not run: deadline (still running)")
+            for i, row in enumerate(rows)]
 
 
 def _geo(values: list[float]) -> float | None:

@@ -1,47 +1,59 @@
 #!/usr/bin/env bash
 # The rebase job's GPU stage on an air-gapped GPU runner (our H200), from the offline
-# bundles: the base bundle installed into /tmp/site first (ci/gpu/device_run.sh install),
-# then the targets add-on (ci/gpu/bundle.py --only-targets) in parts:
-#   stash PART_DIR...        keep add-on parts in /root/stash-targets for a later call
-#   run [PART_DIR...]        install the add-on (stash + these), then every target's GPU
-#                            tests side by side, then every target's A/B under one GPU lock
-# Budgets (seconds): TEST_S per test suite, AB_S for the A/B; WORKERS per pytest run
-# (xdist), AB_WORKERS per target's A/B (they compile in parallel, time one at a time).
-# Results in $OUT: <ref>.json (ci/rebase.py --gpu-results $OUT attaches them), <ref>.log.
+# bundles: the base bundle installed into $SITE first (ci/gpu/device_run.sh install),
+# then the targets add-on (ci/gpu_stage/build_addon.sh) in parts:
+#   stash PART_DIR...   keep add-on parts in $STASH for a later call
+#   run [PART_DIR...]   install the add-on (stash + these), then every target's GPU tests
+#                       side by side, then every target's A/B under one GPU lock
+# Deadlines, in seconds after `run` starts: TESTS_END (default 300) for the tests, AB_END
+# (450) for the A/B; a phase ends when its work is done or at its deadline, whatever is
+# first, and what it measured is in the JSON either way (a cut suite counts the tests that
+# ran, the A/B keeps every row timed). Per target: OURS_WORKERS (5) pytest shards for our
+# files (one kernel config's tests in one shard), VLLM_WORKERS (2) for vLLM's file,
+# AB_WORKERS (4) A/B processes (they compile in parallel, time one at a time).
+# Results in $OUT: <ref>.json (ci/rebase.py --gpu-results $OUT attaches them), stage.log,
+# logs.tgz (each target's pytest output and per-test records, <ref>.<suite>.jsonl).
+# SITE (/tmp/site), STASH (/root/stash-targets) and PYTHON (python3) can be set, e.g. to
+# try the plumbing on a machine without a GPU (the tests then skip, the A/B says why not).
 set -uo pipefail
+START=$(date +%s)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-SITE=/tmp/site STASH=/root/stash-targets HERE=$(cd "$(dirname "$0")" && pwd)
-TEST_S=${TEST_S:-150} AB_S=${AB_S:-90} WORKERS=${WORKERS:-3} AB_WORKERS=${AB_WORKERS:-4}
+SITE=${SITE:-/tmp/site} STASH=${STASH:-/root/stash-targets} PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+TESTS_END=${TESTS_END:-300} AB_END=${AB_END:-450}
+OURS_WORKERS=${OURS_WORKERS:-5} VLLM_WORKERS=${VLLM_WORKERS:-2} AB_WORKERS=${AB_WORKERS:-4}
 export PYTHONUNBUFFERED=1
-step=$1; shift
+left() { local s=$(( $1 - ($(date +%s) - START) )); echo $(( s > 1 ? s : 1 )); }
+say() { echo "[offline +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/stage.log"; }
+step=${1:-}; shift || true
 case $step in
 stash)
-  mkdir -p $STASH && for d in "$@"; do cp "$d"/* $STASH/; done
-  ls -la $STASH; test -f $SITE/.k3/env.sh && echo "base bundle: installed" || echo "base bundle: absent" ;;
+  mkdir -p "$STASH" && for d in "$@"; do cp "$d"/* "$STASH"/; done
+  ls -la "$STASH"; test -f "$SITE/.k3/env.sh" && echo "base bundle: installed" || echo "base bundle: absent" ;;
 run)
-  test -f $SITE/.k3/env.sh || { echo "no base bundle in $SITE: install it first" >&2; exit 3; }
-  bash "$HERE/../gpu/install.sh" --target $SITE $STASH "$@" || exit $?
-  start=$(date +%s)
+  test -f "$SITE/.k3/env.sh" || { echo "no base bundle in $SITE: install it first" >&2; exit 3; }
+  PYTHON=$PY bash "$HERE/../gpu/install.sh" --target "$SITE" "$STASH" "$@" 2>&1 | tee -a "$OUT/stage.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 3
+  nproc | sed 's/^/cores: /' >> "$OUT/stage.log"
   for phase in tests ab; do
-    for t in $SITE/.k3/targets/*/; do
+    end=$([ $phase = tests ] && echo "$TESTS_END" || echo "$AB_END")
+    say "$phase: until +${end}s"
+    for t in "$SITE"/.k3/targets/*/; do
       ref=$(basename "$t") sites=()
       [ -d "$t/site" ] && sites+=(--site "$t/site")
-      python3 "$HERE/run.py" $phase --tree "$t/tree" --meta "$t/meta.json" --out "$OUT/$ref.json" \
-        "${sites[@]}" --site $SITE --lock /tmp/k3-gpu.lock \
-        --workers $([ $phase = tests ] && echo $WORKERS || echo $AB_WORKERS) \
-        --deadline-s $([ $phase = tests ] && echo $TEST_S || echo $AB_S) >> "$OUT/$ref.log" 2>&1 &
+      # run.py keeps its own deadline; `timeout` is the backstop should it hang past it.
+      timeout -k 5 $(( $(left "$end") + 30 )) "$PY" "$HERE/run.py" $phase --tree "$t/tree" \
+        --meta "$t/meta.json" --out "$OUT/$ref.json" "${sites[@]}" --site "$SITE" \
+        --lock /tmp/k3-gpu.lock --deadline-s "$(left "$end")" --vllm-workers "$VLLM_WORKERS" \
+        --workers $([ $phase = tests ] && echo "$OURS_WORKERS" || echo "$AB_WORKERS") \
+        >> "$OUT/$ref.log" 2>&1 &
     done
-    wait; echo "[offline] $phase done at +$(( $(date +%s) - start ))s"
+    wait; say "$phase done"
   done
-  python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    d = json.loads(p.read_text()); g = d.get("gpu", {}); a = d.get("ab", {})
-    print(d["ref"], "gpu", {k: g.get(k) for k in ("passed", "failed", "skipped", "errors", "env_errors")},
-          {k: {x: v.get(x) for x in ("passed", "failed", "skipped", "errors", "note")} for k, v in g.get("suites", {}).items()},
-          g.get("env"))
-    print("   ab", a.get("error") or {k: a.get("summary", {}).get(k) for k in
-          ("rows", "measured", "geomean_ours", "geomean_upstream", "geomean_ours_over_upstream", "wins", "errors")})
-PY
-  ;;
+  "$PY" "$HERE/summary.py" "$OUT"/*.json | tee -a "$OUT/stage.log"
+  (cd "$OUT" && ls -- *.log *.jsonl 2>/dev/null | grep -vx stage.log | tar -czf logs.tgz \
+     --remove-files -T -)
+  say "run done" ;;
+*)
+  echo "usage: $0 stash PART_DIR... | run [PART_DIR...]" >&2; exit 2 ;;
 esac

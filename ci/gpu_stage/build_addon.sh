@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build the GPU stage's targets add-on from this checkout, as the rebase job builds it:
+#   bash ci/gpu_stage/build_addon.sh [DEST] [PART_MIB]
+# DEST (default .dev/targets) gets:
+#   trees/<ref>/{tree.tar.xz,meta.json}  ci/rebase.py --gpu-export (the trees the job built)
+#   rebase-cpu.json                      that job's report (no CPU tests: --no-tests)
+#   parts/part-NNN/                      ci/gpu/bundle.py --target-trees --only-targets, in
+#                                        parts of PART_MIB MiB (default 25), for
+#                                        ci/gpu_stage/offline.sh stash/run
+# Refs: $REFS (default "v0.28.0 v0.29.0 v0.33.0"). The trees' commits depend only on the
+# patch series and overlay, so re-run this whenever overlay/ or patches/ change: results
+# measured on other trees are refused by --gpu-results. Exit 2: a ref was not exported.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DEST=${1:-.dev/targets} PART_MIB=${2:-25} PY=${PYTHON:-.venv/bin/python}
+REFS=${REFS:-v0.28.0 v0.29.0 v0.33.0}
+start=$(date +%s)
+rm -rf "$DEST/trees" "$DEST/parts"  # ours from an earlier build; nothing else is touched
+mkdir -p "$DEST"
+onto=(); for r in $REFS; do onto+=(--onto "$r"); done
+# Exit 3/4 (a patch or our module conflicts on a target) is the job's verdict, not a failure
+# here: the tree is exported either way, with our module preferred where it conflicted.
+"$PY" ci/rebase.py "${onto[@]}" --no-tests -q --json "$DEST/rebase-cpu.json" \
+  --gpu-export "$DEST/trees" > "$DEST/rebase-cpu.log" 2>&1
+echo "rebase.py exit $? ($(( $(date +%s) - start )) s)"
+for r in $REFS; do
+  [ -f "$DEST/trees/$r/meta.json" ] || { echo "no tree exported for $r (see $DEST/rebase-cpu.log)" >&2; exit 2; }
+done
+"$PY" ci/gpu/bundle.py --target-trees "$DEST/trees" --only-targets --part-mib "$PART_MIB" \
+  --out "$DEST/parts" || exit $?
+"$PY" - "$DEST" <<'PY'
+import json, pathlib, sys
+dest = pathlib.Path(sys.argv[1])
+for ref in sorted(p.name for p in (dest / "trees").iterdir()):
+    meta = json.loads((dest / "trees" / ref / "meta.json").read_text())
+    print(f"{ref}: tree {meta['tree_sha'][:12]}, CuTe DSL {' '.join(meta['cute_dsl'])}, "
+          f"our module {'preferred (merge conflicted)' if meta['prefer'] else 'as merged'}")
+for part in sorted((dest / "parts").iterdir()):
+    size = sum(f.stat().st_size for f in part.iterdir())
+    print(f"{part}: {size / 2**20:.1f} MiB")
+PY
+echo "built in $(( $(date +%s) - start )) s"
