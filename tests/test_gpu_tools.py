@@ -2,9 +2,10 @@
 the tuner's seeds, skip rule and GPU lock.
 
 The GPU itself is exercised on the device (ci/gpu/README.md); these make sure
-the committed SM90 table is exactly what the committed run's JSON says (issue 12's
-all-backend run, ``decode_gemm/runner.py``), and that the tuner never times a config
-the kernel would reject.
+the committed SM90 table is exactly what the committed runs' JSONs say (issue 12's
+all-backend run, ``decode_gemm/runner.py``, with the f_b_proj shapes and the KDA row
+views added from the CuTe tuner's runs), and that the tuner never times a config the
+kernel would reject.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from k3overlay.project import ROOT
 
 sys.path.insert(0, str(ROOT / "ci" / "gpu"))
 
+import aggregate  # noqa: E402
 import render_table  # noqa: E402
 import space  # noqa: E402
 import tune  # noqa: E402
@@ -28,10 +30,23 @@ import tune_cache  # noqa: E402
 
 RESULTS = ROOT / "ci" / "gpu" / "results" / "decode_gemm_sm90.json"  # issue 12's all-backend run
 TABLE = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia" / "low_latency_gemm_sm90.py"
+# Rows taken from other runs (render_table --add): the f_b_proj shapes from the CuTe
+# tuner's run (their input is always a strided slice of the packed KDA projection's
+# output, which only the CuTe kernel takes), then the two KDA row views from their own run.
+TUNER_RESULTS = ROOT / "ci" / "gpu" / "results" / "tune_sm90.json"
+F_B_SHAPES = {(1536, 128), (3072, 128), (768, 128)}
+KDA_RESULTS = ROOT / "ci" / "gpu" / "results" / "tune_sm90_kda.json"
+KDA_SHAPES = {(6144, 7168), (144, 7168)}
 
 
-def test_committed_sm90_table_is_rendered_from_the_committed_run():
-    text = render_table.render(json.loads(RESULTS.read_text()), "ci/gpu/results/decode_gemm_sm90.json")
+def _added() -> tuple:
+    return ((json.loads(TUNER_RESULTS.read_text()), "ci/gpu/results/tune_sm90.json", F_B_SHAPES),
+            (json.loads(KDA_RESULTS.read_text()), "ci/gpu/results/tune_sm90_kda.json"))
+
+
+def test_committed_sm90_table_is_rendered_from_the_committed_runs():
+    text = render_table.render(json.loads(RESULTS.read_text()), "ci/gpu/results/decode_gemm_sm90.json",
+                               _added())
     assert text == TABLE.read_text()
 
 
@@ -43,11 +58,14 @@ def _table() -> dict:
 
 def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes_of_that_run():
     run = json.loads(RESULTS.read_text())
-    rows = _table()["ROWS"]
+    table = _table()
+    rows, elsewhere = table["ROWS"], set(table["ROW_PROVENANCE"])
     decisions = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
     bar = run["criteria"]["win_both_passes"]
     routed = 0
     for (n, k), per_m in rows.items():
+        if (n, k) in elsewhere:
+            continue  # checked against its own run below
         for m, (backend, cfg) in per_m.items():
             row = decisions[(n, k, m)]
             assert row["status"] == "routed"
@@ -61,8 +79,29 @@ def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes_of_that_run():
             if backend == "cute":
                 assert space.illegal_reason(cfg, n, k, m) is None
             routed += 1
-    assert routed == sum(1 for r in run["rows"] if r["status"] == "routed")
+    assert routed == sum(1 for r in run["rows"] if r["status"] == "routed"
+                         and (r["N"], r["K"]) not in elsewhere)
     assert run["summary"]["routed_slower_than_cublas"] == []
+
+
+@pytest.mark.parametrize("path, shapes", [(TUNER_RESULTS, F_B_SHAPES), (KDA_RESULTS, KDA_SHAPES)])
+def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, shapes):
+    run = json.loads(path.read_text())
+    rows = _table()["ROWS"]
+    decisions = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
+    columns = run["measurements_columns"]
+    timed = {(m["N"], m["K"], m["M"], tuple(m["cfg"]) if m["cfg"] else None, m["pass"])
+             for m in (dict(zip(columns, values)) for values in run["measurements"])}
+    bar = run["criteria"]["win_both_passes"]
+    for n, k in shapes:
+        assert set(rows.get((n, k), {})) == {
+            m for (dn, dk, m), d in decisions.items() if (dn, dk) == (n, k) and d["status"] == "routed"}
+        for m, (backend, cfg) in rows.get((n, k), {}).items():
+            decision = decisions[(n, k, m)]
+            assert backend == "cute" and tuple(decision["winner"]["cfg"]) == cfg
+            assert min(decision["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, twice
+            assert {(n, k, m, cfg, 1), (n, k, m, cfg, 2)} <= timed
+            assert space.illegal_reason(cfg, n, k, m) is None
 
 
 def test_the_run_is_one_h200_run_with_its_baselines():
@@ -71,7 +110,28 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     assert p["gpu"] == "NVIDIA H200" and p["date"] and p["torch"] and p["triton"]
     assert run["read_bw_TBps"] > 3 and min(run["trivial_us"].values()) > 0
     assert all(r["roof_us"] > 0 and all(r["cublas_us"]) for r in run["rows"])
-    assert "ROW_PROVENANCE" not in _table()  # every row from this one run
+    # Every row from this one run, but the shapes added from other runs, each citing its run.
+    table = _table()
+    sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
+    tuner_run = json.loads(TUNER_RESULTS.read_text())["provenance"]["run_id"]
+    kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
+    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES, kda_run)}
+    assert table["PROVENANCE"]["run_id"] == p["run_id"]
+
+
+def test_kda_run_json_is_what_its_committed_cache_rebuilds_to(tmp_path):
+    # The device's JSON of that run did not come back; it was rebuilt from the run's cache.
+    committed = json.loads(KDA_RESULTS.read_text())
+    out = tmp_path / "rebuilt.json"
+    aggregate.main([str(ROOT / "ci/gpu/results/tune_cache_kda"), "--provenance-of",
+                    str(ROOT / "ci/gpu/kda/results/kda_bench_sm90.json"), "--bw-tbps",
+                    str(committed["read_bw_TBps"]), "--shape", "6144x7168", "--shape", "144x7168",
+                    "--out", str(out)])
+    assert json.loads(out.read_text()) == committed
+    assert "rebuilt from the run's cache" in committed["provenance"]["rebuilt"]
+    # The tuner and the benchmark of that call share one run id.
+    bench = json.loads((ROOT / "ci/gpu/kda/results/kda_bench_sm90.json").read_text())
+    assert committed["provenance"]["run_id"] == bench["provenance"]["run_id"]
 
 
 @pytest.mark.parametrize("n, k", [(7168, 14336), (1536, 7168), (768, 128), (2112, 7168)])

@@ -117,6 +117,16 @@ def test_an_added_run_owns_the_shapes_it_covers():
     assert set(ns["ROW_PROVENANCE"]) == {(32, 128)}
     assert ns["ROW_PROVENANCE"][(32, 128)]["run_id"] == "later"
     assert ns["PROVENANCE"]["run_id"] == "first"
+    # Only the named shapes of a run: 64x128 keeps the first run's row.
+    ns = {}
+    exec(render_table.render(first, "a.json", ((later, "b.json", {(32, 128)}),)), ns)
+    assert ns["ROWS"][(64, 128)] == {1: ("cute", (32, 2, 1, 4, None))}
+    both = _run("both", [(64, 128, 1, [64, 1, 1, 4, None]), (32, 128, 1, [64, 1, 1, 4, None])])
+    ns = {}
+    exec(render_table.render(first, "a.json", ((both, "c.json", {(64, 128)}),)), ns)
+    assert ns["ROWS"] == {(64, 128): {1: ("cute", (64, 1, 1, 4, None))},
+                          (32, 128): {1: ("cute", (32, 1, 1, 4, None))}}
+    assert set(ns["ROW_PROVENANCE"]) == {(64, 128)}
     # Without an added run the module has no ROW_PROVENANCE at all.
     ns = {}
     exec(render_table.render(first, "a.json"), ns)
@@ -137,7 +147,12 @@ def _module_constant(name: str):
 def test_sm90_overlap_tokens_are_what_the_committed_run_measured():
     res = json.loads(BENCH.read_text())
     tokens = _module_constant("SM90_OVERLAP_TOKENS")
-    assert list(tokens) == report.overlap_tokens(res["rows"])
+    # Exactly the M where the chosen overlap beat (B) in every pass, recomputed by hand.
+    chosen = "D" if _module_constant("SM90_HIGH_PRIORITY_AUX") else "C"
+    won = [r["M"] for r in res["rows"]
+           if all(x < b for b, x in zip(r["us"]["B"], r["us"][chosen]))]
+    assert list(tokens) == won == res["overlap_tokens"]
+    assert (res["overlap_variant"], res["high_priority_aux"]) == (chosen, chosen == "D")
     source = _module_constant("SM90_OVERLAP_SOURCE")
     assert res["provenance"]["run_id"] in source and BENCH.name in source
     assert res["provenance"]["gpu"] in source and res["provenance"]["date"] in source
@@ -147,11 +162,22 @@ def test_committed_run_never_enables_the_overlap_where_it_was_slower():
     res = json.loads(BENCH.read_text())
     by_m = {r["M"]: r for r in res["rows"]}
     assert set(by_m) == set(range(1, 17))  # every decode size measured
+    chosen = "D" if _module_constant("SM90_HIGH_PRIORITY_AUX") else "C"
     for m in _module_constant("SM90_OVERLAP_TOKENS"):
-        b, c = by_m[m]["us"]["B"], by_m[m]["us"]["C"]
+        b, c = by_m[m]["us"]["B"], by_m[m]["us"][chosen]
         assert len(b) == len(c) == 2 and all(ci < bi for bi, ci in zip(b, c))
     for r in res["rows"]:  # numerics were checked before timing
         assert max(r["relerr"].values()) <= 1e-2
+
+
+def test_the_high_priority_stream_is_used_only_if_it_summed_lower():
+    res = json.loads(BENCH.read_text())
+    by_variant = {}
+    for v in ("C", "D"):  # each overlap where it beat (B) in every pass, (B) elsewhere
+        by_variant[v] = sum(
+            r["us"][v][-1] if all(x < b for b, x in zip(r["us"]["B"], r["us"][v])) else r["us"]["B"][-1]
+            for r in res["rows"])
+    assert _module_constant("SM90_HIGH_PRIORITY_AUX") is (by_variant["D"] < by_variant["C"])
 
 
 def test_committed_run_has_provenance_and_a_rotation_beyond_l2():

@@ -5,12 +5,21 @@ Per (shape, M) the winner is the backend whose speedup over cuBLAS
 again in pass 2, with the smallest mean normalised time ``us / cublas_us`` over
 the two passes. ``best_tried`` is the fastest pass-1 measurement of anything
 (so ``winner_vs_best`` checks the ">= 0.98x of the best tried" target).
+
+``tune.py`` calls :func:`build` at the end of a run. Where a run's JSON was lost but its
+cache came back, rebuild it on any machine (the provenance is another JSON of the same
+run, e.g. the benchmark's; the read bandwidth is the tuner's logged figure)::
+
+    python ci/gpu/aggregate.py CACHE_DIR --provenance-of SAME_RUN.json --bw-tbps 4.21 \
+        --shape 6144x7168 --shape 144x7168 --out results.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 
 import shapes as shp
@@ -126,3 +135,33 @@ def _backend(c):
 
 def _cfg(c):
     return None if c == "dsv3" else list(c)
+
+
+def main(argv=None) -> int:
+    import tune
+    import tune_cache
+
+    ap = argparse.ArgumentParser(description="Rebuild a tuner run's results JSON from its cache.")
+    ap.add_argument("cache", help="the run's cache folder (tune.py --cache)")
+    ap.add_argument("--provenance-of", required=True,
+                    help="a JSON of the same run whose 'provenance' to take (GPU, date, versions)")
+    ap.add_argument("--bw-tbps", type=float, required=True, help="the run's read bandwidth, TB/s")
+    ap.add_argument("--shape", action="append", required=True, type=tune._shape, help="NxK")
+    ap.add_argument("--m", default="1-16")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    lo, hi = map(int, args.m.split("-"))
+    with open(args.provenance_of) as f:
+        prov = dict(json.load(f)["provenance"])
+    prov["rebuilt"] = (f"results JSON rebuilt from the run's cache by ci/gpu/aggregate.py "
+                       f"(read bandwidth {args.bw_tbps} TB/s as the tuner logged it)")
+    records = list(tune_cache.read_all(args.cache, prov["gpu"]))
+    res = build(records, prov, args.bw_tbps * 1e12, args.shape, list(range(lo, hi + 1)))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, sort_keys=True)
+    print(f"wrote {args.out}: {res['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

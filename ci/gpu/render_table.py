@@ -8,9 +8,10 @@ byte for byte. Shapes with no winner at an M are simply absent for that M.
 A later run that tuned only some shapes (``tune.py --shape``) is added with
 ``--add RUN.json``: every shape it covers takes its rows from that run, and the
 module's ``ROW_PROVENANCE`` names that run for those shapes (``PROVENANCE`` stays the
-first run's).
+first run's). ``--add RUN.json@NxK,NxK`` takes only the named shapes from that run (e.g.
+the F_B shapes, whose input is always a strided slice that only the CuTe kernel takes).
 
-Usage: ``python ci/gpu/render_table.py RESULTS.json [--add RUN.json ...] [OUT.py]``
+Usage: ``python ci/gpu/render_table.py RESULTS.json [--add RUN.json[@NxK,...] ...] [OUT.py]``
 (default OUT: ``overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py``);
 ``--check`` exits 1 if OUT differs from what the JSONs render to.
 """
@@ -83,9 +84,11 @@ def _routed(results: dict) -> dict:
 def render(
     results: dict,
     results_path: str = "ci/gpu/results/tune_sm90.json",
-    added: tuple[tuple[dict, str], ...] = (),
+    added: tuple[tuple, ...] = (),
 ) -> str:
-    """Module source for ``results`` (the tuner's JSON) plus ``added`` ``(JSON, path)`` runs.
+    """Module source for ``results`` (the tuner's JSON) plus ``added`` runs, each
+    ``(JSON, path)`` (every shape it covers) or ``(JSON, path, shapes)`` (only ``shapes``,
+    a set of ``(N, K)``).
 
     Raises KeyError if a JSON is malformed.
     """
@@ -94,10 +97,12 @@ def render(
     prov = _provenance(results, results_path)
     table = _routed(results)
     row_prov: dict = {}
-    for run, path in added:
+    for run, path, *only in added:
         covered = {(r["N"], r["K"]) for r in run["rows"]}
+        if only:
+            covered &= set(only[0])
         table = {shape: row for shape, row in table.items() if shape not in covered}
-        table.update(_routed(run))
+        table.update({shape: row for shape, row in _routed(run).items() if shape in covered})
         row_prov.update(dict.fromkeys(covered, _provenance(run, path)))
     row_prov = {shape: src for shape, src in row_prov.items() if shape in table}
     crit = results.get("criteria", {})
@@ -118,7 +123,7 @@ def render(
     lines += [line for k in PROV_KEYS for line in _item(k, prov[k], "    ")]
     lines += ["}", ""]
     if row_prov:
-        lines += ["# Shapes tuned by a later run: (N, K) -> the provenance of that run.",
+        lines += ["# Shapes taken from another run: (N, K) -> the provenance of that run.",
                   "ROW_PROVENANCE = {"]
         for shape in sorted(row_prov):
             lines.append(f"    {shape}: {{")
@@ -146,6 +151,15 @@ def _repo_path(path: str) -> str:
     return "ci/gpu/results/" + os.path.basename(path)
 
 
+def _added(spec: str) -> tuple:
+    """``PATH`` or ``PATH@NxK,NxK`` -> the ``added`` entry :func:`render` takes."""
+    path, _, shapes = spec.partition("@")
+    run = json.load(open(path))
+    if not shapes:
+        return run, _repo_path(path)
+    return run, _repo_path(path), {tuple(map(int, s.split("x"))) for s in shapes.split(",")}
+
+
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     args = [a for a in argv if a != "--check"]
@@ -156,7 +170,7 @@ def main(argv: list[str]) -> int:
         del args[i : i + 2]
     src = args[0]
     out = args[1] if len(args) > 1 else DEFAULT_OUT
-    runs = tuple((json.load(open(path)), _repo_path(path)) for path in added)
+    runs = tuple(_added(spec) for spec in added)
     text = render(json.load(open(src)), _repo_path(src), runs)
     if check:
         same = os.path.exists(out) and open(out).read() == text

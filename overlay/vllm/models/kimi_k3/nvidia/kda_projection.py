@@ -26,12 +26,11 @@ measured faster (:data:`KDA_OVERLAP_TOKENS`, with its source) and the layer over
 there, only under CUDA-graph capture (decode); prefill and eager forwards keep v0.28.0's
 path (patch 0003 to ``kda.py``). An architecture nobody measured gets none.
 
-Which stream carries the chain matters too: on a stream of the same priority as the
-current one, the GPU dispatches the chain's blocks only after the QKVG GEMM's thousands
-of blocks, so the chain runs in QKVG's tail and delays the join. Where it measured
-faster, the chain runs on a stream of higher priority (:func:`high_priority_aux_stream`;
-CUDA graphs captured by PyTorch keep each kernel's priority) instead of the model's aux
-stream.
+The chain may also run on a stream of higher priority (:func:`high_priority_aux_stream`;
+CUDA graphs captured by PyTorch keep each kernel's priority), so that the GPU dispatches
+its blocks before the rest of the QKVG GEMM's; an architecture uses it only where that
+measured faster (``OverlapTokens.high_priority_aux``). On the H200 it did not: the model's
+aux stream stays.
 
 Entry points: :func:`run_kda_projection_overlap` (the forward), and
 :func:`enable_kda_projection_overlap` (called by ``enable_kimi_k3_low_latency_gemm`` at
@@ -75,15 +74,20 @@ class OverlapTokens(NamedTuple):
 
 
 #: H200 (SM90): the M of ``ci/gpu/kda/results/kda_bench_sm90.json`` at which (C), the
-#: overlap, beat (B), our sequential path, in both timing passes. Not a range: at M 1-4
-#: the packed GEMM's CuTe rows already run (B) at 1.09-1.20x the read roof and the fork
-#: and join cost what the hidden chain saves; at M 9-15 (C) lost by 1-1.5 µs.
-SM90_OVERLAP_TOKENS = (5, 6, 7, 8, 16)
+#: overlap, beat (B), our sequential path, in both timing passes: every M from 5, by
+#: 2.3-4.0 µs (1.09-1.16x). At M 1-4 the packed GEMM's CuTe rows run (B) at 1.09-1.19x
+#: the read roof and (C), whose QKVG GEMM alone takes about as long as the packed one, lost
+#: by 0.06-0.55 µs: the fork and join cost more than the hidden chain (F_A/beta 1.9-2.8 µs,
+#: then F_B 1.7-1.9 µs) saves there.
+SM90_OVERLAP_TOKENS = (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 SM90_OVERLAP_SOURCE = (
-    "NVIDIA H200 (SM90), run h200-20261130-kda (2026-11-30), "
+    "NVIDIA H200 (SM90), run h200-20261130-1316-kda (2026-11-30), "
     "ci/gpu/kda/results/kda_bench_sm90.json: (C) faster than (B) in both timing passes"
 )
-#: Whether that run chose the high-priority aux stream (its ``high_priority_aux``).
+#: Whether that run chose the high-priority aux stream (its ``high_priority_aux``): no.
+#: (D), the chain on it, was within -0.44..+0.37 µs of (C) at every M and beat (B) only
+#: at M 1 (by 0.23 µs); summed over M 1..16 with each overlap only where it won, (C) was
+#: lower (409.1 against 410.2 µs), so the model's aux stream stays.
 SM90_HIGH_PRIORITY_AUX = False
 
 #: Per architecture, where the overlap measured faster than the sequential path.
