@@ -18,8 +18,8 @@ from k3overlay.project import ROOT
 sys.path.insert(0, str(ROOT / "ci" / "gpu"))
 sys.path.insert(0, str(ROOT / "ci" / "gpu" / "kda"))
 
+import kda_report as report  # noqa: E402
 import render_table  # noqa: E402
-import report  # noqa: E402
 
 BENCH = ROOT / "ci" / "gpu" / "kda" / "results" / "kda_bench_sm90.json"
 KDA_MODULE = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia" / "kda_projection.py"

@@ -17,8 +17,8 @@ each checked against a float64 reference first, then timed with ``timing.time_us
 (CUDA-graph capture of >= 12 calls cycling through layer copies whose weights total
 >= 256 MiB, over 4x the H200's 60 MiB L2; median of ``--replays`` replays) in two
 passes, the second with fresh activations and the variants in reverse order. Roofs:
-``report.bytes_moved`` over the read bandwidth of a reduction measured in the same run.
-Conclusions (which overlap, where it pays, against the roof): ``report.derive``. The
+``kda_report.bytes_moved`` over the read bandwidth of a reduction measured in the same run.
+Conclusions (which overlap, where it pays, against the roof): ``kda_report.derive``. The
 JSON and markdown are rewritten after every M, so a run stopped by its deadline keeps
 what it measured.
 
@@ -37,9 +37,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # report; timing and tune from ci/gpu
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # kda_report; timing and tune from ci/gpu
 
-import report as rp  # noqa: E402
+import kda_report as rp  # noqa: E402
 
 DEVICE = "cuda"  # a CPU dry run of this script swaps in "cpu" with stand-in timers
 F_A_ROWS = slice(rp.QKVG_N, rp.QKVG_N + rp.HEAD_DIM)

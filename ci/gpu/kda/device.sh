@@ -9,7 +9,7 @@
 #  3. the GPU tests: the KDA file, and the low-latency file's cases for these rows;
 #  4. the KDA benchmark, M 1..16: (A) stock, (B) sequential, (C) overlap, (D) overlap with
 #     the chain on a high-priority stream, the read roof; its JSON carries the overlap
-#     set and stream to commit (report.derive).
+#     set and stream to commit (kda_report.derive).
 # Outputs in $OUT (8 files): tune_sm90_kda.json, tune.log, tune_cache_kda.tgz, gpu.log,
 # pytest_kda.xml, pytest_llg_kda_rows.xml, kda_bench_sm90.json/.md.
 #   bash ci/gpu/kda/device.sh [TOTAL_S] [TUNE_S]
