@@ -5,7 +5,8 @@
 #  1. tune the two KDA row views (QKVG 6144x7168, F_A/beta 144x7168) at M 1..16 into a
 #     fresh cache of this run, seeded from the committed cache (the views' own earlier
 #     figures, and the packed 6288x7168 row's for QKVG), lowest M first;
-#  2. render the SM90 table with them into the installed tree;
+#     (TUNE_S 0 skips this and takes the committed run's rows);
+#  2. render the SM90 table as the repository does, with them, into the installed tree;
 #  3. the GPU tests: the KDA file, and the low-latency file's cases for these rows;
 #  4. the KDA benchmark, M 1..16: (A) stock, (B) sequential, (C) overlap, (D) overlap with
 #     the chain on a high-priority stream, the read roof; its JSON carries the overlap
@@ -26,15 +27,21 @@ CACHE=${K3_CACHE_ROOT:-/root}/k3cache-$K3_RUN_ID  # this run's measurements only
 cp -r "$ROOT/overlay/vllm/." $SITE/vllm/      # our overlay as in this checkout
 echo "[kda] run $K3_RUN_ID, $TOTAL s in all, tune $TUNE_S s"
 
-timeout -k 5 $((TUNE_S + 30)) python3 "$GPU/tune.py" --cache "$CACHE" \
-  --seed-cache "$GPU/results/tune_cache" --priors "$K3_TOOLS/k3/priors.json" \
-  --out "$OUT/tune_sm90_kda.json" --deadline-s "$TUNE_S" --workers 14 --run-id "$K3_RUN_ID" \
-  --shape 6144x7168 --shape 144x7168 --donor 6144x7168=6288x7168 --refine-rounds 1 --wait-s 0 \
-  2>&1 | grep -v "^\[kernels\]" | tee "$OUT/tune.log"
-tar -czf "$OUT/tune_cache_kda.tgz" -C "$CACHE" . 2>/dev/null
-if [ -s "$OUT/tune_sm90_kda.json" ]; then
-  (cd "$ROOT" && python3 ci/gpu/render_table.py ci/gpu/results/tune_sm90.json \
-     --add "$OUT/tune_sm90_kda.json" $SITE/$TABLE)
+KDA_JSON="$OUT/tune_sm90_kda.json"
+if [ "$TUNE_S" -gt 0 ]; then
+  timeout -k 5 $((TUNE_S + 30)) python3 "$GPU/tune.py" --cache "$CACHE" \
+    --seed-cache "$GPU/results/tune_cache" --priors "$K3_TOOLS/k3/priors.json" \
+    --out "$KDA_JSON" --deadline-s "$TUNE_S" --workers 14 --run-id "$K3_RUN_ID" \
+    --shape 6144x7168 --shape 144x7168 --donor 6144x7168=6288x7168 --refine-rounds 1 --wait-s 0 \
+    2>&1 | grep -v "^\[kernels\]" | tee "$OUT/tune.log"
+  tar -czf "$OUT/tune_cache_kda.tgz" -C "$CACHE" . 2>/dev/null
+else
+  KDA_JSON="$GPU/results/tune_sm90_kda.json"  # TUNE_S 0: the committed KDA run's rows
+fi
+# The SM90 table as the repository renders it (ci/gpu/README.md), with this run's KDA rows.
+if [ -s "$KDA_JSON" ]; then
+  (cd "$ROOT" && python3 ci/gpu/render_table.py ci/gpu/results/decode_gemm_sm90.json \
+     --add "ci/gpu/results/tune_sm90.json@1536x128,3072x128,768x128" --add "$KDA_JSON" $SITE/$TABLE)
 else
   echo "[kda] no tuner JSON: tests and benchmark use the committed table"
 fi
