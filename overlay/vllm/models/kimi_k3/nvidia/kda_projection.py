@@ -78,7 +78,9 @@ class OverlapTokens(NamedTuple):
 #: 2.3-4.0 µs (1.09-1.16x). At M 1-4 the packed GEMM's CuTe rows run (B) at 1.09-1.19x
 #: the read roof and (C), whose QKVG GEMM alone takes about as long as the packed one, lost
 #: by 0.06-0.55 µs: the fork and join cost more than the hidden chain (F_A/beta 1.9-2.8 µs,
-#: then F_B 1.7-1.9 µs) saves there.
+#: then F_B 1.7-1.9 µs) saves there. That run's (B) had the packed row on cuBLAS at M >= 5;
+#: the table now has swap-AB at most of them (1.4-2.3 µs faster), so (B) at M >= 5 is faster than it
+#: measured and this set awaits a run with the current table (``kda/device.sh 230 0``).
 SM90_OVERLAP_TOKENS = (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 SM90_OVERLAP_SOURCE = (
     "NVIDIA H200 (SM90), run h200-20261130-1316-kda (2026-11-30), "
