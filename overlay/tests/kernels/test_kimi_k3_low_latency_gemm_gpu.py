@@ -129,27 +129,25 @@ def test_platform_and_table_agree():
 
 
 @pytest.mark.parametrize("row", ROWS, ids=_id)
-def test_routed_row_matches_reference_and_writes_every_element(row):
+def test_routed_row_matches_reference(row):
     x, w = _inputs(row.num_tokens, row.n, row.k, seed=row.n + row.k + row.num_tokens)
     if not _available(row):
         assert llg.try_low_latency_gemm(x, w) is None, "unbuilt backend must fall back"
         pytest.skip(f"{row.backend} not built here; fell back as designed")
     out = llg.try_low_latency_gemm(x, w)  # compiles
     assert out is not None, "routed row fell back"
-    # Poison the output's block with NaN and free it; the caching allocator hands the
-    # lowest-addressed free block of that size to the next call, so after at most a
-    # second round the kernel writes into a block we poisoned. (The graph test
-    # below poisons its static output directly.)
-    for attempt in range(3):
-        ptr = out.data_ptr()
+    _check_close(out, x, w, what=_id(row))
+    # Fresh inputs into memory that held NaN: the caching allocator often hands the freed,
+    # poisoned block back, and an element the kernel skipped then shows as NaN. Reuse is
+    # not guaranteed (a split-K workspace may take the block first; seen on the H200 for
+    # 3 of 999 rows), so it is not asserted here: the graph test below poisons its static
+    # outputs directly and proves every element is written on every row.
+    for attempt in range(2):
         out.fill_(float("nan"))
         x2, _ = _inputs(row.num_tokens, row.n, row.k, seed=99 + row.n + attempt)
         del out
         out = llg.try_low_latency_gemm(x2, w)
-        if out.data_ptr() == ptr:
-            break
-    assert out.data_ptr() == ptr, "allocator never reused a poisoned block"
-    _check_close(out, x2, w, what=_id(row))
+        _check_close(out, x2, w, what=f"{_id(row)} fresh inputs {attempt}")
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.backend == "cute"], ids=_id)
