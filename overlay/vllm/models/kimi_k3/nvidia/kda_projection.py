@@ -29,8 +29,7 @@ path (patch 0003 to ``kda.py``). An architecture nobody measured gets none.
 The chain may also run on a stream of higher priority (:func:`high_priority_aux_stream`;
 CUDA graphs captured by PyTorch keep each kernel's priority), so that the GPU dispatches
 its blocks before the rest of the QKVG GEMM's; an architecture uses it only where that
-measured faster (``OverlapTokens.high_priority_aux``). On the H200 it did not: the model's
-aux stream stays.
+measured faster (``OverlapTokens.high_priority_aux``), as on the H200.
 
 Entry points: :func:`run_kda_projection_overlap` (the forward), and
 :func:`enable_kda_projection_overlap` (called by ``enable_kimi_k3_low_latency_gemm`` at
@@ -73,24 +72,22 @@ class OverlapTokens(NamedTuple):
     high_priority_aux: bool = False
 
 
-#: H200 (SM90): the M of ``ci/gpu/kda/results/kda_bench_sm90.json`` at which (C), the
-#: overlap, beat (B), our sequential path, in both timing passes: every M from 5, by
-#: 2.3-4.0 µs (1.09-1.16x). At M 1-4 the packed GEMM's CuTe rows run (B) at 1.09-1.19x
-#: the read roof and (C), whose QKVG GEMM alone takes about as long as the packed one, lost
-#: by 0.06-0.55 µs: the fork and join cost more than the hidden chain (F_A/beta 1.9-2.8 µs,
-#: then F_B 1.7-1.9 µs) saves there. That run's (B) had the packed row on cuBLAS at M >= 5;
-#: the table now has swap-AB at most of them (1.4-2.3 µs faster), so (B) at M >= 5 is faster than it
-#: measured and this set awaits a run with the current table (``kda/device.sh 230 0``).
-SM90_OVERLAP_TOKENS = (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+#: H200 (SM90): the M of ``ci/gpu/kda/results/kda_bench_sm90.json`` at which the chosen
+#: overlap (see below) beat (B), our sequential path, in both timing passes, with the table
+#: as committed: M 1 (by 0.66 µs) and every M from 5 (by 1.4-3.1 µs, 1.05-1.12x). At M 2-4
+#: the packed GEMM's CuTe rows run (B) at 1.05-1.15x the read roof, and the overlap, whose
+#: QKVG GEMM alone takes about as long as the packed one, lost by 0.15-0.71 µs.
+SM90_OVERLAP_TOKENS = (1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 SM90_OVERLAP_SOURCE = (
-    "NVIDIA H200 (SM90), run h200-20261130-1316-kda (2026-11-30), "
-    "ci/gpu/kda/results/kda_bench_sm90.json: (C) faster than (B) in both timing passes"
+    "NVIDIA H200 (SM90), run h200-20261130-1347-kda (2026-11-30), "
+    "ci/gpu/kda/results/kda_bench_sm90.json: (D) faster than (B) in both timing passes"
 )
-#: Whether that run chose the high-priority aux stream (its ``high_priority_aux``): no.
-#: (D), the chain on it, was within -0.44..+0.37 µs of (C) at every M and beat (B) only
-#: at M 1 (by 0.23 µs); summed over M 1..16 with each overlap only where it won, (C) was
-#: lower (409.1 against 410.2 µs), so the model's aux stream stays.
-SM90_HIGH_PRIORITY_AUX = False
+#: That run's ``high_priority_aux``: the chain on :func:`high_priority_aux_stream` (D)
+#: summed lower than on a default-priority stream (C) over M 1..16, each only where it won
+#: (410.4 against 412.1 µs). The difference is M 1, where (D) beat (B) and (C) did not,
+#: in both of our runs ((D) 23.2 µs in each, (C) 24.2 and 23.6, (B) 23.9 and 23.4); from
+#: M 5 on, (C) and (D) were within 0.4 µs of each other.
+SM90_HIGH_PRIORITY_AUX = True
 
 #: Per architecture, where the overlap measured faster than the sequential path.
 KDA_OVERLAP_TOKENS: Mapping[llg.Capability, OverlapTokens] = MappingProxyType(
