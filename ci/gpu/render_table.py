@@ -18,6 +18,7 @@ Usage: ``python ci/gpu/render_table.py RESULTS.json [--add RUN.json[@NxK,...] ..
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -161,24 +162,23 @@ def _added(spec: str) -> tuple:
 
 
 def main(argv: list[str]) -> int:
-    check = "--check" in argv
-    args = [a for a in argv if a != "--check"]
-    added = []
-    while "--add" in args:
-        i = args.index("--add")
-        added.append(args[i + 1])
-        del args[i : i + 2]
-    src = args[0]
-    out = args[1] if len(args) > 1 else DEFAULT_OUT
-    runs = tuple(_added(spec) for spec in added)
-    text = render(json.load(open(src)), _repo_path(src), runs)
-    if check:
-        same = os.path.exists(out) and open(out).read() == text
-        print("up to date" if same else f"{out} differs from {src}")
+    ap = argparse.ArgumentParser(description="Render the SM90 table module from tuner JSON.")
+    ap.add_argument("results", help="the run the table is rendered from (tuner or figures JSON)")
+    ap.add_argument("out", nargs="?", default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    ap.add_argument("--add", action="append", default=[], metavar="RUN.json[@NxK,...]",
+                    help="rows of a later run on top (only the named shapes with @)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if OUT differs, write nothing")
+    args = ap.parse_args(argv)
+    runs = tuple(_added(spec) for spec in args.add)
+    with open(args.results) as f:
+        text = render(json.load(f), _repo_path(args.results), runs)
+    if args.check:
+        same = os.path.exists(args.out) and open(args.out).read() == text
+        print("up to date" if same else f"{args.out} differs from {args.results}")
         return 0 if same else 1
-    with open(out, "w") as f:
+    with open(args.out, "w") as f:
         f.write(text)
-    print(f"wrote {out}: {text.count('),  # ')} entries")
+    print(f"wrote {args.out}: {text.count('),  # ')} entries")
     return 0
 
 
