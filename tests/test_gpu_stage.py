@@ -220,3 +220,21 @@ def test_offline_run_installs_an_add_on_and_reports_every_target(tmp_path):
         assert f"{ref} ({(ref * 4)[:12]})" in proc.stdout  # summary.py's block
     with tarfile.open(out / "logs.tgz") as tar:
         assert {"v9.8.0.ours.0.jsonl", "v9.9.0.vllm.0.jsonl", "v9.8.0.log"} <= set(tar.getnames())
+
+
+def test_ab_times_ours_swap_ab_rows_with_our_triton_kernel():
+    """A swap_ab choice resolves to the overlay's kernel at that config (no GPU: no compile)."""
+    code = textwrap.dedent("""\
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from gpu_stage import ab
+        from decode_gemm import candidates
+        row = {"N": 768, "K": 128, "M": 3, "residual": False}
+        cfg = {"block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 6}
+        fn = ab._kernel_fn({"backend": "swap_ab", "config": cfg}, row, kernels=None)
+        mod = candidates.swap_ab_module()
+        want = mod.SwapAbConfig(64, 128, 1, 4, 6)
+        print(fn.__qualname__, any(c.cell_contents == want for c in fn.__closure__))
+        """)
+    out = subprocess.run([sys.executable, "-c", code, CI], capture_output=True, text=True)
+    assert out.stdout.split() == ["swap_ab.<locals>.f", "True"], out.stderr[-2000:]

@@ -9,9 +9,10 @@ each output first checked against float64 (relative error <= 1e-2). CuTe configs
 compiled before the lock is taken, so worker processes compile in parallel and only the
 timings are serialised. Rows are handed out one at a time and come back as they finish
 (``measure``'s ``on_row``), so a stage stopped at its deadline keeps every row timed.
-A dsv3_fused_a choice is timed only where that op is built; elsewhere the row is
-``unmeasured`` and left out of the head-to-head geo-mean, as is a row where ours chose a
-backend upstream does not have (swap_ab, ll_bf16, tinygemm: no handle here).
+Ours' swap_ab rows run our Triton kernel (``ci/gpu/decode_gemm/candidates.py``, compiled
+first with its ``warmup``, which launches nothing). A dsv3_fused_a choice is timed only
+where that op is built; elsewhere the row is ``unmeasured`` and left out of the
+head-to-head geo-mean, as is a row where ours chose ll_bf16 or tinygemm (no handle here).
 
 ``winner`` per row: ``ours`` or ``upstream`` when one side is faster by more than
 ``TIE`` (2%, above the ~1% spread of a median of 15 replays seen on the H200), else ``tie``.
@@ -23,6 +24,7 @@ import fcntl
 import math
 import multiprocessing as mp
 import os
+import random
 import stat
 import sys
 import time
@@ -84,8 +86,9 @@ class GpuLock:
         os.close(self._fd)  # releases the lock
 
 
-def _kernel_fn(choice: dict | None, m: int, kernels):
-    """The callable for a side's choice; None for cuBLAS; raises LookupError if unbuilt."""
+def _kernel_fn(choice: dict | None, row: dict, kernels):
+    """The callable for a side's choice at ``row``; None for cuBLAS; raises LookupError
+    where this runner cannot run it. Compiles what it can first, outside the GPU lock."""
     if choice is None:
         return None
     if choice["backend"] == "dsv3_fused_a":
@@ -93,14 +96,26 @@ def _kernel_fn(choice: dict | None, m: int, kernels):
         if fn is None:
             raise LookupError("dsv3_fused_a not built here")
         return fn
-    if choice["backend"] != "cute":  # ours only (swap_ab, ...): its own benchmark times it
+    if choice["backend"] == "swap_ab":  # ours only: our Triton kernel, as decode_gemm times it
+        import torch
+        from decode_gemm import candidates
+
+        mod = candidates.swap_ab_module()
+        config = mod.SwapAbConfig(**choice["config"])
+        try:  # compiles, launches nothing
+            mod.warmup(config, row["N"], row["K"], torch.device("cuda"),
+                       has_residual=row["residual"])
+        except Exception:
+            pass  # the first call compiles instead (and reports what is wrong)
+        return candidates.swap_ab(tuple(config))
+    if choice["backend"] != "cute":  # ll_bf16, tinygemm: their own benchmark times them
         raise LookupError(f"the A/B has no handle for backend {choice['backend']}")
     cfg = config_tuple(choice["config"])
     try:
-        kernels.cute_compile(m, cfg)  # CPU only, outside the GPU lock
+        kernels.cute_compile(row["M"], cfg)  # CPU only, outside the GPU lock
     except Exception:
         pass  # the first call compiles instead (and reports what is wrong)
-    return kernels.cute_fn(m, cfg)
+    return kernels.cute_fn(row["M"], cfg)
 
 
 def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
@@ -113,7 +128,7 @@ def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
     fns = {}
     for side in ("upstream", "ours"):
         try:
-            fns[side] = _kernel_fn(row[side], m, kernels)
+            fns[side] = _kernel_fn(row[side], row, kernels)
         except LookupError as exc:
             fns[side] = exc
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k * 7 + m)
@@ -194,9 +209,10 @@ def measure(rows: list[dict], *, lock_path: str, workers: int, replays: int,
             deadline_s: float, grace_s: float = 20.0, on_row=None) -> list[dict]:
     """Time every row (see the module docstring) with ``workers`` processes; row order kept.
 
-    Rows go to whichever worker is free, one at a time. A row not begun by ``deadline_s``
-    (seconds from now) is ``not run: deadline``; one still running ``grace_s`` later is
-    abandoned (the pool is terminated) as ``not run: deadline (still running)``.
+    Rows go to whichever worker is free, one at a time, in a fixed shuffled order. A row
+    not begun by ``deadline_s`` (seconds from now) is ``not run: deadline``; one still
+    running ``grace_s`` later is abandoned (the pool is terminated) as ``not run:
+    deadline (still running)``.
     ``on_row(done)``, if given, is called after each row with the finished rows so far
     (row order), so a caller can save them as they come.
     """
@@ -204,7 +220,10 @@ def measure(rows: list[dict], *, lock_path: str, workers: int, replays: int,
         return []
     deadline = time.time() + deadline_s
     biggest = max(2 * r["N"] * r["K"] for r in rows)
-    tasks = [(i, row, lock_path, biggest, replays, deadline) for i, row in enumerate(rows)]
+    # A fixed shuffle: rows a deadline leaves untimed are a random sample, not the last shapes.
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    tasks = [(i, rows[i], lock_path, biggest, replays, deadline) for i in order]
     done: dict[int, dict] = {}
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, min(workers, len(rows)))) as pool:
