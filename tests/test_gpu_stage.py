@@ -22,7 +22,7 @@ from k3overlay.report import Report, markdown
 
 sys.path.insert(0, str(ROOT / "ci"))
 
-from gpu_stage import ab, compile_shards, pytest_record, run, summary  # noqa: E402
+from gpu_stage import ab, compile_shards, pytest_record, run, summary, warm_triton  # noqa: E402
 
 CI = str(ROOT / "ci")
 
@@ -52,14 +52,20 @@ CUT_SUITE = textwrap.dedent("""\
         time.sleep(600)
     """)
 
-# Six configs, three tests each (as plain, residual and graph tests per routed row).
+# Six CuTe configs, two rows each, two tests per row and one per config (as the plain,
+# graph and residual tests of routed rows); Triton configs and a plain test stay apart.
 GROUPED_SUITE = textwrap.dedent("""\
-    import os
     import pytest
     from collections import namedtuple
 
+    SkinnyGemmConfig = namedtuple("SkinnyGemmConfig", "cfg n")
+    SwapAbConfig = namedtuple("SwapAbConfig", "cfg n")
     Row = namedtuple("Row", "n config")
-    ROWS = [Row(n, ("cfg", n % 6)) for n in range(12)]
+    ROWS = [Row(n, SkinnyGemmConfig("cfg", n % 6)) for n in range(12)]
+
+    @pytest.mark.parametrize("row", [Row(n, SwapAbConfig("cfg", 0)) for n in range(4)], ids=str)
+    def test_triton(row):
+        pass
 
     @pytest.mark.parametrize("row", ROWS, ids=str)
     def test_plain(row):
@@ -121,20 +127,25 @@ def test_the_tests_of_one_kernel_config_run_in_one_shard(tmp_path):
     record = tmp_path / "rec.jsonl"
     result = run.run_suite(tree, ("tests/test_grouped.py",), dict(os.environ, PYTHONPATH=CI),
                            3, 120, record)
-    assert (result["passed"], result["collected"], result["finished"]) == (31, 31, 0)
+    assert (result["passed"], result["collected"], result["finished"]) == (35, 35, 0)
     shards: dict[str, set] = {}
     entries = [e for i in range(3) for e in pytest_record.read(tmp_path / f"rec.{i}.jsonl")]
+    triton = set()
     for nodeid, test in pytest_record.outcomes(entries).items():
-        if "ungrouped" not in nodeid:
-            config = nodeid.split("'cfg', ")[1][0]  # ('cfg', 3) -> "3"
+        if "test_triton" in nodeid:
+            triton.add(test["shard"])
+        elif "ungrouped" not in nodeid:
+            config = nodeid.split("cfg='cfg', n=")[1][0]  # SkinnyGemmConfig(cfg='cfg', n=3)
             shards.setdefault(config, set()).add(test["shard"])
     assert len(shards) == 6 and all(len(s) == 1 for s in shards.values()), shards
     assert set().union(*shards.values()) == {"0", "1", "2"}
-    # Six groups of five and one single test over three shards: 10, 10, 11.
-    assert sorted(result["timing"]["shard_s"]) == ["0", "1", "2"]
-    assert sorted(compile_shards.assign(
-        [type("I", (), {"nodeid": str(i), "callspec": None}) for i in range(7)], 3).count(s)
-        for s in range(3)) == [2, 2, 3]
+    assert len(triton) > 1, "the Triton rows were grouped"
+    # Six groups of five, then five single tests, each to the emptiest shard: 12, 12, 11.
+    per_shard = [sum(1 for t in pytest_record.outcomes(entries).values() if t["shard"] == str(i))
+                 for i in range(3)]
+    assert sorted(per_shard) == [11, 12, 12]
+    assert compile_shards.assign([type("I", (), {"nodeid": str(i), "callspec": None})
+                                  for i in range(4)], 3) == [0, 1, 2, 0]
 
 
 def test_a_killed_pytest_leaves_no_partial_line_in_the_counts(tmp_path):
@@ -217,6 +228,7 @@ def test_offline_run_installs_an_add_on_and_reports_every_target(tmp_path):
         assert result["tree_sha"] == ref * 4
         assert {n: s["passed"] for n, s in result["gpu"]["suites"].items()} == {"vllm": 1, "ours": 2}
         assert result["ab"]["error"]  # no GPU here: said, not crashed
+        assert result["gpu"]["triton_warmup"]["processes"] == 1
         assert f"{ref} ({(ref * 4)[:12]})" in proc.stdout  # summary.py's block
     with tarfile.open(out / "logs.tgz") as tar:
         assert {"v9.8.0.ours.0.jsonl", "v9.9.0.vllm.0.jsonl", "v9.8.0.log"} <= set(tar.getnames())
@@ -238,3 +250,14 @@ def test_ab_times_ours_swap_ab_rows_with_our_triton_kernel():
         """)
     out = subprocess.run([sys.executable, "-c", code, CI], capture_output=True, text=True)
     assert out.stdout.split() == ["swap_ab.<locals>.f", "True"], out.stderr[-2000:]
+
+
+def test_triton_warm_up_compiles_each_swap_ab_config_of_this_arch_once():
+    cfg = {"block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 6}
+    dump = {"archs": {"SM90": {"rows": [[768, 128, 1, "swap_ab", cfg], [768, 128, 2, "swap_ab", cfg],
+                                        [768, 7168, 1, "cute", {"block_size": 224}],
+                                        [144, 7168, 1, "swap_ab", dict(cfg, split_k=14)]]},
+                      "SM100": {"rows": [[1, 2, 1, "swap_ab", cfg]]}}}
+    assert warm_triton.variants(dump, "SM90") == [(144, 7168, dict(cfg, split_k=14)),
+                                                  (768, 128, cfg)]
+    assert warm_triton.variants(dump, "SM103") == []

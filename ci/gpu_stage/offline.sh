@@ -8,7 +8,7 @@
 # Deadlines, in seconds after `run` starts: TESTS_END (default 300) for the tests, AB_END
 # (450) for the A/B; a phase ends when its work is done or at its deadline, whatever is
 # first, and what it measured is in the JSON either way (a cut suite counts the tests that
-# ran, the A/B keeps every row timed). Per target: OURS_WORKERS (5) pytest shards for our
+# ran, the A/B keeps every row timed). Per target: OURS_WORKERS (6) pytest shards for our
 # files (one kernel config's tests in one shard), VLLM_WORKERS (2) for vLLM's file,
 # AB_WORKERS (4) A/B processes (they compile in parallel, time one at a time).
 # Results in $OUT: <ref>.json (ci/rebase.py --gpu-results $OUT attaches them), stage.log,
@@ -21,7 +21,7 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site} STASH=${STASH:-/root/stash-targets} PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 TESTS_END=${TESTS_END:-300} AB_END=${AB_END:-450}
-OURS_WORKERS=${OURS_WORKERS:-5} VLLM_WORKERS=${VLLM_WORKERS:-2} AB_WORKERS=${AB_WORKERS:-4}
+OURS_WORKERS=${OURS_WORKERS:-6} VLLM_WORKERS=${VLLM_WORKERS:-2} AB_WORKERS=${AB_WORKERS:-4}
 export PYTHONUNBUFFERED=1
 left() { local s=$(( $1 - ($(date +%s) - START) )); echo $(( s > 1 ? s : 1 )); }
 say() { echo "[offline +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/stage.log"; }
