@@ -9,25 +9,34 @@
 #                                        ci/gpu_stage/offline.sh stash/run
 # Refs: $REFS (default "v0.28.0 v0.29.0 v0.33.0"). The trees' commits depend only on the
 # patch series and overlay, so re-run this whenever overlay/ or patches/ change: results
-# measured on other trees are refused by --gpu-results. Exit 2: a ref was not exported.
+# measured on other trees are refused by --gpu-results. Exit 2: a ref was not exported or
+# its tarball does not read back. A second build of the same DEST waits for the first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${1:-.dev/targets} PART_MIB=${2:-25} PY=${PYTHON:-.venv/bin/python}
 REFS=${REFS:-v0.28.0 v0.29.0 v0.33.0}
 start=$(date +%s)
-rm -rf "$DEST/trees" "$DEST/parts"  # ours from an earlier build; nothing else is touched
 mkdir -p "$DEST"
+# One build at a time per DEST (two writing the same tarballs corrupt them), into a fresh
+# folder that replaces the last build's only once it is complete.
+exec 9>"$DEST/.build.lock"
+flock -n 9 || { echo "another build_addon.sh is writing $DEST; waiting" >&2; flock 9; }
+NEW="$DEST/.new"
+rm -rf "$NEW" && mkdir -p "$NEW"
 onto=(); for r in $REFS; do onto+=(--onto "$r"); done
 # Exit 3/4 (a patch or our module conflicts on a target) is the job's verdict, not a failure
 # here: the tree is exported either way, with our module preferred where it conflicted.
-"$PY" ci/rebase.py "${onto[@]}" --no-tests -q --json "$DEST/rebase-cpu.json" \
-  --gpu-export "$DEST/trees" > "$DEST/rebase-cpu.log" 2>&1
+"$PY" ci/rebase.py "${onto[@]}" --no-tests -q --json "$NEW/rebase-cpu.json" \
+  --gpu-export "$NEW/trees" > "$NEW/rebase-cpu.log" 2>&1
 echo "rebase.py exit $? ($(( $(date +%s) - start )) s)"
 for r in $REFS; do
-  [ -f "$DEST/trees/$r/meta.json" ] || { echo "no tree exported for $r (see $DEST/rebase-cpu.log)" >&2; exit 2; }
+  [ -f "$NEW/trees/$r/meta.json" ] || { echo "no tree exported for $r (see $NEW/rebase-cpu.log)" >&2; exit 2; }
+  xz -t "$NEW/trees/$r/tree.tar.xz" || { echo "$r: tree.tar.xz is corrupt" >&2; exit 2; }
 done
-"$PY" ci/gpu/bundle.py --target-trees "$DEST/trees" --only-targets --part-mib "$PART_MIB" \
-  --out "$DEST/parts" || exit $?
+"$PY" ci/gpu/bundle.py --target-trees "$NEW/trees" --only-targets --part-mib "$PART_MIB" \
+  --out "$NEW/parts" || exit $?
+rm -rf "$DEST/trees" "$DEST/parts" "$DEST/rebase-cpu.json" "$DEST/rebase-cpu.log"
+mv "$NEW"/* "$DEST"/ && rmdir "$NEW"
 "$PY" - "$DEST" <<'PY'
 import json, pathlib, sys
 dest = pathlib.Path(sys.argv[1])
