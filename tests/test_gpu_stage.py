@@ -22,7 +22,7 @@ from k3overlay.report import Report, markdown
 
 sys.path.insert(0, str(ROOT / "ci"))
 
-from gpu_stage import ab, compile_shards, pytest_record, run, summary, warm_triton  # noqa: E402
+from gpu_stage import ab, compile_shards, pytest_record, run, summary  # noqa: E402
 
 CI = str(ROOT / "ci")
 
@@ -140,12 +140,21 @@ def test_the_tests_of_one_kernel_config_run_in_one_shard(tmp_path):
     assert len(shards) == 6 and all(len(s) == 1 for s in shards.values()), shards
     assert set().union(*shards.values()) == {"0", "1", "2"}
     assert len(triton) > 1, "the Triton rows were grouped"
-    # Six groups of five, then five single tests, each to the emptiest shard: 12, 12, 11.
+    # Six groups of cost 5, the plain test (1), four Triton rows (0.05 each), each to the
+    # cheapest shard: 10 + 1, 10 + 2, 10 + 2 tests.
     per_shard = [sum(1 for t in pytest_record.outcomes(entries).values() if t["shard"] == str(i))
                  for i in range(3)]
     assert sorted(per_shard) == [11, 12, 12]
-    assert compile_shards.assign([type("I", (), {"nodeid": str(i), "callspec": None})
-                                  for i in range(4)], 3) == [0, 1, 2, 0]
+
+
+def test_shards_are_balanced_by_cost_not_by_count():
+    def item(name, **params):
+        return type("I", (), {"nodeid": name, "callspec": type("C", (), {"params": params})})
+
+    triton = type("SwapAbConfig", (), {})()
+    light = [item(f"t{i}", config=triton) for i in range(19)]  # 19 x 0.05 < 1
+    heavy = [item("kda", m=1), item("kda2", m=2)]  # 1 each: no config, may compile
+    assert compile_shards.assign(light + heavy, 3) == [2] * 19 + [0, 1]
 
 
 def test_a_killed_pytest_leaves_no_partial_line_in_the_counts(tmp_path):
@@ -228,7 +237,6 @@ def test_offline_run_installs_an_add_on_and_reports_every_target(tmp_path):
         assert result["tree_sha"] == ref * 4
         assert {n: s["passed"] for n, s in result["gpu"]["suites"].items()} == {"vllm": 1, "ours": 2}
         assert result["ab"]["error"]  # no GPU here: said, not crashed
-        assert result["gpu"]["triton_warmup"]["processes"] == 1
         assert f"{ref} ({(ref * 4)[:12]})" in proc.stdout  # summary.py's block
     with tarfile.open(out / "logs.tgz") as tar:
         assert {"v9.8.0.ours.0.jsonl", "v9.9.0.vllm.0.jsonl", "v9.8.0.log"} <= set(tar.getnames())
@@ -251,13 +259,3 @@ def test_ab_times_ours_swap_ab_rows_with_our_triton_kernel():
     out = subprocess.run([sys.executable, "-c", code, CI], capture_output=True, text=True)
     assert out.stdout.split() == ["swap_ab.<locals>.f", "True"], out.stderr[-2000:]
 
-
-def test_triton_warm_up_compiles_each_swap_ab_config_of_this_arch_once():
-    cfg = {"block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 6}
-    dump = {"archs": {"SM90": {"rows": [[768, 128, 1, "swap_ab", cfg], [768, 128, 2, "swap_ab", cfg],
-                                        [768, 7168, 1, "cute", {"block_size": 224}],
-                                        [144, 7168, 1, "swap_ab", dict(cfg, split_k=14)]]},
-                      "SM100": {"rows": [[1, 2, 1, "swap_ab", cfg]]}}}
-    assert warm_triton.variants(dump, "SM90") == [(144, 7168, dict(cfg, split_k=14)),
-                                                  (768, 128, cfg)]
-    assert warm_triton.variants(dump, "SM103") == []

@@ -10,9 +10,11 @@ compiled before the lock is taken, so worker processes compile in parallel and o
 timings are serialised. Rows are handed out one at a time and come back as they finish
 (``measure``'s ``on_row``), so a stage stopped at its deadline keeps every row timed.
 Ours' swap_ab rows run our Triton kernel (``ci/gpu/decode_gemm/candidates.py``, compiled
-first with its ``warmup``, which launches nothing). A dsv3_fused_a choice is timed only
-where that op is built; elsewhere the row is ``unmeasured`` and left out of the
-head-to-head geo-mean, as is a row where ours chose ll_bf16 or tinygemm (no handle here).
+first with its ``warmup``, which launches nothing); its ll_bf16 and tinygemm rows run
+through our module's own ``_launch`` (compiled first with one call on zeros, outside the
+lock; tinygemm needs FlashInfer). A choice this runner cannot run (dsv3_fused_a without
+that op, tinygemm without FlashInfer) leaves the row ``unmeasured``, out of the
+head-to-head geo-mean.
 
 ``winner`` per row: ``ours`` or ``upstream`` when one side is faster by more than
 ``TIE`` (2%, above the ~1% spread of a median of 15 replays seen on the H200), else ``tie``.
@@ -31,6 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import prefer_overlay  # noqa: E402
 
 TIE = 0.02
 REL_TOL = 1e-2
@@ -108,7 +113,9 @@ def _kernel_fn(choice: dict | None, row: dict, kernels):
         except Exception:
             pass  # the first call compiles instead (and reports what is wrong)
         return candidates.swap_ab(tuple(config))
-    if choice["backend"] != "cute":  # ll_bf16, tinygemm: their own benchmark times them
+    if choice["backend"] in OUR_LAUNCH:
+        return _our_launch(choice, row)
+    if choice["backend"] != "cute":
         raise LookupError(f"the A/B has no handle for backend {choice['backend']}")
     cfg = config_tuple(choice["config"])
     try:
@@ -116,6 +123,29 @@ def _kernel_fn(choice: dict | None, row: dict, kernels):
     except Exception:
         pass  # the first call compiles instead (and reports what is wrong)
     return kernels.cute_fn(row["M"], cfg)
+
+
+OUR_LAUNCH = ("ll_bf16", "tinygemm")  # ours only: through our module's own launch
+LLG = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
+
+
+def _our_launch(choice: dict, row: dict):
+    """``low_latency_gemm._launch`` for the row's call, as the model runs it (our module:
+    ``$K3_PREFER_OVERLAY`` puts it ahead of the tree's where the merge conflicted).
+    Compiles it first, on zeros (FlashInfer builds tinygemm on its first call)."""
+    import importlib
+
+    import torch
+
+    llg = importlib.import_module(LLG)
+    if not llg._backend_available(choice["backend"]):
+        raise LookupError(f"{choice['backend']} not available here")
+    config = llg.LLBf16Config(**choice["config"]) if choice["config"] else None
+    call = llg.PlannedCall(choice["backend"], config)
+    x = torch.zeros(row["M"], row["K"], dtype=torch.bfloat16, device="cuda")
+    llg._launch(call, x, torch.zeros(row["N"], row["K"], dtype=torch.bfloat16, device="cuda"))
+    torch.cuda.synchronize()
+    return lambda x, w, residual=None: llg._launch(call, x, w)
 
 
 def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
@@ -129,7 +159,7 @@ def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
     for side in ("upstream", "ours"):
         try:
             fns[side] = _kernel_fn(row[side], row, kernels)
-        except LookupError as exc:
+        except Exception as exc:  # LookupError: not here; anything else: it failed
             fns[side] = exc
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k * 7 + m)
     xs = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
@@ -144,8 +174,10 @@ def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
         out["cublas_us"] = round(cublas, 3)
         for side, fn in fns.items():
             entry = dict(row[side] or {"backend": "cublas", "config": None})
-            if isinstance(fn, Exception):
+            if isinstance(fn, LookupError):
                 entry["status"] = f"unmeasured: {fn}"
+            elif isinstance(fn, Exception):
+                entry["status"] = f"error: {type(fn).__name__}: {fn}"[:300]
             elif fn is None:
                 entry.update(us=out["cublas_us"], speedup=1.0, status="no row: cuBLAS")
             else:
@@ -189,6 +221,8 @@ def _row_task(args: tuple) -> tuple[int, dict]:
     if status is None:
         try:
             if not _STATE:
+                if os.environ.get(prefer_overlay.ENV):  # before anything imports the package
+                    prefer_overlay.install(os.environ[prefer_overlay.ENV])
                 torch.cuda.init()
                 _STATE["lock"] = GpuLock(lock_path)
                 with _STATE["lock"]:

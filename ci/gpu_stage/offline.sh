@@ -8,11 +8,12 @@
 # Deadlines, in seconds after `run` starts: TESTS_END (default 300) for the tests, AB_END
 # (450) for the A/B; a phase ends when its work is done or at its deadline, whatever is
 # first, and what it measured is in the JSON either way (a cut suite counts the tests that
-# ran, the A/B keeps every row timed). Per target: OURS_WORKERS (6) pytest shards for our
+# ran, the A/B keeps every row timed). Per target: OURS_WORKERS (5) pytest shards for our
 # files (one kernel config's tests in one shard), VLLM_WORKERS (2) for vLLM's file,
 # AB_WORKERS (4) A/B processes (they compile in parallel, time one at a time).
 # Results in $OUT: <ref>.json (ci/rebase.py --gpu-results $OUT attaches them), stage.log,
 # logs.tgz (each target's pytest output and per-test records, <ref>.<suite>.jsonl).
+# FI_WHEELS: a folder of FlashInfer's wheels (tinygemm), installed into /tmp/fi, searched last.
 # SITE (/tmp/site), STASH (/root/stash-targets) and PYTHON (python3) can be set, e.g. to
 # try the plumbing on a machine without a GPU (the tests then skip, the A/B says why not).
 set -uo pipefail
@@ -21,7 +22,7 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site} STASH=${STASH:-/root/stash-targets} PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 TESTS_END=${TESTS_END:-300} AB_END=${AB_END:-450}
-OURS_WORKERS=${OURS_WORKERS:-6} VLLM_WORKERS=${VLLM_WORKERS:-2} AB_WORKERS=${AB_WORKERS:-4}
+OURS_WORKERS=${OURS_WORKERS:-5} VLLM_WORKERS=${VLLM_WORKERS:-2} AB_WORKERS=${AB_WORKERS:-4}
 export PYTHONUNBUFFERED=1
 left() { local s=$(( $1 - ($(date +%s) - START) )); echo $(( s > 1 ? s : 1 )); }
 say() { echo "[offline +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/stage.log"; }
@@ -35,6 +36,15 @@ run)
   PYTHON=$PY bash "$HERE/../gpu/install.sh" --target "$SITE" "$STASH" "$@" 2>&1 | tee -a "$OUT/stage.log"
   [ "${PIPESTATUS[0]}" = 0 ] || exit 3
   nproc | sed 's/^/cores: /' >> "$OUT/stage.log"
+  # FlashInfer (our tinygemm rows) from wheels in $FI_WHEELS, into a folder of its own that
+  # is searched last (as ci/gpu/device_run.sh decode does); its JIT needs ninja on PATH.
+  last=()
+  if [ -n "${FI_WHEELS:-}" ] && ls "$FI_WHEELS"/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/fi && timeout 90 "$PY" -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/fi "$FI_WHEELS"/*.whl && last=(--site /tmp/fi) \
+      && export PATH=$PATH:/tmp/fi/bin
+    say "FlashInfer: ${last[*]:-not installed}"
+  fi
   for phase in tests ab; do
     end=$([ $phase = tests ] && echo "$TESTS_END" || echo "$AB_END")
     say "$phase: until +${end}s"
@@ -43,7 +53,7 @@ run)
       [ -d "$t/site" ] && sites+=(--site "$t/site")
       # run.py keeps its own deadline; `timeout` is the backstop should it hang past it.
       timeout -k 5 $(( $(left "$end") + 30 )) "$PY" "$HERE/run.py" $phase --tree "$t/tree" \
-        --meta "$t/meta.json" --out "$OUT/$ref.json" "${sites[@]}" --site "$SITE" \
+        --meta "$t/meta.json" --out "$OUT/$ref.json" "${sites[@]}" --site "$SITE" "${last[@]}" \
         --lock /tmp/k3-gpu.lock --deadline-s "$(left "$end")" --vllm-workers "$VLLM_WORKERS" \
         --workers $([ $phase = tests ] && echo "$OURS_WORKERS" || echo "$AB_WORKERS") \
         >> "$OUT/$ref.log" 2>&1 &

@@ -42,6 +42,7 @@ CI_DIR = HERE.parent
 sys.path.insert(0, str(CI_DIR))
 sys.path.insert(0, str(HERE))
 
+import prefer_overlay  # noqa: E402
 import pytest_record  # noqa: E402
 from cpu_tier import environment_cause  # noqa: E402
 
@@ -150,12 +151,10 @@ def tests_phase(tree: Path, meta: dict, env: dict, shards: dict[str, int], timeo
                 out: Path, save) -> dict:
     """The report's ``gpu`` section: each suite's counts (run side by side), summed, and
     the versions; ``save(section)`` after each suite ends, so a later kill loses neither.
-    Our suite starts once our Triton kernels are compiled (``warm_triton``), within the
-    same ``timeout_s``.
     Each suite's ``pytest_record`` files are ``<out's stem>.<suite>.<shard>.jsonl`` beside
     ``out``."""
     prefer = prefer_dir(tree, meta)
-    ours_env = dict(env, K3_PREFER_OVERLAY=str(prefer)) if prefer else env
+    ours_env = dict(env, **{prefer_overlay.ENV: str(prefer)}) if prefer else env
     section = {"suites": {}, "ours_from": "overlay (the job's merge of our module conflicted)"
                if prefer else "tree"}
     lock = threading.Lock()
@@ -165,53 +164,21 @@ def tests_phase(tree: Path, meta: dict, env: dict, shards: dict[str, int], timeo
         with lock:
             section["env"] = found
 
-    def one(name: str, files: tuple[str, ...], suite_env: dict, until_s: float,
+    def one(name: str, files: tuple[str, ...], suite_env: dict,
             plugins: tuple[str, ...] = ()) -> None:
-        counts = run_suite(tree, files, suite_env, shards[name], until_s,
+        counts = run_suite(tree, files, suite_env, shards[name], timeout_s,
                            out.with_name(f"{out.stem}.{name}.jsonl"), plugins)
         with lock:
             section["suites"][name] = counts
             section.update(totals(section["suites"]))
             save(section)
 
-    start = time.monotonic()
     with ThreadPoolExecutor(3) as pool:
-        jobs = [pool.submit(probe), pool.submit(one, "vllm", VLLM_TESTS, env, timeout_s)]
-        warm = warm_triton(tree, meta, env, shards["ours"], min(90.0, timeout_s / 3), out)
-        with lock:
-            section["triton_warmup"] = warm
-        jobs.append(pool.submit(one, "ours", OUR_TESTS, ours_env,
-                                timeout_s - (time.monotonic() - start),
-                                ("prefer_overlay",) if prefer else ()))
+        jobs = [pool.submit(probe), pool.submit(one, "vllm", VLLM_TESTS, env),
+                pool.submit(one, "ours", OUR_TESTS, ours_env, ("prefer_overlay",) if prefer else ())]
         for job in jobs:
             job.result()
     return section
-
-
-def warm_triton(tree: Path, meta: dict, env: dict, processes: int, timeout_s: float,
-                out: Path) -> dict:
-    """Our swap-AB kernels compiled into Triton's disk cache by ``processes`` processes
-    (``warm_triton.py``) before our shards start; ``{"wall_s", "note"?}``. Stopped at
-    ``timeout_s`` (the shards then compile what is left themselves)."""
-    tables = out.with_name(f"{out.stem}.ours-tables.json")
-    tables.write_text(json.dumps(meta["tables"]["ours"]))
-    start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "warm_triton.py"), str(tables), str(i),
-                               str(processes)], cwd=tree, env=env, stdout=sys.stderr,
-                              start_new_session=True) for i in range(processes)]
-    late = 0
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, start + timeout_s - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            late += 1
-    tables.unlink()
-    result = {"wall_s": round(time.monotonic() - start, 1), "processes": processes}
-    if late:
-        result["note"] = f"{late} of {processes} stopped at {timeout_s:.0f} s"
-    return result
 
 
 def totals(suites: dict) -> dict:
@@ -289,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase in ("ab", "all"):
         sys.path[:0] = paths  # the tree's kernel and the target's CuTe DSL, in this process
         os.environ["PYTHONPATH"] = env["PYTHONPATH"]  # and in the spawned workers
+        prefer = prefer_dir(tree, meta)
+        if prefer:  # our module's launch for ours' ll_bf16/tinygemm rows (ab.py)
+            os.environ[prefer_overlay.ENV] = str(prefer)
         try:
             section = ab_phase(meta, args.workers, args.deadline_s, args.lock, args.replays,
                                saver("ab"))
