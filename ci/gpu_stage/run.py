@@ -201,7 +201,11 @@ def ab_phase(meta: dict, workers: int, deadline_s: float, lock: str, replays: in
         "provenance": {"gpu": torch.cuda.get_device_name(0), "capability": f"{cap[0]}.{cap[1]}",
                        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "cuda": torch.version.cuda, "cutlass_dsl": md.version("nvidia-cutlass-dsl"),
-                       "kernel": f"{meta['ref']}'s ShapeDynamicSkinnyGemm (the tree's own)"},
+                       "triton": version_or_absent("triton"),
+                       "flashinfer": version_or_absent("flashinfer-python"),
+                       "kernel": f"CuTe: {meta['ref']}'s ShapeDynamicSkinnyGemm (the tree's own); "
+                                 "ours' swap_ab: our Triton kernel; ours' tinygemm, ll_bf16: our "
+                                 "module's launch"},
         "method": f"CUDA-graph replay, >= 256 MiB rotating weights, median of {replays} replays; "
                   f"cuBLAS, upstream, ours back to back per row; tie within {ab.TIE:.0%}",
     }
@@ -213,6 +217,13 @@ def ab_phase(meta: dict, workers: int, deadline_s: float, lock: str, replays: in
     results = ab.measure(rows, lock_path=lock, workers=workers, replays=replays,
                          deadline_s=deadline_s, on_row=progress)
     return {**section, "rows": results, "summary": ab.summarize(results)}
+
+
+def version_or_absent(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "absent"
 
 
 def write_json(path: Path, data: dict) -> None:
