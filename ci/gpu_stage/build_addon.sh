@@ -10,7 +10,8 @@
 # Refs: $REFS (default "v0.28.0 v0.29.0 v0.33.0"). The trees' commits depend only on the
 # patch series and overlay, so re-run this whenever overlay/ or patches/ change: results
 # measured on other trees are refused by --gpu-results. Exit 2: a ref was not exported or
-# its tarball does not read back. A second build of the same DEST waits for the first.
+# its tarball does not read back; rebase.py's own code when it failed other than with a
+# verdict (3, 4, 5). A second build of the same DEST waits for the first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${1:-.dev/targets} PART_MIB=${2:-25} PY=${PYTHON:-.venv/bin/python}
@@ -24,11 +25,15 @@ flock -n 9 || { echo "another build_addon.sh is writing $DEST; waiting" >&2; flo
 NEW="$DEST/.new"
 rm -rf "$NEW" && mkdir -p "$NEW"
 onto=(); for r in $REFS; do onto+=(--onto "$r"); done
-# Exit 3/4 (a patch or our module conflicts on a target) is the job's verdict, not a failure
-# here: the tree is exported either way, with our module preferred where it conflicted.
+# Exit 3/4/5 (a patch or our module conflicts, or the tree fails verification) is the
+# job's verdict, not a failure here: the tree is exported either way, with our module
+# preferred where it conflicted.
 "$PY" ci/rebase.py "${onto[@]}" --no-tests -q --json "$NEW/rebase-cpu.json" \
   --gpu-export "$NEW/trees" > "$NEW/rebase-cpu.log" 2>&1
-echo "rebase.py exit $? ($(( $(date +%s) - start )) s)"
+rc=$?
+echo "rebase.py exit $rc ($(( $(date +%s) - start )) s)"
+# Any other code (bad input, no source, an environment, an interrupt): no trustworthy trees.
+case $rc in 0|3|4|5) ;; *) echo "rebase.py failed, exit $rc (see $NEW/rebase-cpu.log)" >&2; exit "$rc" ;; esac
 for r in $REFS; do
   [ -f "$NEW/trees/$r/meta.json" ] || { echo "no tree exported for $r (see $NEW/rebase-cpu.log)" >&2; exit 2; }
   xz -t "$NEW/trees/$r/tree.tar.xz" || { echo "$r: tree.tar.xz is corrupt" >&2; exit 2; }
