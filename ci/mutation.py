@@ -11,8 +11,16 @@ against its CPU tests there (needs vLLM's requirements in the venv, as
 ``ci/test.sh`` installs them). ``--sample N`` runs N mutants drawn at random
 (seed 0) instead of all: a full run of k3overlay/'s ~5700 mutants takes hours
 on 2 cores. ``--again`` re-runs only the survivors of the last run (after
-tests were added to kill them). Prints the score (killed / all tried; a mutant
-no test reaches counts as a survivor) and lists the survivors.
+tests were added to kill them). Prints the score and lists the survivors.
+
+A mutant that no test can kill because it changes nothing a user sees (a
+temporary folder's prefix, a help text) is listed with the reason in
+``ci/mutation_equivalent.json``, each with the line it changes: a listed
+mutant counts as equivalent only while it survives and mutmut still shows that
+line for it (numbers shift when a function changes; a stale entry is said and
+counts as a survivor). Score: killed / (tried - equivalent); the raw score,
+killed / tried, is printed and written next to it. A mutant no test reaches
+counts as a survivor.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ pytest_add_cli_args_test_selection=tests/kernels/test_kimi_k3_low_latency_gemm.p
 process_isolation=forkserver
 """
 KILLED = {"killed", "timeout", "caught by type check"}
+EQUIVALENT = ROOT / "ci" / "mutation_equivalent.json"
 
 
 def mutmut(where: Path, *args: str, capture: bool = False, quiet: bool = False) -> str:
@@ -68,15 +77,18 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the score here")
     args = parser.parse_args()
     where = ROOT / "work" / "mutation" / "vllm" if args.overlay else ROOT
+    what = "the overlay module" if args.overlay else "k3overlay/"  # also the key in EQUIVALENT
     jobs = ["--max-children", str(args.jobs)]
     tried = where / "mutants" / "k3-tried.json"  # the names the last run tried
     if args.again:
         chosen = json.loads(tried.read_text())
         retry = [name for name, status in results(where).items()
                  if name in chosen and status not in KILLED]
-        forget(where, retry)
-        mutmut(where, "run", *jobs, *retry)
-        report(args, where, chosen)
+        retry = [name for name in retry if name not in equivalents(where, what, retry)[0]]
+        if retry:  # (mutmut run with no names would run every mutant)
+            forget(where, retry)
+            mutmut(where, "run", *jobs, *retry)
+        report(args, where, what, chosen)
         return
     if args.overlay:
         shutil.rmtree(where, ignore_errors=True)
@@ -92,7 +104,7 @@ def main() -> None:
         else names
     tried.write_text(json.dumps(chosen))
     mutmut(where, "run", *jobs, *chosen)
-    report(args, where, chosen)
+    report(args, where, what, chosen)
 
 
 def forget(where: Path, names: list[str]) -> None:
@@ -105,24 +117,47 @@ def forget(where: Path, names: list[str]) -> None:
             meta.write_text(json.dumps(data))
 
 
-def report(args: argparse.Namespace, where: Path, chosen: list[str]) -> None:
+def equivalents(where: Path, what: str, survivors: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({survivor: why it is equivalent}, [stale entries]) from ``ci/mutation_equivalent.json``:
+    an entry holds while mutmut's diff of that mutant still adds its ``change`` line."""
+    listed = {e["mutant"]: e for e in json.loads(EQUIVALENT.read_text()).get(what, [])}
+    found, stale = {}, []
+    for name in survivors:
+        if name not in listed:
+            continue
+        shown = mutmut(where, "show", name, capture=True, quiet=True)
+        added = {line[1:].strip() for line in shown.splitlines()
+                 if line.startswith("+") and not line.startswith("+++")}
+        if listed[name]["change"].strip() in added:
+            found[name] = listed[name]["why"]
+        else:
+            stale.append(name)
+    return found, stale
+
+
+def report(args: argparse.Namespace, where: Path, what: str, chosen: list[str]) -> None:
     everything = results(where)
     statuses = {name: status for name, status in everything.items() if name in set(chosen)}
     survivors = sorted(name for name, status in statuses.items() if status not in KILLED)
-    killed = len(statuses) - len(survivors)
-    score = killed / len(statuses) if statuses else 0.0
-    what = "the overlay module" if args.overlay else "k3overlay/"
+    equivalent, stale = equivalents(where, what, survivors)
+    survivors = [name for name in survivors if name not in equivalent]
+    tried = len(statuses)
+    killed = tried - len(survivors) - len(equivalent)
+    score = killed / (tried - len(equivalent)) if tried > len(equivalent) else 0.0
+    raw = killed / tried if tried else 0.0
     sample = (f" (a random sample of the {len(everything)} mutants)"
               if len(statuses) < len(everything) else "")
-    print(f"mutation score over {what}: {killed}/{len(statuses)} = {score:.1%}{sample}")
+    print(f"mutation score over {what}: {killed}/{tried - len(equivalent)} = {score:.1%} "
+          f"({len(equivalent)} equivalent left out; raw {killed}/{tried} = {raw:.1%}){sample}")
     for name in survivors:
-        print(f"  {statuses[name]:10s} {name}")
+        print(f"  {statuses[name]:10s} {name}" + ("  (stale equivalent entry)" if name in stale else ""))
     if args.json:
-        args.json.write_text(json.dumps({"target": what, "sample": len(chosen), "tried": len(statuses),
-                                         "killed": killed, "score": score,
-                                         "survivors": {n: statuses[n] for n in survivors}},
-                                        indent=2) + "\n")
-
+        args.json.write_text(json.dumps({"target": what, "sample": len(chosen), "tried": tried,
+                                         "killed": killed, "equivalent": len(equivalent),
+                                         "score": score, "raw_score": raw,
+                                         "survivors": {n: statuses[n] for n in survivors},
+                                         "equivalents": equivalent},
+                                        indent=2, ensure_ascii=False) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -100,7 +100,7 @@ class ReleaseMirror:
                 stamp = uploaded.strftime("%Y-%m-%dT%H:%M:%S+00:00")
                 env = git.environ(**_MIRROR_IDENTITY, GIT_AUTHOR_DATE=stamp, GIT_COMMITTER_DATE=stamp)
                 message = f"vLLM {tag_of(version)}\n\nRelease sdist {pkg.filename}, as published.\n"
-                git.tag(repo, tag_of(version), git.snapshot(repo, tree, message, [], env=env))
+                git.tag(repo, tag_of(version), git.snapshot(repo, tree, message, env=env))
 
     def latest(self) -> Version:
         """The newest final release with an sdist on the index. Raises SourceError offline."""

@@ -219,3 +219,12 @@ def test_json_report_carries_upstream_diff_of_a_drifted_file(project, upstream, 
     mod = {f["path"]: f for f in json.loads(out.read_text())["overlay"]}["pkg/mod.py"]
     assert mod["status"] == "drift"
     assert mod["upstream_diff"] == g(upstream, "diff", "--no-color", "v1.0.0", "v1.2.0", "--", "pkg/mod.py")
+
+
+def test_vllm_repo_from_the_environment_when_no_option_names_one(project, upstream, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setenv("VLLM_REPO", str(upstream))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # the mirror would fail
+    report = run_apply(project, Options(workdir=tmp_path / "wd"))
+    assert report.ok, report.to_json()
+    assert g(tmp_path / "wd", "rev-parse", "HEAD~2").strip() == g(upstream, "rev-parse", "v1.0.0").strip()

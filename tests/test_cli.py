@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
+from rich.console import Console
 
-from k3overlay import cli, errors, git
+from k3overlay import cli, errors, git, progress
 from k3overlay.project import cache_dir
 
 from .conftest import g
@@ -58,6 +60,7 @@ def test_cache_lives_under_xdg_cache_home_or_home(monkeypatch, tmp_path):
     ("hint: try this\nerror: the reason\nfatal: later", "error: the reason"),
     ("\n  stderr: 'fatal: no such ref\nhint: fetch it first'", "fatal: no such ref"),  # GitPython's wrap
     ("warning: first\nplain second", "warning: first"),
+    ("'origin' does not appear to be a git repository", "'origin' does not appear to be a git repository"),
     ("hint: only hints", "no message"),
     ("", "no message"),
 ])
@@ -77,13 +80,32 @@ def test_every_option_is_explained(project, monkeypatch, capsys):
                  "mirror of release sdists under ~/.cache/vllm-k3-overlay)",
                  "--json FILE also write the report as JSON",
                  "--allow-drift lay overlay files even where upstream changed the file since the base",
-                 "-q, --quiet no progress messages"):
+                 "-q, --quiet no progress messages",
+                 "--workdir DIR patched checkout (default: work/vllm)",
+                 "--branch NAME work branch (default: k3-overlay/9.9.9)",
+                 "--check do everything in a temporary worktree; leave the checkout as it was",
+                 "--rebase-to REF maintainers: rebuild the work branch on REF in the checkout, dropping "
+                 "landed patches, 3-way merging drifted overlay files, stopping at conflicts",
+                 "--export maintainers: regenerate patches/ and overlay.json from the work branch",
+                 "internal wheels (README: Internal vLLM wheels):",
+                 "--build-wheel after applying, build vllm-X.Y.Z+k3ov.<VERSION> from the work branch, "
+                 "reusing the release's compiled code; it is checked before it is kept",
+                 "--wheel-dir DIR where wheels go (default: work/wheels)",
+                 "--release-wheel PATH the vLLM release wheel to reuse, for air-gapped use (default: "
+                 "the package index's, cached and checked against its sha256)",
+                 "--wheel-build {repack,vllm} repack (default): the release wheel with our Python files "
+                 "put in; vllm: vLLM's own precompiled build (needs the CUDA torch the tree pins)"):
         assert line in text, line
 
 
 @pytest.mark.parametrize("args, message", [
     (["--wheel-dir", "w"], "--wheel-dir, --release-wheel and --wheel-build go with --build-wheel"),
     (["--wheel-build", "repack"], "--wheel-dir, --release-wheel and --wheel-build go with --build-wheel"),
+    *[(["--build-wheel", mode], "--build-wheel builds from the work branch apply.py publishes; it does "
+                                "not go with --check, --rebase-to or --export")
+      for mode in ("--check", "--export")],
+    (["--build-wheel", "--release-wheel", "/nonexistent/vllm.whl"],
+     "--release-wheel /nonexistent/vllm.whl: no such file"),
 ])
 def test_wheel_options_alone_are_bad_usage(project, monkeypatch, capsys, args, message):
     monkeypatch.setattr(cli, "Project", lambda: project)
@@ -112,8 +134,11 @@ def test_cli_modes_check_allow_drift_and_rebase_to(project, upstream, monkeypatc
     monkeypatch.setattr(cli, "Project", lambda: project)
     wd = tmp_path / "wd"
     common = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)]
-    assert cli.main([*common, "--check"]) == errors.OK
+    nested = tmp_path / "reports" / "today" / "check.json"  # folders that do not exist yet
+    assert cli.main([*common, "--check", "--json", str(nested)]) == errors.OK
     assert not wd.exists()  # --check made no checkout
+    assert json.loads(nested.read_text())["ref"] == "v1.0.0"
+    assert [p.name for p in nested.parent.iterdir()] == ["check.json"]  # no probe left behind
     assert cli.main([*common, "--vllm-ref", "v1.2.0", "--allow-drift"]) == errors.OK
     assert "def ours" in (wd / "pkg/mod.py").read_text()
     out = tmp_path / "r.json"
@@ -124,3 +149,15 @@ def test_cli_modes_check_allow_drift_and_rebase_to(project, upstream, monkeypatc
     assert g(wd, "rev-parse", "HEAD~2") == g(upstream, "rev-parse", "v1.1.0")
     assert cli.main([*common, "--rebase-to", "nope", "--json", str(out)]) == errors.USAGE
     assert json.loads(out.read_text())["ref"] == "nope"
+
+
+@pytest.mark.parametrize("terminal, quiet, shown", [(True, False, True), (True, True, False),
+                                                    (False, False, False)])
+def test_a_byte_bar_is_drawn_on_a_terminal_only_and_never_with_quiet(monkeypatch, terminal, quiet,
+                                                                       shown):
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, force_terminal=terminal, width=100))
+    monkeypatch.setattr(progress, "quiet", quiet)
+    with progress.ByteBar(4096, "packing x.whl") as bar:
+        bar.update(4096)
+    assert ("packing x.whl" in out.getvalue()) == shown

@@ -263,3 +263,43 @@ def test_rebase_job_interrupted_while_writing_its_reports_is_one_line(monkeypatc
     assert job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--json", str(tmp_path / "r.json")]) == 130
     assert capsys.readouterr().err.splitlines() == [REBASE_INTERRUPTED]
 
+
+
+def test_an_interrupt_during_a_git_command_stops_git_and_what_it_started(tmp_path, monkeypatch):
+    """In this process: Ctrl-C while waiting for git terminates git's process group (git and
+    a grandchild it started) and waits for it, then goes on as an interrupt."""
+    from k3overlay import git
+
+    started = []
+    real = subprocess.Popen.communicate
+
+    def interrupted(self, *args, **kwargs):
+        if "nap" not in self.args:  # git config, read before: let it be
+            return real(self, *args, **kwargs)
+        started.append(self)
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "napping").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the grandchild is running
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    nap = f"!touch {tmp_path / 'napping'}; sleep 60"
+    with pytest.raises(KeyboardInterrupt):
+        git._execute(["-c", f"alias.nap={nap}", "nap"], cwd=tmp_path)
+    monkeypatch.setattr(subprocess.Popen, "communicate", real)
+    [proc] = started
+    assert proc.returncode == -signal.SIGTERM  # waited for, ended by our SIGTERM
+    assert _live_members(proc.pid) == []  # nothing of its group runs on (the sleep included)
+
+
+def _live_members(group: int) -> list[int]:
+    """Pids of the process group that are not zombies (waiting for init to reap them)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == group and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live

@@ -9,7 +9,7 @@ import sys
 import pytest
 from packaging.version import Version
 
-from k3overlay import errors, source
+from k3overlay import errors, progress, source
 from k3overlay.mirror import unpack
 from k3overlay.project import ROOT, cache_dir
 from k3overlay.wheel import readable
@@ -84,12 +84,16 @@ def test_a_download_not_matching_the_index_is_exit_6_and_leaves_nothing(kind, fa
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_unreadable_archive_is_fetched_again_once_then_exit_6(kind, fake_index, tmp_path):
+def test_an_unreadable_archive_is_fetched_again_once_then_exit_6(kind, fake_index, tmp_path,
+                                                                 monkeypatch, capsys):
+    monkeypatch.setattr(progress, "quiet", False)
     name, data = release_file(kind, "A = 1\n")
     fake_index.publish(name, data[: len(data) // 2])  # the index's own file is broken
     with pytest.raises(errors.SourceError, match="cannot be read, even fetched again") as err:
         use(kind, tmp_path)
     assert fake_index.downloads[name] == 2 and "\n" not in str(err.value)
+    said = [line for line in capsys.readouterr().err.splitlines() if "fetching it again" in line]
+    assert len(said) == 1 and said[0].startswith(f"{name} cannot be read (")
     assert not list(cache_dir().rglob("vllm-*"))
 
 
@@ -133,3 +137,16 @@ def test_apply_with_a_truncated_release_on_the_index_is_one_line_exit_6(fake_ind
     assert proc.returncode == errors.SOURCE, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "vllm-0.28.0.tar.gz" in proc.stderr and fake_index.downloads["vllm-0.28.0.tar.gz"] == 2
+
+
+def test_the_latest_release_is_the_newest_final_sdist(fake_index):
+    for version in ("0.1.0", "0.3.0rc1", "0.2.0.dev5"):  # a pre-release and a dev build: not final
+        fake_index.publish(f"vllm-{version}.tar.gz", sdist_bytes(version, {"vllm/a.py": ""}))
+    fake_index.publish("vllm-0.4.0-py3-none-any.whl", wheel_bytes("0.4.0", {"vllm/a.py": ""}))
+    assert source.release_files().latest() == Version("0.1.0")
+
+
+def test_no_final_release_on_the_index_is_exit_6(fake_index):
+    fake_index.publish("vllm-0.3.0rc1.tar.gz", sdist_bytes("0.3.0rc1", {"vllm/a.py": ""}))
+    with pytest.raises(errors.SourceError, match="^the package index lists no vLLM release sdist$"):
+        source.release_files().latest()

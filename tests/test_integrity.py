@@ -20,7 +20,7 @@ from k3overlay.job import Options, run_apply
 from k3overlay.rebase import rebase_to, run_rebase
 from k3overlay.verify import verify
 
-from .conftest import g, snapshot, write
+from .conftest import IDENT, g, snapshot, write
 
 ROOT = Path(__file__).resolve().parent.parent
 PRECIOUS = "precious: must never be overwritten\n"
@@ -277,6 +277,39 @@ def test_blob_id_only_computes_and_write_blob_writes(tmp_path, fmt):
 
     assert git.blob_id(data, width=len(want)) == want and not stored()
     assert git.write_blob(repo, data) == want and stored()
+
+
+def test_an_overlay_commit_that_lost_a_file_is_refused_naming_it(upstream, tmp_path, monkeypatch):
+    """Were staging ever to miss a laid file (the check exists for faults not yet seen),
+    the overlay commit is refused in one line naming the commit and the file."""
+    tree = tmp_path / "tree"
+    g(upstream, "clone", "-q", "--branch", "v1.0.0", str(upstream), str(tree))
+    repo = git.open_repo(tree)
+    laid = {"pkg/new.py": (b"NEW = 1\n", False), "pkg/z.py": (b"Z = 1\n", True)}
+    real = git.stage_exact
+    monkeypatch.setattr(git, "stage_exact",
+                        lambda repo, files: real(repo, {"pkg/new.py": files["pkg/new.py"]}))
+    with pytest.raises(errors.UsageError) as err:
+        manifest.commit_laid(repo, laid, "overlay", env=git.environ(**IDENT))
+    sha = g(tree, "rev-parse", "HEAD").strip()
+    assert g(tree, "show", "-s", "--format=%s").strip() == "overlay"
+    blob = subprocess.run(["git", "hash-object", "--stdin"], input=b"Z = 1\n", capture_output=True,
+                          check=True).stdout.decode().strip()
+    assert str(err.value) == (f"the overlay commit {sha[:12]} does not hold what was laid: "
+                              f"pkg/z.py: committed nothing, laid 100755 {blob[:12]}")
+
+
+def test_a_blob_git_cannot_store_is_an_error_with_gits_reason(tmp_path):
+    g(tmp_path, "init", "-q", "repo")
+    repo = tmp_path / "repo"
+    sha = subprocess.run(["git", "hash-object", "--stdin"], input=b"x", capture_output=True,
+                         check=True).stdout.decode().strip()
+    (repo / ".git" / "objects" / sha[:2]).write_text("")  # a file where its folder must go
+    said = subprocess.run(["git", "hash-object", "-w", "--stdin"], input="x", cwd=repo,
+                          capture_output=True, text=True).stderr.splitlines()
+    with pytest.raises(git.GitError) as err:
+        git.write_blob(git.open_repo(repo), b"x")
+    assert str(err.value) == f"git hash-object failed: {said[0]}" and said[0].startswith("error:")
 
 
 # -- 4. the user's git config and GIT_* variables change nothing ------------------------------

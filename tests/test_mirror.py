@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,9 @@ def test_each_release_is_a_root_commit_of_the_published_sdist(tmp_path, index, m
     for tag in ("v0.1.0", "v0.2.0"):
         assert g(mirror.path, "rev-list", "--parents", "-n1", tag).split()[1:] == []  # no parent
     assert g(mirror.path, "show", "v0.2.0:vllm/a.py") == "A = 2\n"
-    assert g(mirror.path, "log", "-1", "--format=%an|%cn|%aI|%s", "v0.1.0").strip() == \
-        "vLLM release mirror|vLLM release mirror|2026-08-02T10:00:00+00:00|vLLM v0.1.0"
+    assert g(mirror.path, "log", "-1", "--format=%an|%cn|%aI|%cI|%s", "v0.1.0").strip() == \
+        "vLLM release mirror|vLLM release mirror|2026-08-02T10:00:00+00:00|2026-08-02T10:00:00+00:00|" \
+        "vLLM v0.1.0"
     mirror.ensure([Version("0.1.0")])
     assert index.downloads == {"vllm-0.1.0.tar.gz": 1, "vllm-0.2.0.tar.gz": 1}  # nothing twice
 
@@ -102,7 +104,18 @@ def test_a_format_1_mirror_is_left_alone(tmp_path, index, monkeypatch):
     assert tag_shas(mirror)["v0.1.0"] not in old_tags
 
 
-def test_upload_date_comes_from_the_sdist_when_the_index_gives_none(tmp_path, index, monkeypatch):
+@pytest.fixture
+def far_from_utc(monkeypatch):
+    """The machine's time zone UTC+9: a date read in local time would be off by nine hours."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_upload_date_comes_from_the_sdist_when_the_index_gives_none(tmp_path, index, monkeypatch,
+                                                                     far_from_utc):
     index.publish("vllm-0.1.0.tar.gz", sdist_bytes("0.1.0", {"vllm/a.py": "A = 1\n"},
                                                    mtime=1_750_000_000), uploaded=None)
     mirror = mirror_at(tmp_path, "m", monkeypatch)
@@ -111,10 +124,18 @@ def test_upload_date_comes_from_the_sdist_when_the_index_gives_none(tmp_path, in
 
 
 def test_unpack_strips_top_folder_and_refuses_escapes(tmp_path):
+    folder = tarfile.TarInfo("vllm-1.0.0")
+    folder.type = tarfile.DIRTYPE
+    stray = tarfile.TarInfo("stray.txt")  # beside the top folder: not part of the tree
+    stray.size = 1
+    link = tarfile.TarInfo("vllm-1.0.0/vllm/y.py")  # a hard link, named from the top folder
+    link.type, link.linkname = tarfile.LNKTYPE, "vllm-1.0.0/vllm/x.py"
     good = tmp_path / "good.tar.gz"
-    good.write_bytes(sdist_bytes("1.0.0", {"setup.py": "", "vllm/x.py": "X = 1\n"}))
+    good.write_bytes(sdist_bytes("1.0.0", {"setup.py": "", "vllm/x.py": "X = 1\n"}, [folder, stray, link]))
     unpack(good, tmp_path / "out")
     assert (tmp_path / "out/vllm/x.py").read_text() == "X = 1\n"
+    assert (tmp_path / "out/vllm/y.py").read_text() == "X = 1\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["setup.py", "vllm"]
     escape = tarfile.TarInfo("vllm-1.0.0/../../evil")
     escape.size = 1
     bad = tmp_path / "bad.tar.gz"

@@ -145,12 +145,13 @@ def test_export_refuses_commit_mixing_overlay_and_upstream_files(project, upstre
     run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
     (wd / "pkg/model.txt").write_text("changed\n")
     (wd / "pkg/new.py").write_text("X = 1\n")
+    (wd / "pkg/mod.py").write_text("Y = 1\n")
     g(wd, "commit", "-qam", "mixed\n\nUpstream-Status: Pending")
     sha = g(wd, "rev-parse", "HEAD").strip()
     with pytest.raises(errors.UsageError) as err:
         export(project, wd)
-    assert str(err.value) == (f"commit {sha[:12]} changes overlay files (pkg/new.py) and upstream "
-                              f"files; split it")
+    assert str(err.value) == (f"commit {sha[:12]} changes overlay files (pkg/mod.py, pkg/new.py) and "
+                              f"upstream files; split it")
 
 
 def data_files(project):
@@ -280,6 +281,19 @@ def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream,
         export(project, wd)
     assert str(err.value) == ("patches/, overlay/ or overlay.json have uncommitted changes; "
                               "commit or stash them before --export")
+
+
+def test_export_from_a_clean_project_checkout_goes_ahead(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    g(project.root, "init", "-q")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-qm", "our data")
+    (project.root / "README.md").write_text("notes, not data\n")  # outside the data files
+    result = export(project, wd)
+    assert result.patches == ["0001-model-line-4.patch"]
+    assert json.loads(project.manifest_path.read_text()) == \
+        json.loads(g(project.root, "show", "HEAD:overlay.json"))  # the same manifest, re-recorded
 
 
 def test_a_conflicted_overlay_file_does_not_keep_the_next_from_being_laid(project, upstream):

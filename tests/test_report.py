@@ -3,10 +3,16 @@ hand-built reports, compared with hand-written expectations."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import stat
+import threading
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from k3overlay import errors
@@ -216,3 +222,133 @@ def test_wheel_lines():
     assert f"v2: wheel `vllm.whl`, 1,234,567 bytes, sha256 `{'ab' * 32}`" in text.splitlines()
     assert "v2: wheel not built: no release wheel" in text.splitlines()
     assert failed.exit_code == errors.USAGE and failed.to_json()["wheel"] == failed.wheel
+
+
+# -- the GPU stage and the table diff, as the rebase job hands them over (ci/rebase.py) -------
+CUTE = {"backend": "cute", "config": {"block_size": 32, "outputs_per_block": 2, "k_unroll": 1,
+                                      "vector_width": 8, "static_k": None}}
+
+
+def with_gpu_stage() -> Report:
+    report = clean()
+    report.tables = {"upstream": {"module": "up_tables.py"}, "ours": {"module": "our_tables.py"},
+                     "archs": {"SM90": {
+                         "upstream_only": [{"N": 64, "K": 256, "M": 1, "residual": False,
+                                            "upstream": CUTE, "ours": None}],
+                         "ours_only": [], "same": 30,
+                         "different": [{"N": 64, "K": 512, "M": 2, "residual": True,
+                                        "upstream": {"backend": "dsv3_fused_a", "config": None},
+                                        "ours": CUTE}]}}}
+    report.gpu = {"passed": 5, "failed": 0, "skipped": 1, "errors": 0,
+                  "env": {"gpu": "NVIDIA H200", "torch": "2.13.0", "count": 1},
+                  "suites": {"kernels": {"passed": 5, "skipped": 1}}}
+    report.ab = {"arch": "SM90", "method": "CUDA graphs, median of 50",
+                 "summary": {"measured": 2, "rows": 3, "geomean_ours": 1.31, "geomean_upstream": 1.12,
+                             "geomean_ours_over_upstream": 1.17, "errors": 0,
+                             "wins": {"ours": 2, "upstream": 0, "tie": 1}},
+                 "provenance": {"gpu": "NVIDIA H200", "date": "2026-11-30", "torch": "2.13.0",
+                                "cutlass_dsl": "4.3.0"},
+                 "rows": [{"N": 64, "K": 256, "M": 1, "cublas_us": 6.5, "upstream": None,
+                           "ours": {**CUTE, "us": 4.25}, "winner": "ours"}]}
+    return report
+
+
+def test_gpu_stage_and_table_diff_in_every_rendering():
+    report = with_gpu_stage()
+    ab = ("SM90 2/3 rows measured; geo-mean x cuBLAS ours 1.31 upstream 1.12 (ours/upstream 1.17); "
+          "wins ours 2, upstream 0, tie 1")
+    out = io.StringIO()
+    write_human(report, Console(file=out, width=300, highlight=False, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert "table diff SM90: 1 upstream only, 0 ours only, 1 different, 30 same" in lines
+    assert "gpu tests: 5 passed, 0 failed, 1 skipped, 0 errors" in lines
+    assert f"gpu a/b: {ab}" in lines
+    text = markdown([report]).splitlines()
+    start = text.index("### v2: low-latency GEMM tables, ours vs upstream")
+    assert text[start + 1:start + 5] == [
+        "Upstream: `up_tables.py`; ours: `our_tables.py`. Rows are (N, K, M); config = block_size, "
+        "outputs_per_block, k_unroll, vector_width, static_k.", "",
+        "| arch | upstream only | ours only | different | same |", "|---|--:|--:|--:|--:|"]
+    assert "| SM90 | 1 | 0 | 1 | 30 |" in text
+    assert "<details><summary>v2: the 2 rows that differ</summary>" in text
+    assert "| SM90 | upstream only | 64x256 M1 | cute 32,2,1,8,- | cuBLAS |" in text
+    assert "| SM90 | different | 64x512 M2 +residual | dsv3_fused_a | cute 32,2,1,8,- |" in text
+    start = text.index("### v2: GPU stage")
+    assert text[start + 1:start + 5] == [
+        "- tests: 5 passed, 0 failed, 1 skipped, 0 errors (gpu NVIDIA H200, torch 2.13.0)",
+        "  - kernels: 5 passed, 0 failed, 1 skipped, 0 errors",
+        f"- A/B: {ab}",
+        "  - measured on NVIDIA H200 2026-11-30, torch 2.13.0, nvidia-cutlass-dsl 4.3.0; "
+        "CUDA graphs, median of 50"]
+    assert "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |" in text
+    [suite] = ET.fromstring(junit_xml([report]))
+    cases = {c.get("name"): c for c in suite}
+    assert cases["table diff SM90"].findtext("system-out") == \
+        "1 upstream only, 0 ours only, 1 different, 30 same"
+    assert cases["gpu tests"].findtext("system-out") == "5 passed, 0 failed, 1 skipped, 0 errors"
+    assert cases["gpu a/b ours vs upstream vs cuBLAS"].findtext("system-out") == ab
+    assert not any(c.find("failure") is not None or c.find("error") is not None for c in suite)
+
+
+def test_gpu_stage_that_could_not_run_is_an_error_not_a_pass():
+    report = clean()
+    report.tables = {"error": "upstream's tables: no such module"}
+    report.gpu = {"env_error": "no GPU results for v2 in --gpu-results"}
+    report.ab = {"error": "no A/B results"}
+    [suite] = ET.fromstring(junit_xml([report]))
+    errors_by_case = {c.get("name"): c.find("error").get("message") for c in suite
+                      if c.find("error") is not None}
+    assert errors_by_case == {
+        "table diff -": "not read: upstream's tables: no such module",
+        "gpu tests": "not run: environment error: no GPU results for v2 in --gpu-results",
+        "gpu a/b ours vs upstream vs cuBLAS": "not run: no A/B results"}
+    text = markdown([report]).splitlines()
+    assert "**v2: table diff not read**: upstream's tables: no such module" in text
+    assert "- A/B: not run: no A/B results" in text
+
+
+def test_wheel_cases_in_junit():
+    built, failed = clean(), clean()
+    built.wheel = {"path": "/w/vllm.whl", "name": "vllm.whl", "size": 1, "sha256": "ab" * 32}
+    failed.wheel = {"error": "no release wheel", "exit_code": errors.USAGE}
+    suites = ET.fromstring(junit_xml([built, failed]))
+    ok, bad = ([c for c in suite if c.get("name") == "wheel"][0] for suite in suites)
+    assert ok.findtext("system-out") == "vllm.whl" and ok.find("failure") is None
+    assert bad.findtext("system-out") == "no release wheel"
+    assert bad.find("failure").get("message") == "no release wheel"
+
+
+def test_json_to_a_fifo_is_written_in_place_whole(tmp_path):
+    """(In this process: tests/test_breaker_reports.py runs the same through apply.py.)"""
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    report = clean()
+    report.error = "x" * 200_000  # more than a pipe holds: written in several pieces
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_json(report, fifo)
+    reader.join(30)
+    data = json.loads(got[0])
+    assert data["ref"] == "v2" and data["error"] == "x" * 200_000
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # not replaced by a file
+
+
+@pytest.mark.parametrize("form", ["/dev/fd/{fd}", "/proc/self/fd/{fd}", "/proc/{pid}/fd/{fd}"])
+def test_json_to_an_open_descriptor_of_ours_is_written_to_it(form):
+    read, write = os.pipe()
+    try:
+        write_json(clean(), Path(form.format(fd=write, pid=os.getpid())))
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            assert json.loads(pipe.read())["ref"] == "v2"
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write)
+
+
+def test_a_new_report_file_gets_0o666_less_the_umask(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    write_json(clean(), tmp_path / "r.json")
+    assert stat.S_IMODE(os.stat(tmp_path / "r.json").st_mode) == 0o666 & ~umask

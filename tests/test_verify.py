@@ -77,6 +77,12 @@ def test_every_form_of_import_of_a_deleted_module_fails(tmp_path):
     ]
 
 
+def test_a_deleted_top_level_module_fails_its_importers(tmp_path):
+    root = tree(tmp_path, {"user.py": "import helpers\n", "other.py": "X = 1\n"})
+    result = verify(root, ["helpers.py"])  # touched, and not in the tree: deleted
+    assert result.errors == ["user.py:1: cannot import helpers: helpers no longer exists"]
+
+
 def test_a_deleted_package_takes_its_submodules_with_it(tmp_path):
     root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/user.py": "from pkg.sub.deep import f\n"})
     result = verify(root, ["pkg/sub/__init__.py", "pkg/sub/deep.py"])

@@ -33,6 +33,7 @@ from k3overlay.wheel import (
     build,
     build_for,
     check_build_env,
+    check_release,
     check_sound,
     local_version,
     release_version,
@@ -233,11 +234,18 @@ def test_a_patch_touching_csrc_gets_no_wheel_exit_2(tmp_path, vupstream):
     assert not (tmp_path / "wheels").exists()  # refused before anything was written
 
 
-@pytest.mark.parametrize("fault", ["a file differs", "a file is missing", "another version"])
+@pytest.mark.parametrize("fault", ["a file differs", "a file is missing", "another version",
+                                   "already ours", "a .data folder"])
 def test_the_release_wheel_must_be_the_release_the_tree_came_from(setup, tmp_path, fault):
     if fault == "another version":
         other = make_wheel(tmp_path / "other", "0.2.0", release_files(TREE))
         expect = "is not vLLM 0.1.0's wheel"
+    elif fault in ("already ours", "a .data folder"):
+        extra = "vllm/k3_overlay.json" if fault == "already ours" else "vllm-0.1.0.data/scripts/x"
+        other = make_wheel(tmp_path / "other", "0.1.0", {**release_files(TREE), extra: "{}"})
+        expect = ("^vllm-0.1.0-py3-none-any.whl already holds vllm/k3_overlay.json$"
+                  if fault == "already ours" else
+                  "^vllm-0.1.0-py3-none-any.whl has a .data folder; repacking handles wheels without one$")
     else:
         tree = {**TREE, "vllm/a.py": "A = 1  # rebuilt\n"} if fault == "a file differs" else \
             {p: t for p, t in TREE.items() if p != "vllm/gone.py"}
@@ -306,9 +314,12 @@ def rewritten(good: Path, dest_dir: Path, fault: str) -> Path:
         "so": {"vllm/_C.abi3.so": b"\x7fELF rebuilt"},
         "unpatched": {"vllm/a.py": b"A = 1\n"},
         "missing": {"vllm/new.py": None},
+        "two faults": {"vllm/new.py": None, "vllm/a.py": b"A = 1\n"},
         "deleted file back": {"vllm/gone.py": b"G = 1\n"},
         "metadata": {f"{info}/METADATA": entries[f"{info}/METADATA"].replace(
             b"Version: 0.1.0+k3ov.9.9.9", b"Version: 0.1.0")},
+        "invalid metadata": {f"{info}/METADATA": entries[f"{info}/METADATA"].replace(
+            b"Requires-Dist: numpy", b"Requires-Dist: numpy[")},
         "wheel tag": {f"{info}/WHEEL": entries[f"{info}/WHEEL"].replace(b"py3-none-any", b"py2-none-any")},
         "version_py": {"vllm/_version.py": VERSION_PY.encode()},
         "two dist-infos": {"vllm-0.1.0.dist-info/METADATA": entries[f"{info}/METADATA"]},
@@ -333,12 +344,16 @@ FAULTS = {
     "so": "vllm/_C.abi3.so is not the release's",
     "unpatched": "vllm/a.py is not the patched tree's",
     "missing": "vllm/new.py is missing",
+    "two faults": "failed its checks: vllm/new.py is missing (and 1 more)",
     "deleted file back": "vllm/gone.py should not be there",
     "metadata": "METADATA says vllm 0.1.0, not vllm 0.1.0+k3ov.9.9.9",
+    "invalid metadata": "METADATA does not validate",
     "wheel tag": "WHEEL's Tag lines",
     "version_py": "vllm/_version.py is not the patched tree's",
     "two dist-infos": "dist-info folders",
-    "tag": "pip install --target failed",  # all else agrees: only pip sees it is no wheel for here
+    # all else agrees: only pip sees it is no wheel for here, and its own words are passed on
+    "tag": "pip install --target failed: ERROR: vllm-0.1.0+k3ov.9.9.9-cp38-abi3-win_arm64.whl is not "
+           "a supported wheel on this platform.",
 }
 
 
@@ -364,6 +379,7 @@ def test_the_checks_catch(good, tmp_path, fault):
     with pytest.raises(errors.BuildError, match=re.escape(FAULTS[fault])) as err:
         wheelcheck.check(bad, release, LOCAL, put)
     assert err.value.exit_code == errors.VERIFY and "\n" not in str(err.value)
+    assert "(and 0 more)" not in str(err.value)
 
 
 def test_the_checks_read_the_version_even_where_the_builder_expected_the_release_one(good, tmp_path):
@@ -441,7 +457,9 @@ def test_a_failed_vllm_build_is_exit_5_with_its_log(setup, tmp_path, monkeypatch
     with pytest.raises(errors.BuildError, match=r"vLLM's build failed \(exit 1\).*log: ") as err:
         build_in(setup, tmp_path / "wheels", method=VLLM)
     assert "\n" not in str(err.value)
-    assert "AssertionError" in (tmp_path / "wheels" / "vllm-build.log").read_text()
+    log = (tmp_path / "wheels" / "vllm-build.log").read_text()
+    assert "AssertionError" in log
+    assert f": {log.strip().splitlines()[-1][:200]} (log: " in str(err.value)  # the log's last line
     assert [p.name for p in (tmp_path / "wheels").iterdir()] == ["vllm-build.log"]
 
 
@@ -545,3 +563,52 @@ def test_the_build_log_is_not_written_through_a_link_in_the_wheel_folder(setup, 
     else:
         raise AssertionError("the stand-in build should fail")
     assert outside.read_text() == "mine\n" and (wheel_dir / "vllm-build.log").is_symlink()
+
+
+# -- found by mutation testing: the --build-wheel success path of the command line, and the
+# tool's own commit in the provenance record. Expectations from git and from the file on disk.
+def test_build_wheel_from_the_command_line_reports_the_wheel_in_the_json(setup, tmp_path,
+                                                                         monkeypatch, capsys):
+    wheel_dir, report_json = tmp_path / "out" / "wheels", tmp_path / "report.json"  # folders made
+    project, release, _repo, report, _tip = setup
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["-q", "--vllm-repo", report.workdir, "--workdir", report.workdir, "--json",
+                     str(report_json), "--build-wheel", "--release-wheel", str(release),
+                     "--wheel-dir", str(wheel_dir)])
+    assert code == errors.OK, capsys.readouterr().err
+    [path] = wheel_dir.iterdir()
+    wheel = json.loads(report_json.read_text())["wheel"]
+    assert wheel == {"name": "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl", "path": str(path),
+                     "size": path.stat().st_size, "method": "repack",
+                     "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    # the wheel of the published work branch: its a.py is the branch's
+    assert member(path, "vllm/a.py").decode() == g(Path(report.workdir), "show", f"{report.branch}:vllm/a.py")
+    assert "k3_overlay.json" in capsys.readouterr().out  # how to read the record where installed
+
+
+def test_provenance_names_the_tools_commit_and_whether_its_checkout_was_dirty(setup, tmp_path):
+    project = setup[0]
+    g(project.root, "init", "-q")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-q", "-m", "the tool")
+    sha = g(project.root, "rev-parse", "HEAD").strip()
+    clean = build_in(setup, tmp_path / "clean")
+    (project.root / "notes.txt").write_text("an untracked file\n")
+    dirty = build_in(setup, tmp_path / "dirty")
+    commit = [json.loads(member(w.path, "vllm/k3_overlay.json"))["tool"]["commit"] for w in (clean, dirty)]
+    assert commit == [sha, f"{sha}-dirty"]
+
+
+def test_a_sha256_repository_checks_the_release_wheel_by_its_own_blob_ids(tmp_path):
+    repo = tmp_path / "sha256"
+    g(tmp_path, "init", "-q", "--object-format=sha256", str(repo))
+    write(repo, TREE)
+    g(repo, "add", "-A")
+    g(repo, "commit", "-q", "-m", "vLLM v0.1.0")
+    sha = g(repo, "rev-parse", "HEAD").strip()
+    assert len(sha) == 64
+    good = make_wheel(tmp_path / "good", "0.1.0", release_files(TREE))
+    check_release(git.open_repo(repo), sha, good, Version("0.1.0"))  # no refusal
+    rebuilt = make_wheel(tmp_path / "rebuilt", "0.1.0", release_files({**TREE, "vllm/a.py": "A = 9\n"}))
+    with pytest.raises(errors.UsageError, match="vllm/a.py differs$"):
+        check_release(git.open_repo(repo), sha, rebuilt, Version("0.1.0"))

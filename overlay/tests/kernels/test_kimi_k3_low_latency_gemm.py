@@ -229,6 +229,31 @@ def test_eh_proj_row_cites_its_own_source() -> None:
         table.source_of((1, 1))
 
 
+SOURCES = {  # (arch, table provenance, row provenance) of each data module
+    SM103: ("SM103", blackwell_data.SM103_PROVENANCE, blackwell_data.SM103_ROW_PROVENANCE),
+    SM100: ("SM100", blackwell_data.SM100_PROVENANCE, blackwell_data.SM100_ROW_PROVENANCE),
+    SM90: ("SM90", sm90_data.PROVENANCE, sm90_data.ROW_PROVENANCE),
+}
+
+
+@pytest.mark.parametrize("capability", list(DATA))
+def test_a_table_built_now_holds_every_data_row_and_its_source(capability) -> None:
+    """The tables are built at import; this builds one again inside the test, so a fault in
+    the building (not only in its result at import) fails here."""
+    rows, residual_rows = DATA[capability]
+    arch, provenance, row_provenance = SOURCES[capability]
+    table = k3._table_from_rows(arch, rows, provenance, residual_rows, row_provenance)
+    assert table.arch == arch and set(table) == set(rows) and len(table) == len(rows)
+    for shape in rows:
+        spec = table[shape]
+        assert (spec.n, spec.k) == shape
+        assert dict(spec.winners) == data_plan(capability, shape)
+        assert [m for m, _ in spec.winners] == sorted(rows[shape])
+        assert dict(spec.residual_configs) == data_residual_plan(capability, shape)
+        assert dict(table.source_of(shape)) == dict(row_provenance.get(shape, provenance))
+    assert dict(table.provenance) == dict(provenance)
+
+
 def test_sm90_data_module_keeps_the_tuner_format() -> None:
     assert set(sm90_data.PROVENANCE) == {
         "gpu", "source", "date", "torch", "cutlass_dsl", "run_id"
@@ -1213,3 +1238,54 @@ def test_v0_28_callers_still_import_the_entry_point() -> None:
 
     assert model.enable_kimi_k3_low_latency_gemm is k3.enable_kimi_k3_low_latency_gemm
     assert mtp.enable_kimi_k3_low_latency_gemm is k3.enable_kimi_k3_low_latency_gemm
+
+
+def test_compile_ahead_on_cuda_compiles_each_non_cute_call_once(monkeypatch) -> None:
+    """The CUDA branch, driven on CPU: a device that says it is CUDA, every backend said
+    to be built, and each backend's compile step replaced by a recorder."""
+    cuda = SimpleNamespace(type="cuda")
+    seen = []
+    monkeypatch.setattr(k3, "HAS_TRITON", True)
+    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: True)
+    monkeypatch.setattr(k3, "_tinygemm_op", lambda: object())
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    monkeypatch.setattr(
+        k3.swap_ab_gemm, "warmup",
+        lambda config, n, k, device: seen.append(("swap_ab", config, n, k, device)),
+    )
+
+    class Runner(NamedTuple):
+        config: k3.LLBf16Config
+
+        def warmup(self, *, shapes, m_values):
+            seen.append(("ll_bf16", self.config, shapes, m_values))
+
+    monkeypatch.setattr(k3, "_ll_bf16_runner", Runner)
+    zeros = torch.zeros
+
+    def cpu_zeros(shape, *, dtype, device):
+        assert device is cuda
+        return zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(k3.torch, "zeros", cpu_zeros)
+    monkeypatch.setattr(
+        k3, "_launch",
+        lambda call, x, w: seen.append(("tinygemm", tuple(x.shape), tuple(w.shape), x.dtype)),
+    )
+    swap = SwapAbConfig(64, 128, 2, 4, 4)
+    splitk = k3.LLBf16Config("splitk", 2, 4)
+    dotprod = k3.LLBf16Config("dotprod", block_size=256)
+    spec = k3.ProjectionSpec(64, 512, (
+        (1, k3.PlannedCall("swap_ab", swap)),
+        (2, k3.PlannedCall("ll_bf16", splitk)),
+        (3, k3.PlannedCall("ll_bf16", dotprod)),
+        (4, k3.PlannedCall("tinygemm", None)),
+        (5, k3.PlannedCall("dsv3_fused_a", None)),  # compiled into vllm._C: nothing to do
+    ))
+    assert k3._compile_ahead(spec, cuda) == 4
+    assert seen == [
+        ("swap_ab", swap, 64, 512, cuda),
+        ("ll_bf16", splitk, [(512, 64)], [2]),
+        ("ll_bf16", dotprod, [(512, 64)], [3]),
+        ("tinygemm", (4, 512), (16, 512), BF16),
+    ]
