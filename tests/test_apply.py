@@ -228,3 +228,16 @@ def test_vllm_repo_from_the_environment_when_no_option_names_one(project, upstre
     report = run_apply(project, Options(workdir=tmp_path / "wd"))
     assert report.ok, report.to_json()
     assert g(tmp_path / "wd", "rev-parse", "HEAD~2").strip() == g(upstream, "rev-parse", "v1.0.0").strip()
+
+
+def test_a_checkout_without_the_base_says_so_and_one_with_it_does_not(project, upstream, tmp_path):
+    note = "note: base v1.0.0 is not in this checkout (shallow or foreign clone?): no upstream diff " \
+           "of drifted files"
+    full = apply(project, upstream, tmp_path / "full", ref="v1.1.0")
+    assert full.ok and note not in full.notes
+    shallow = tmp_path / "shallow"
+    g(tmp_path, "clone", "-q", "--depth", "1", "--branch", "v1.1.0", f"file://{upstream}", str(shallow))
+    assert subprocess.run(["git", "rev-parse", "--verify", "-q", "v1.0.0^{commit}"], cwd=shallow,
+                          capture_output=True).returncode != 0  # git agrees: no base here
+    report = apply(project, upstream, shallow, ref="v1.1.0", check=True)
+    assert note in report.notes

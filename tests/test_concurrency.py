@@ -303,3 +303,19 @@ def _live_members(group: int) -> list[int]:
         if int(fields[2]) == group and fields[0] != "Z":
             live.append(int(stat.parent.name))
     return live
+
+
+def test_a_temporary_worktree_whose_folder_vanished_leaves_no_entry(upstream, tmp_path):
+    """A cleaned /tmp took our worktree's folder while we worked: `git worktree remove`
+    cannot, so git's entry is removed by hand, and the missing folder is no error."""
+    from k3overlay import git
+
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    repo = git.open_repo(wd)
+    with git.temporary_worktree(repo, git.resolve(repo, "v1.0.0")) as tree:
+        parent = Path(tree.working_tree_dir).parent
+        assert worktree_entries(wd) != []
+        subprocess.run(["rm", "-rf", str(parent)], check=True)
+    assert worktree_entries(wd) == [] and not parent.exists()
+    assert g(wd, "worktree", "list", "--porcelain").count("worktree ") == 1  # git agrees
