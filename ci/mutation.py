@@ -15,7 +15,7 @@ tests were added to kill them). Prints the score and lists the survivors.
 
 A mutant that no test can kill because it changes nothing a user sees (a
 temporary folder's prefix, a help text) is listed with the reason in
-``ci/mutation_equivalent.json``, each with the line it changes: a listed
+``ci/mutation_equivalent.json``, each with a line it changes: a listed
 mutant counts as equivalent only while it survives and mutmut still shows that
 line for it (numbers shift when a function changes; a stale entry is said and
 counts as a survivor). Score: killed / (tried - equivalent); the raw score,
@@ -119,16 +119,17 @@ def forget(where: Path, names: list[str]) -> None:
 
 def equivalents(where: Path, what: str, survivors: list[str]) -> tuple[dict[str, str], list[str]]:
     """({survivor: why it is equivalent}, [stale entries]) from ``ci/mutation_equivalent.json``:
-    an entry holds while mutmut's diff of that mutant still adds its ``change`` line."""
+    an entry holds while mutmut's diff of that mutant still has its ``change`` line (``+``
+    and the line it adds, or ``-`` and the line it removes, stripped)."""
     listed = {e["mutant"]: e for e in json.loads(EQUIVALENT.read_text()).get(what, [])}
     found, stale = {}, []
     for name in survivors:
         if name not in listed:
             continue
         shown = mutmut(where, "show", name, capture=True, quiet=True)
-        added = {line[1:].strip() for line in shown.splitlines()
-                 if line.startswith("+") and not line.startswith("+++")}
-        if listed[name]["change"].strip() in added:
+        changed = {line[0] + line[1:].strip() for line in shown.splitlines()
+                   if line[:1] in "+-" and not line.startswith(("+++", "---"))}
+        if listed[name]["change"] in changed:
             found[name] = listed[name]["why"]
         else:
             stale.append(name)

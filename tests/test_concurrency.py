@@ -305,9 +305,10 @@ def _live_members(group: int) -> list[int]:
     return live
 
 
-def test_a_temporary_worktree_whose_folder_vanished_leaves_no_entry(upstream, tmp_path):
-    """A cleaned /tmp took our worktree's folder while we worked: `git worktree remove`
-    cannot, so git's entry is removed by hand, and the missing folder is no error."""
+@pytest.mark.parametrize("damage", ["folder gone", "git link gone"])
+def test_a_damaged_temporary_worktree_leaves_no_entry(upstream, tmp_path, damage):
+    """A cleaned /tmp took our worktree's folder while we worked, or its ``.git`` link
+    (a half-made worktree, which `git worktree remove` refuses): no entry is left either way."""
     from k3overlay import git
 
     wd = tmp_path / "wd"
@@ -316,6 +317,9 @@ def test_a_temporary_worktree_whose_folder_vanished_leaves_no_entry(upstream, tm
     with git.temporary_worktree(repo, git.resolve(repo, "v1.0.0")) as tree:
         parent = Path(tree.working_tree_dir).parent
         assert worktree_entries(wd) != []
-        subprocess.run(["rm", "-rf", str(parent)], check=True)
+        if damage == "folder gone":
+            subprocess.run(["rm", "-rf", str(parent)], check=True)
+        else:
+            (parent / "tree" / ".git").unlink()
     assert worktree_entries(wd) == [] and not parent.exists()
     assert g(wd, "worktree", "list", "--porcelain").count("worktree ") == 1  # git agrees

@@ -280,7 +280,11 @@ def test_gpu_stage_and_table_diff_in_every_rendering():
         f"- A/B: {ab}",
         "  - measured on NVIDIA H200 2026-11-30, torch 2.13.0, nvidia-cutlass-dsl 4.3.0; "
         "CUDA graphs, median of 50"]
-    assert "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |" in text
+    start = text.index("<details><summary>v2: A/B per row (µs per call)</summary>")
+    assert text[start + 1:start + 6] == [
+        "", "| N x K | M | cuBLAS | upstream | µs | ours | µs | faster |",
+        "|---|--:|--:|---|--:|---|--:|---|",
+        "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |", "</details>"]
     [suite] = ET.fromstring(junit_xml([report]))
     cases = {c.get("name"): c for c in suite}
     assert cases["table diff SM90"].findtext("system-out") == \

@@ -368,6 +368,19 @@ def test_spec_rejects_configs_that_cannot_run(winners, residual, message) -> Non
 
 
 @pytest.mark.parametrize(
+    "winners,message",
+    [
+        (((17, k3.PlannedCall("dsv3_fused_a", None)),), "(64, 256): M=17 is outside range(1, 17)"),
+        (((3, k3.PlannedCall("cublas", None)),), "(64, 256) at M=3: unknown backend 'cublas'"),
+    ],
+)
+def test_a_rejection_names_the_shape_and_m(winners, message) -> None:
+    with pytest.raises(ValueError) as err:
+        k3.ProjectionSpec(64, 256, winners)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
     "n,k,message",
     [(64, 96, "tinygemm needs K % 64"), (72, 256, "tinygemm needs K % 64 == 0 and N % 16")],
 )
@@ -807,6 +820,20 @@ def test_request_warmup_without_cute(monkeypatch, fake_cute) -> None:
     assert not fake_cute.warmups
 
 
+def test_request_warmup_counts_a_compiled_non_cute_call(monkeypatch, fake_cute) -> None:
+    """No CuTe warm-up to ask for, but the row's other kernels were compiled: True."""
+    pin_capability(monkeypatch, SM90)
+    fake_cute.available = False
+    spec = k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)]
+    compiled = []
+    monkeypatch.setattr(
+        k3, "_compile_ahead", lambda s, device: compiled.append((s, device)) or 1
+    )
+    weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
+    assert k3.request_low_latency_warmup(weight) is True
+    assert compiled == [(spec, weight.device)]
+
+
 # ----------------------------------------------------------------- runtime guard
 
 
@@ -904,6 +931,22 @@ def test_unsupported_input_falls_back(monkeypatch, fake_cute, base_apply, case):
 
     assert method.apply(linear_layer(weight), x, bias) == "base"
     assert len(base_apply) == 1 and base_apply[0] is x
+    assert not fake_cute.calls
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
+def test_a_fallback_hands_the_bias_to_the_base_method(monkeypatch, fake_cute) -> None:
+    got = []
+
+    def base(self, layer, x, bias=None):
+        got.append(bias)
+        return "base"
+
+    monkeypatch.setattr(k3.UnquantizedLinearMethod, "apply", base)
+    bias = bf16(N)
+    method = k3.KimiK3LowLatencyLinearMethod(PLAN)
+    assert method.apply(linear_layer(), bf16(2, K), bias) == "base"
+    assert len(got) == 1 and got[0] is bias
     assert not fake_cute.calls
 
 
@@ -1081,6 +1124,9 @@ def test_availability_of_the_new_backends(monkeypatch) -> None:
     assert not k3._backend_available("tinygemm")
     monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: False)
     assert not k3._backend_available("ll_bf16")
+    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: True)
+    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)  # ll_bf16's own answer counts
+    assert k3._backend_available("ll_bf16")
 
 
 def test_compile_ahead_compiles_only_on_cuda(monkeypatch) -> None:
