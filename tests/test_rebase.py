@@ -270,12 +270,18 @@ def test_export_refuses_an_unsafe_checkout(project, upstream, tmp_path, spoil, m
     assert data_files(project) == before
 
 
-def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream, tmp_path):
+def applied_from_a_project_checkout(project, upstream, tmp_path):
+    """The work branch applied, and the project's own files committed in a git checkout."""
     wd = tmp_path / "wd"
     run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
     g(project.root, "init", "-q")
     g(project.root, "add", "-A")
     g(project.root, "commit", "-qm", "our data")
+    return wd
+
+
+def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream, tmp_path):
+    wd = applied_from_a_project_checkout(project, upstream, tmp_path)
     (project.patches_dir / "series").write_text("0001-model-line-4.patch\n# edited\n")
     with pytest.raises(errors.UsageError) as err:
         export(project, wd)
@@ -284,11 +290,7 @@ def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream,
 
 
 def test_export_from_a_clean_project_checkout_goes_ahead(project, upstream, tmp_path):
-    wd = tmp_path / "wd"
-    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
-    g(project.root, "init", "-q")
-    g(project.root, "add", "-A")
-    g(project.root, "commit", "-qm", "our data")
+    wd = applied_from_a_project_checkout(project, upstream, tmp_path)
     (project.root / "README.md").write_text("notes, not data\n")  # outside the data files
     result = export(project, wd)
     assert result.patches == ["0001-model-line-4.patch"]
