@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from k3overlay import progress
 from k3overlay.project import Project
 
 IDENT = {
@@ -120,6 +121,13 @@ def isolated_cache(request, tmp_path, monkeypatch):
     if request.node.get_closest_marker("e2e") is None:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("VLLM_REPO", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def progress_said(monkeypatch):
+    """Progress messages on, as apply.py says them without -q: a test that ran apply.py's
+    main with -q must not silence the ones after it (``progress.quiet`` is module state)."""
+    monkeypatch.setattr(progress, "quiet", False)
 
 
 def snapshot(repo: Path) -> dict:

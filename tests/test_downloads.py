@@ -3,6 +3,8 @@ index's sha256 on every use, re-fetched once when it fails, else exit 6 in one l
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -56,6 +58,9 @@ def test_downloaded_once_then_read_from_the_cache(kind, fake_index, tmp_path):
     cached = cache_dir() / ("sdists" if kind == "sdist" else "wheels") / name
     assert cached.read_bytes() == data
     assert [p.name for p in cached.parent.iterdir() if not p.name.startswith(".")] == [name]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o644 & ~umask  # data, not a program
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -108,8 +113,9 @@ def test_no_published_sha256_means_no_use(fake_index, tmp_path):
 
 def test_an_unreachable_index_is_exit_6(monkeypatch, tmp_path):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # discard port: refused
-    with pytest.raises(errors.SourceError, match="cannot reach the package index"):
+    with pytest.raises(errors.SourceError, match="cannot reach the package index: ") as err:
         use("sdist", tmp_path)
+    assert "host='127.0.0.1', port=9" in str(err.value)  # requests' own first line, not a stand-in
 
 
 def test_the_index_cannot_name_a_file_outside_the_cache(fake_index, tmp_path):
@@ -122,6 +128,7 @@ def test_the_index_cannot_name_a_file_outside_the_cache(fake_index, tmp_path):
 
 
 def test_the_wheel_that_installs_here_is_chosen(fake_index):
+    fake_index.publish("vllm-0.2.0-py3-none-any.whl", b"w")  # another release: never chosen
     fake_index.publish("vllm-0.1.0-cp38-abi3-win_arm64.whl", b"x")
     assert pytest.raises(errors.UsageError, source.release_files().wheel, V).match("--release-wheel")
     fake_index.publish("vllm-0.1.0-py3-none-any.whl", b"y")

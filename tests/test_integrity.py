@@ -157,8 +157,12 @@ def test_write_in_tree_follows_no_link_on_disk(tmp_path):
     (tree / "linkdir").symlink_to(outside)
     (tree / "pkg" / "link.py").symlink_to(outside / "x.py")
     (tree / "pkg" / "dir.py").mkdir()
+    (tree / "plain.txt").write_text("a file\n")
     for rel, what in [("linkdir/x.py", "linkdir is a symbolic link"),
-                      ("pkg/link.py", "symbolic link in the tree"), ("pkg/dir.py", "folder"),
+                      ("pkg/link.py", "symbolic link in the tree"),
+                      ("pkg/dir.py",
+                       "^refusing to write pkg/dir.py: it is a folder in the tree, not a file$"),
+                      ("plain.txt/x", "^refusing to write plain.txt/x: plain.txt is a file, not a folder$"),
                       ("pkg/link.py/x", "pkg/link.py is a symbolic link"), ("../x", "not a plain"),
                       ("/etc/x", "not a plain"), ("pkg//x", "not a plain")]:
         with pytest.raises(errors.UsageError, match=what):

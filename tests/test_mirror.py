@@ -59,9 +59,11 @@ def test_release_of():
     assert release_of("0.28.0") is None and release_of("main") is None and release_of("v1.2") is None
 
 
-def test_each_release_is_a_root_commit_of_the_published_sdist(tmp_path, index, monkeypatch):
+def test_each_release_is_a_root_commit_of_the_published_sdist(tmp_path, index, monkeypatch, capsys):
     mirror = mirror_at(tmp_path, "m", monkeypatch)
     mirror.ensure([Version("0.2.0"), Version("0.1.0")])
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("… ")]
+    assert "… unpacking vllm-0.1.0.tar.gz" in said and "… committing vllm-0.2.0.tar.gz as v0.2.0" in said
     assert mirror.path == cache_dir() / MIRROR_NAME
     assert mirror.releases() == [Version("0.1.0"), Version("0.2.0")]
     for tag in ("v0.1.0", "v0.2.0"):
@@ -143,6 +145,13 @@ def test_unpack_strips_top_folder_and_refuses_escapes(tmp_path):
     with pytest.raises(errors.SourceError, match="cannot unpack"):
         unpack(bad, tmp_path / "out2")
     assert not (tmp_path / "evil").exists()
+    out_link = tarfile.TarInfo("vllm-1.0.0/vllm/passwd.py")  # a link out of the tree
+    out_link.type, out_link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    linked = tmp_path / "linked.tar.gz"
+    linked.write_bytes(sdist_bytes("1.0.0", {"vllm/x.py": ""}, [out_link]))
+    with pytest.raises(errors.SourceError, match="cannot unpack linked.tar.gz"):
+        unpack(linked, tmp_path / "out3")
+    assert not (tmp_path / "out3").exists()
 
 
 @pytest.mark.parametrize("damage", ["not a tarball", "truncated", "empty"])

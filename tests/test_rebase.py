@@ -82,6 +82,7 @@ def test_rebase_to_merged_target_then_export(project, upstream, tmp_path):
     assert [p.status for p in report.patches] == ["landed-upstream"]
     result = export(project, wd)
     assert result.patches == [] and result.dropped == ["0001-model-line-4.patch"]
+    assert result.range_diff == ""  # nothing left to compare with: `dropped` says it
     assert (project.patches_dir / "series").read_text() == ""
     mod = (project.overlay_dir / "pkg/mod.py").read_text()
     assert mod.startswith('"""Upstream docstring."""') and "def ours" in mod

@@ -249,7 +249,10 @@ def with_gpu_stage() -> Report:
                  "provenance": {"gpu": "NVIDIA H200", "date": "2026-11-30", "torch": "2.13.0",
                                 "cutlass_dsl": "4.3.0"},
                  "rows": [{"N": 64, "K": 256, "M": 1, "cublas_us": 6.5, "upstream": None,
-                           "ours": {**CUTE, "us": 4.25}, "winner": "ours"}]}
+                           "ours": {**CUTE, "us": 4.25}, "winner": "ours"},
+                          {"N": 64, "K": 256, "M": 2, "cublas_us": 7.0, "winner": "cuBLAS",
+                           "upstream": {"backend": "dsv3_fused_a", "config": None, "status": "failed"},
+                           "ours": {"backend": "dsv3_fused_a", "config": None}}]}
     return report
 
 
@@ -281,11 +284,13 @@ def test_gpu_stage_and_table_diff_in_every_rendering():
         "  - measured on NVIDIA H200 2026-11-30, torch 2.13.0, nvidia-cutlass-dsl 4.3.0; "
         "CUDA graphs, median of 50"]
     start = text.index("<details><summary>v2: A/B per row (µs per call)</summary>")
-    assert text[start + 1:start + 6] == [
+    assert text[start + 1:start + 7] == [
         "", "| N x K | M | cuBLAS | upstream | µs | ours | µs | faster |",
         "|---|--:|--:|---|--:|---|--:|---|",
-        "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |", "</details>"]
+        "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |",
+        "| 64x256 | 2 | 7.0 | dsv3_fused_a | failed | dsv3_fused_a | n/a | cuBLAS |", "</details>"]
     [suite] = ET.fromstring(junit_xml([report]))
+    assert {c.get("classname") for c in suite} == {"rebase.v2"}
     cases = {c.get("name"): c for c in suite}
     assert cases["table diff SM90"].findtext("system-out") == \
         "1 upstream only, 0 ours only, 1 different, 30 same"
@@ -299,15 +304,17 @@ def test_gpu_stage_that_could_not_run_is_an_error_not_a_pass():
     report.tables = {"error": "upstream's tables: no such module"}
     report.gpu = {"env_error": "no GPU results for v2 in --gpu-results"}
     report.ab = {"error": "no A/B results"}
+    report.ref = "v0.28.0"  # dots would be package separators in a JUnit class name
     [suite] = ET.fromstring(junit_xml([report]))
     errors_by_case = {c.get("name"): c.find("error").get("message") for c in suite
                       if c.find("error") is not None}
+    assert {c.get("classname") for c in suite} == {"rebase.v0_28_0"}
     assert errors_by_case == {
         "table diff -": "not read: upstream's tables: no such module",
         "gpu tests": "not run: environment error: no GPU results for v2 in --gpu-results",
         "gpu a/b ours vs upstream vs cuBLAS": "not run: no A/B results"}
     text = markdown([report]).splitlines()
-    assert "**v2: table diff not read**: upstream's tables: no such module" in text
+    assert "**v0.28.0: table diff not read**: upstream's tables: no such module" in text
     assert "- A/B: not run: no A/B results" in text
 
 
@@ -356,3 +363,22 @@ def test_a_new_report_file_gets_0o666_less_the_umask(tmp_path):
     os.umask(umask)
     write_json(clean(), tmp_path / "r.json")
     assert stat.S_IMODE(os.stat(tmp_path / "r.json").st_mode) == 0o666 & ~umask
+
+
+def test_added_and_replaced_files_show_no_detail_line_other_statuses_do():
+    report = clean()
+    report.overlay = [FileResult("a.py", "added", "note a"), FileResult("r.py", "replaced", "note r"),
+                      FileResult("m.py", "merged", "note m")]
+    out = io.StringIO()
+    write_human(report, Console(file=out, width=120, highlight=False, color_system=None))
+    notes = [line.split() for line in out.getvalue().splitlines() if "note" in line]
+    assert notes == [["note", "m"]]
+
+
+def test_an_ab_summary_without_an_architecture_says_so():
+    report = with_gpu_stage()
+    del report.ab["arch"]
+    out = io.StringIO()
+    write_human(report, Console(file=out, width=300, highlight=False, color_system=None))
+    assert "gpu a/b: ? 2/3 rows measured; geo-mean x cuBLAS ours 1.31 upstream 1.12 (ours/upstream " \
+           "1.17); wins ours 2, upstream 0, tie 1" in out.getvalue().splitlines()

@@ -473,6 +473,14 @@ def test_build_env_refusals(torch, message):
         check_build_env("torch==2.13.0", torch)
 
 
+@pytest.mark.parametrize("pin, wanted", [("torch==2.13.0", "torch==2.13.0"), ("", "torch (CUDA build)")])
+def test_build_env_refusal_says_which_torch_to_install(pin, wanted):
+    with pytest.raises(errors.UsageError) as err:
+        check_build_env(pin, None)
+    assert str(err.value).endswith(f"; install {wanted} from a CUDA index into this Python, or use "
+                                   f"--wheel-build repack")
+
+
 def test_build_env_accepted():
     check_build_env("torch==2.13.0", ("2.13.0+cu130", "13.0"))
     check_build_env("", ("2.14.0+cu130", "13.0"))
