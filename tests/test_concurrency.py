@@ -283,7 +283,7 @@ def test_an_interrupt_during_a_git_command_stops_git_and_what_it_started(tmp_pat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
-    nap = f"!touch {tmp_path / 'napping'}; sleep 60"
+    nap = f"!touch {tmp_path / 'napping'} && exec sleep 60"  # git's own child, which git reaps
     with pytest.raises(KeyboardInterrupt):
         git._execute(["-c", f"alias.nap={nap}", "nap"], cwd=tmp_path)
     monkeypatch.setattr(subprocess.Popen, "communicate", real)
