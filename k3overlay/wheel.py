@@ -257,10 +257,9 @@ def check_release(repo: git.Repo, ref_sha: str, wheel: Path, release: Version) -
 def _member(wheel: Path, path: str) -> bytes:
     """The bytes of ``path`` in ``wheel``; UsageError if it has none."""
     with _opened(wheel) as archive:
-        try:
-            return archive.read(path)
-        except KeyError as err:
-            raise UsageError(f"{wheel.name} has no {path}") from err
+        if path not in archive.namelist():  # (WheelFile.read would blame its RECORD instead)
+            raise UsageError(f"{wheel.name} has no {path}")
+        return archive.read(path)
 
 
 def _release_wheel(local: Path | None, files: ReleaseFiles, release: Version) -> Path:

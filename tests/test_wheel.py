@@ -7,6 +7,7 @@ made here with ``wheel``'s WheelFile from the same files plus a compiled-looking
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import importlib.metadata
@@ -24,6 +25,7 @@ from packaging.version import Version
 from wheel.wheelfile import WheelFile
 
 from k3overlay import cli, errors, git, source, wheelcheck
+from k3overlay import wheel as wheel_mod
 from k3overlay.job import Options, run_apply
 from k3overlay.project import ROOT, Project
 from k3overlay.rebase import run_rebase
@@ -398,6 +400,41 @@ def test_version_py_gets_the_local_version_and_keeps_every_other_byte():
         "(0, 1, 0)", "(0, 1, 0, 'k3ov.9.9.9')")
     with pytest.raises(errors.UsageError, match="assigns no __version__"):
         versioned("VERSION = '1'\n", LOCAL)
+
+
+def test_version_py_with_each_name_assigned_on_its_own_line():
+    text = ("__version__ = '0.1.0'\nversion = '0.1.0'\n__version_tuple__ = (0, 1, 0)\n"
+            "version_tuple = (0, 1, 0)\n")
+    assert versioned(text, LOCAL) == (
+        "__version__ = '0.1.0+k3ov.9.9.9'\nversion = '0.1.0+k3ov.9.9.9'\n"
+        "__version_tuple__ = (0, 1, 0, 'k3ov.9.9.9')\nversion_tuple = (0, 1, 0, 'k3ov.9.9.9')\n")
+
+
+def test_a_release_wheel_without_a_file_the_build_needs_is_named(tmp_path):
+    release = make_wheel(tmp_path, "0.1.0", {"vllm/a.py": "A = 1\n"})
+    with pytest.raises(errors.UsageError) as err:
+        wheel_mod._member(release, "vllm/_version.py")
+    assert str(err.value) == "vllm-0.1.0-py3-none-any.whl has no vllm/_version.py"
+
+
+def test_repacked_entries_are_dated_from_the_commit(tmp_path):
+    release = tmp_path / "vllm-0.1.0-py3-none-any.whl"
+    files = {"vllm/a.py": b"A = 1\n",
+             "vllm-0.1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.1.0\n",
+             "vllm-0.1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nTag: py3-none-any\n"}
+    def digest(data: bytes) -> str:  # RECORD's form (PEP 376): urlsafe base64, no padding
+        return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode().rstrip("=")
+
+    record = "".join(f"{name},sha256={digest(data)},{len(data)}\n" for name, data in files.items())
+    with zipfile.ZipFile(release, "w") as out:  # dated 2020, and not by our code
+        for name, data in {**files, "vllm-0.1.0.dist-info/RECORD": record.encode()}.items():
+            out.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
+    dest = tmp_path / "out" / "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl"
+    dest.parent.mkdir()
+    epoch = 1_767_225_599  # 2025-12-31 23:59:59 UTC
+    wheel_mod.repack(release, dest, LOCAL, {"vllm/new.py": b"N = 1\n"}, epoch)
+    with zipfile.ZipFile(dest) as archive:
+        assert {i.date_time for i in archive.infolist()} == {(2025, 12, 31, 23, 59, 58)}  # 2 s steps
 
 
 def test_local_version_label():
