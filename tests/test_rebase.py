@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import xml.etree.ElementTree as ET
@@ -165,6 +166,7 @@ def data_files(project):
     ("markers", "conflict markers"),
     ("upstream_file", "upstream's pkg/mod.py, not ours"),
     ("merge", "merge commit"),
+    ("broken", "^the work branch fails verification: pkg/new.py:1: does not compile"),
 ])
 def test_refused_export_writes_nothing(project, upstream, tmp_path, spoil, message):
     wd = tmp_path / "wd"
@@ -175,6 +177,9 @@ def test_refused_export_writes_nothing(project, upstream, tmp_path, spoil, messa
     elif spoil == "markers":
         (wd / "pkg/mod.py").write_text("<<<<<<< ours\nA = 1\n=======\nA = 2\n>>>>>>> theirs\n")
         g(wd, "commit", "-qam", "oops")
+    elif spoil == "broken":
+        (wd / "pkg/new.py").write_text("X = (\n")
+        g(wd, "commit", "-qam", "k3-overlay: a typo")
     elif spoil == "upstream_file":
         g(wd, "checkout", "-q", "v1.0.0", "--", "pkg/mod.py")
         g(wd, "commit", "-qm", "back to upstream's file")
@@ -297,6 +302,18 @@ def test_export_from_a_clean_project_checkout_goes_ahead(project, upstream, tmp_
     assert result.patches == ["0001-model-line-4.patch"]
     assert json.loads(project.manifest_path.read_text()) == \
         json.loads(g(project.root, "show", "HEAD:overlay.json"))  # the same manifest, re-recorded
+
+
+def test_export_keeps_the_mode_of_each_overlay_file(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    (wd / "pkg/new.py").chmod(0o755)
+    g(wd, "commit", "-qam", "k3-overlay: new.py runs as a script")
+    export(project, wd)
+    modes = {line.split()[3]: line.split()[0] for line in g(wd, "ls-tree", "HEAD", "pkg/").splitlines()}
+    assert modes["pkg/new.py"] == "100755" and modes["pkg/mod.py"] == "100644"  # git's word
+    assert os.access(project.overlay_dir / "pkg/new.py", os.X_OK)
+    assert not os.access(project.overlay_dir / "pkg/mod.py", os.X_OK)
 
 
 def test_a_conflicted_overlay_file_does_not_keep_the_next_from_being_laid(project, upstream):
