@@ -458,6 +458,10 @@ def test_release_version_from_the_tree_or_the_tag(vupstream, tmp_path):
     other = git.open_repo(bare)
     with pytest.raises(errors.UsageError, match="cannot tell which vLLM release main is"):
         release_version(other, "main", git.resolve(other, "HEAD"))
+    write(bare, {"vllm/_version.py": "__version__ = computed()\n"})  # no string to read: the tag says
+    g(bare, "add", "-A")
+    g(bare, "commit", "-q", "-m", "a version file without a literal")
+    assert str(release_version(other, "v0.3.0", git.resolve(other, "HEAD"))) == "0.3.0"
 
 
 # -- --wheel-build vllm: the build environment ---------------------------------------------
