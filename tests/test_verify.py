@@ -138,3 +138,17 @@ def test_imports_in_handlers_and_dotted_imports_bind_what_python_binds(tmp_path)
     })
     result = verify(root, ["pkg/mod.py"])
     assert result.errors == ["pkg/user.py:5: cannot import name 'path' from pkg.mod"]
+
+
+def test_imports_in_else_branches_and_from_two_levels_up_are_checked(tmp_path):
+    root = tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/deep.py": "from ..gone import X\n",  # pkg.gone, two levels up
+        "pkg/other.py": "import sys\nif sys.platform == 'x':\n    pass\nelse:\n    import pkg.gone\n",
+    })
+    result = verify(root, ["pkg/gone.py"])  # touched, and not in the tree: deleted
+    assert result.errors == [
+        "pkg/other.py:5: cannot import pkg.gone: pkg.gone no longer exists",
+        "pkg/sub/deep.py:1: cannot import pkg.gone: pkg.gone no longer exists",
+    ]
