@@ -589,3 +589,22 @@ def test_paths_that_look_like_markup_are_printed_as_they_are(project, upstream, 
     assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(wd)]) == 0
     out = capsys.readouterr()
     assert f"cloning {upstream} into {wd}" in out.err and str(wd) in out.out
+
+
+def test_a_ref_naming_a_tree_found_only_by_fetching_is_named(project, upstream, tmp_path):
+    up, wd = tmp_path / "up", tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(up))
+    g(up, "clone", "-q", str(up), str(wd))
+    g(up, "tag", "late", "v1.0.0^{tree}")  # made after the checkout was cloned: fetched fresh
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(up), workdir=wd, ref="late"))
+    assert str(err.value) == "ref 'late' names a tree, not a commit: give a tag, branch or commit sha"
+
+
+def test_an_overlay_file_upstream_removed_is_drift(project, upstream, tmp_path):
+    up = hostile(upstream, tmp_path, lambda t: (t / "pkg/mod.py").unlink(), tag="v9.0.0")
+    report = run_apply(project, Options(vllm_repo=str(up), workdir=tmp_path / "wd", ref="v9.0.0"))
+    assert report.exit_code == errors.DRIFT
+    [mod] = [f for f in report.to_json()["overlay"] if f["path"] == "pkg/mod.py"]
+    assert (mod["status"], mod["detail"]) == ("drift", "upstream removed this file")
+    assert mod["upstream_diff"] == g(up, "diff", "v1.0.0", "v9.0.0", "--", "pkg/mod.py")  # git's own

@@ -308,13 +308,15 @@ def test_conflict_in_the_middle_and_later_patches_still_tried(kinds, tmp_path, m
 
     def look(tree):  # the rebase job still builds what applied, and runs tests on it
         seen["mode"] = mode(tree, "HEAD", "pkg/tool.sh")
+        seen["committers"] = set(run_git(tree, "log", "--format=%cn <%ce>", "v3..HEAD").splitlines())
         seen["old"] = (tree / "pkg/old.txt").exists()
         seen["overlay"] = (tree / "pkg/extra.py").exists()
         return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
 
     [report] = run_rebase(project, ["v3"], vllm_repo=str(up), tests=look)
     assert statuses(report) == ["applied", "conflict", "applied"]
-    assert seen == {"mode": "100755", "old": False, "overlay": True}
+    assert seen == {"mode": "100755", "old": False, "overlay": True,  # the patch after the
+                    "committers": {"vllm-k3-overlay <k3-overlay@users.noreply.localhost>"}}  # conflict too
     assert report.verify.ok and report.exit_code == errors.CONFLICT
 
 
