@@ -19,7 +19,8 @@ def apply(project, upstream, workdir, **kw):
 
 
 @pytest.mark.parametrize("ref", ["--upload-pack=touch {pwned}", "v1.0.0:refs/heads/keep",
-                                 "+refs/tags/v1.1.0:refs/heads/keep", "a..b", "-v1"])
+                                 "+refs/tags/v1.1.0:refs/heads/keep", "a..b", "-v1", "keep@{{1}}",
+                                 "v1.0.0\x7f", "v1 .0"])
 def test_refs_that_git_would_read_as_options_or_refspecs_are_refused(project, upstream, tmp_path, ref):
     wd = tmp_path / "wd"
     apply(project, upstream, wd)
