@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from k3overlay import cli, errors, files, git, manifest, report
+from k3overlay import series as series_mod
 from k3overlay.job import Options, run_apply
 from k3overlay.rebase import rebase_to, run_rebase
 from k3overlay.verify import verify
@@ -608,3 +609,34 @@ def test_an_overlay_file_upstream_removed_is_drift(project, upstream, tmp_path):
     [mod] = [f for f in report.to_json()["overlay"] if f["path"] == "pkg/mod.py"]
     assert (mod["status"], mod["detail"]) == ("drift", "upstream removed this file")
     assert mod["upstream_diff"] == g(up, "diff", "v1.0.0", "v9.0.0", "--", "pkg/mod.py")  # git's own
+
+
+def test_a_series_naming_anything_but_a_patch_file_beside_it_is_refused(project):
+    for name in ("../x.patch", "series", "a\x1bb.patch"):  # a path, itself, a terminal escape
+        (project.patches_dir / "series").write_text(f"0001-model-line-4.patch\n{name}\n")
+        with pytest.raises(errors.UsageError) as err:
+            series_mod.load(project.patches_dir)
+        assert str(err.value) == f"series names {name!r}: only patch file names in patches/ may be listed"
+
+
+def test_the_manifest_and_overlay_folder_must_list_the_same_files(project):
+    manifest_file = json.loads(project.manifest_path.read_text())
+    manifest_file["files"] += [{"path": f"pkg/{name}.py", "base_blob": "new"} for name in "ab"]
+    project.manifest_path.write_text(json.dumps(manifest_file))
+    with pytest.raises(errors.UsageError) as err:
+        manifest.load(project.manifest_path, project.overlay_dir)
+    assert str(err.value) == "overlay manifest lists files missing under overlay/: pkg/a.py, pkg/b.py"
+    write(project.overlay_dir, {"pkg/a.py": "", "pkg/b.py": "", "pkg/c.py": "", "d.py": ""})
+    with pytest.raises(errors.UsageError) as err:
+        manifest.load(project.manifest_path, project.overlay_dir)
+    assert str(err.value) == "files under overlay/ missing from the manifest: d.py, pkg/c.py"
+
+
+def test_an_overlay_folder_that_is_a_link_is_refused(project, tmp_path):
+    real = tmp_path / "elsewhere"
+    (project.overlay_dir / "pkg").rename(real)
+    (project.overlay_dir / "pkg").symlink_to(real)
+    with pytest.raises(errors.UsageError) as err:
+        manifest.load(project.manifest_path, project.overlay_dir)
+    assert str(err.value) == ("overlay/pkg is a symbolic link: overlay files and their folders must be "
+                              "real ones")
