@@ -640,3 +640,16 @@ def test_an_overlay_folder_that_is_a_link_is_refused(project, tmp_path):
         manifest.load(project.manifest_path, project.overlay_dir)
     assert str(err.value) == ("overlay/pkg is a symbolic link: overlay files and their folders must be "
                               "real ones")
+
+
+def test_a_path_that_is_not_utf8_comes_back_from_git_as_the_bytes_it_is(tmp_path):
+    g(tmp_path, "init", "-q", "repo")
+    repo_dir = tmp_path / "repo"
+    g(repo_dir, "commit", "-q", "--allow-empty", "-m", "empty")
+    name = os.fsdecode(b"caf\xe9.py")  # Latin-1 bytes: not UTF-8
+    (repo_dir / name).write_text("X = 1\n")
+    g(repo_dir, "add", "-A")
+    g(repo_dir, "commit", "-q", "-m", "a file")
+    repo = git.open_repo(repo_dir)
+    assert git.changed_paths(repo, "HEAD~1", "HEAD") == [name]
+    assert os.fsencode(name) == b"caf\xe9.py"
