@@ -122,18 +122,40 @@ def equivalents(where: Path, what: str, survivors: list[str]) -> tuple[dict[str,
     an entry holds while mutmut's diff of that mutant still has its ``change`` line (``+``
     and the line it adds, or ``-`` and the line it removes, stripped)."""
     listed = {e["mutant"]: e for e in json.loads(EQUIVALENT.read_text()).get(what, [])}
+    names = [name for name in survivors if name in listed]
     found, stale = {}, []
-    for name in survivors:
-        if name not in listed:
-            continue
-        shown = mutmut(where, "show", name, capture=True, quiet=True)
-        changed = {line[0] + line[1:].strip() for line in shown.splitlines()
+    for name, diff in zip(names, diffs(where, names)):
+        changed = {line[0] + line[1:].strip() for line in diff.splitlines()
                    if line[:1] in "+-" and not line.startswith(("+++", "---"))}
         if listed[name]["change"] in changed:
             found[name] = listed[name]["why"]
         else:
             stale.append(name)
     return found, stale
+
+
+# mutmut's own diff of each named mutant (what `mutmut show` prints), in one process: a
+# `mutmut show` per mutant re-reads every mutated module, tens of seconds each on 2 cores.
+_DIFFS = """
+import json, sys
+from mutmut.__main__ import SourceFileMutationData
+from mutmut.mutation.diff_apply import get_diff_for_mutant, walk_mutatable_files
+path_of = {}
+for path in walk_mutatable_files():
+    data = SourceFileMutationData(path=path)
+    data.load()
+    path_of.update(dict.fromkeys(data.exit_code_by_key, path))
+print(json.dumps([get_diff_for_mutant(n, path=path_of[n]) if n in path_of else ""
+                  for n in json.load(sys.stdin)]))
+"""
+
+
+def diffs(where: Path, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    out = subprocess.run([PYTHON, "-c", _DIFFS], cwd=where, input=json.dumps(names), text=True,
+                         capture_output=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def report(args: argparse.Namespace, where: Path, what: str, chosen: list[str]) -> None:
