@@ -43,6 +43,7 @@ def test_each_target_classified(reports):
     assert v13.patches[0].files == ["pkg/model.txt"]
     mod13 = {f.path: f for f in v13.overlay}["pkg/mod.py"]
     assert mod13.status == "conflict" and "def theirs" in mod13.upstream_diff
+    assert mod13.detail.endswith("; 3-way merge: 1 conflicting region(s)")  # both add at the end
     assert v13.exit_code == errors.CONFLICT
     assert v13.tests["failed"] == 1  # tests still ran, on what applied: upstream's line 4
     assert reports["v7.0.0"].exit_code == errors.USAGE and "not found" in reports["v7.0.0"].error
