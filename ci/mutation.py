@@ -9,7 +9,7 @@ mutant run against ``tests/`` without the e2e tier. ``--overlay`` mutates
 ``low_latency_gemm.py`` inside a fresh patched tree (``work/mutation/vllm``)
 against its CPU tests there (needs vLLM's requirements in the venv, as
 ``ci/test.sh`` installs them). ``--sample N`` runs N mutants drawn at random
-(seed 0) instead of all: a full run of k3overlay/'s ~5700 mutants takes hours
+(``--seed``, default 0) instead of all: a full run of k3overlay/'s ~5700 mutants takes hours
 on 2 cores. ``--again`` re-runs only the survivors of the last run (after
 tests were added to kill them). Prints the score and lists the survivors.
 
@@ -72,6 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overlay", action="store_true", help="the overlay module, not k3overlay/")
     parser.add_argument("--sample", type=int, default=0, metavar="N", help="N random mutants (0: all)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the sample's seed (another seed: a sample no test was written against)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--again", action="store_true", help="re-run the last run's survivors only")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the score here")
@@ -100,7 +102,7 @@ def main() -> None:
     # Generates the mutants and the test stats, then stops: no mutant has that name.
     mutmut(where, "run", *jobs, "no-such-mutant", quiet=True)
     names = sorted(results(where))
-    chosen = sorted(random.Random(0).sample(names, args.sample)) if 0 < args.sample < len(names) \
+    chosen = sorted(random.Random(args.seed).sample(names, args.sample)) if 0 < args.sample < len(names) \
         else names
     tried.write_text(json.dumps(chosen))
     mutmut(where, "run", *jobs, *chosen)
@@ -175,7 +177,8 @@ def report(args: argparse.Namespace, where: Path, what: str, chosen: list[str]) 
     for name in survivors:
         print(f"  {statuses[name]:10s} {name}" + ("  (stale equivalent entry)" if name in stale else ""))
     if args.json:
-        args.json.write_text(json.dumps({"target": what, "sample": len(chosen), "tried": tried,
+        args.json.write_text(json.dumps({"target": what, "sample": len(chosen), "seed": args.seed,
+                                         "again": args.again, "tried": tried,
                                          "killed": killed, "equivalent": len(equivalent),
                                          "score": score, "raw_score": raw,
                                          "survivors": {n: statuses[n] for n in survivors},
