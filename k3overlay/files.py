@@ -136,9 +136,7 @@ def _write_stream(path: Path, stream: int | str, data: bytes) -> None:
     try:
         fd = stream if isinstance(stream, int) else os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, data)
         finally:
             if not isinstance(stream, int):
                 os.close(fd)
@@ -205,9 +203,7 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
                  dir_fd=dirfd)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, data)
             if keep_mode is not None:
                 os.fchmod(fd, keep_mode)
             os.fsync(fd)
@@ -219,6 +215,13 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
             os.unlink(temp, dir_fd=dirfd)
         raise
     os.fsync(dirfd)  # the rename itself survives a crash
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a pipe or a full disk may take fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _kind(name: str | Path, dirfd: int | None = None) -> str:
