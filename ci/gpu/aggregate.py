@@ -47,7 +47,7 @@ def build(records: list[dict], prov: dict, bw_Bps: float, sel, ms) -> dict:
             recs = by.get((n, k, m), {})
             row = {
                 "N": n, "K": k, "M": m, "label": label, "layout": layout,
-                "roof_us": round(shp.min_bytes_moved(n, k, m) / bw_Bps * 1e6, 3),
+                "roof_us": round(shp.roof_us(n, k, m, bw_Bps), 3),
             }
             c1, c2 = recs.get(("cublas", 1), {}), recs.get(("cublas", 2), {})
             row["cublas_us"] = [c1.get("us"), c2.get("us")]

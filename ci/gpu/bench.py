@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         ws = rot.views(n, k)
         ref = timing.ref64(xs[0], ws[0])
         row = {"N": n, "K": k, "M": m, "label": shp.SHAPES.get((n, k), ("?",))[0],
-               "roof_us": round(shp.min_bytes_moved(n, k, m) / bw * 1e6, 2)}
+               "roof_us": round(shp.roof_us(n, k, m, bw), 2)}
         row["cublas_us"] = round(timing.time_us(kernels.cublas, xs, ws, replays=args.replays), 2)
         for tag, table in (("ours", ours), ("v029", v029)):
             choice = table.get((n, k, m))

@@ -67,3 +67,8 @@ def min_bytes_moved(n: int, k: int, m: int) -> int:
     Weight and activation read once, output written once (bytes).
     """
     return 2 * (n * k + m * k + m * n)
+
+
+def roof_us(n: int, k: int, m: int, read_Bps: float) -> float:
+    """The read roof of one call (µs): :func:`min_bytes_moved` over a read bandwidth (bytes/s)."""
+    return min_bytes_moved(n, k, m) / read_Bps * 1e6

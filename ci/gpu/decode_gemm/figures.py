@@ -387,7 +387,7 @@ def main(argv=None) -> int:
             if args.phase == "core":
                 row.update(label=shp.SHAPES.get((n, k), ("",))[0],
                            weight_bytes=shp.weight_bytes(n, k),
-                           roof_us=bw and round(shp.min_bytes_moved(n, k, m) / (bw * 1e12) * 1e6, 3),
+                           roof_us=bw and round(shp.roof_us(n, k, m, bw * 1e12), 3),
                            today=list(ctx["today"].get((n, k), {}).get(m, ("cublas", None))))
             part.data["rows"].append(row)
         longest = max(longest, time.time() - t0)

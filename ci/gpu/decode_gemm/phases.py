@@ -134,7 +134,7 @@ def merge(parts: dict, skipped: list, runner_log: list) -> dict:
         for r in part.get("rows", []):
             key = (r["N"], r["K"], r["M"])
             if key not in rows:
-                roof = bw and round(shp.min_bytes_moved(*key) / (bw * 1e12) * 1e6, 3)
+                roof = bw and round(shp.roof_us(*key, bw * 1e12), 3)
                 rows[key] = {"N": r["N"], "K": r["K"], "M": r["M"], "label": r.get("label", ""),
                              "weight_bytes": shp.weight_bytes(r["N"], r["K"]), "roof_us": roof,
                              "today": ["cublas", None],

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         best = min(finals, key=finals.get) if finals else None
         rec["best"] = list(best) if best else None
         for m in range(1, 17):
-            row = {"M": m, "roof_us": round(shp.min_bytes_moved(n, k, m) / bw * 1e6, 3),
+            row = {"M": m, "roof_us": round(shp.roof_us(n, k, m, bw), 3),
                    "cublas_us": round(timing.time_us(candidates.cublas, xs[m], ws, replays=15), 3)}
             if best:
                 r = timed(best, m, replays=15)
