@@ -48,6 +48,24 @@ def test_splits_aim_at_whole_waves():
     assert tiles.splits_for(40960, 7168, 64, 256) == [1]
 
 
+@pytest.mark.parametrize("n, k", list(shapes.SHAPES))
+def test_ragged_configs_fill_the_sms_without_oversized_tiles(n, k):
+    for bn, bk, split, warps, stages, rows in tiles.ragged(n, k):
+        assert 1 <= rows < bn and (2 * rows > bn or bn == 16)
+        assert split in tiles.reachable_splits(k, bk)
+        # At most two CTAs per SM: ceil(n / rows) row groups of every split.
+        assert math.ceil(n / rows) * split <= 2 * tiles.SMS
+
+
+def test_ragged_spreads_7168_rows_over_131_ctas():
+    # 7168 / 132 SMs = 54.3 rows: 55-row CTAs in 64-row tiles, 131 of them (112 in plain
+    # 64-row tiles); two per SM: 28-row CTAs in 32-row tiles.
+    got = tiles.ragged(7168, 1536)
+    assert (64, 128, 1, 4, 6, 55) in got and (32, 256, 1, 4, 4, 28) in got
+    assert math.ceil(7168 / 55) == 131
+    assert not tiles.ragged(768, 128)  # 12 plain 64-row tiles: nothing to balance
+
+
 def test_seeded_keeps_the_seeds_first_and_adds_new_tiles_once():
     got = tiles.seeded(768, 128, [[64, 128, 1, 4, 6], (64, 128, 1, 4, 6)])
     assert got[0] == (64, 128, 1, 4, 6) and got.count((64, 128, 1, 4, 6)) == 1

@@ -43,7 +43,7 @@ def _backend_comment(table: dict) -> list[str]:
     return [
         "# (N, K) -> {M: (backend, cfg)}. cfg per backend: cute (block_size,",
         "# outputs_per_block, k_unroll, vector_width, static_k); swap_ab (block_n, block_k,",
-        "# split_k, num_warps, num_stages); ll_bf16 (\"splitk\", split_k, num_stages) or",
+        "# split_k, num_warps, num_stages[, rows]); ll_bf16 (\"splitk\", split_k, num_stages) or",
         "# (\"dotprod\", block_size); tinygemm and dsv3_fused_a None.",
     ]
 

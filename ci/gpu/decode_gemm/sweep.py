@@ -45,11 +45,12 @@ def provenance(run_id: str) -> dict:
 
 
 def _compile_job(args):
-    """Worker: compile one (tile, even-K, pdl, residual) variant into Triton's disk cache."""
-    bn, bk, warps, stages, k, pdl, res = args
+    """Worker: compile one (tile, even-K, pdl, residual, ragged) variant into Triton's
+    disk cache; ``rows`` 0 is a plain tile, ``block_n - 1`` a ragged one."""
+    bn, bk, warps, stages, k, pdl, res, rows = args
     import torch
 
-    f = candidates.swap_ab((bn, bk, 1, warps, stages), pdl=pdl)
+    f = candidates.swap_ab((bn, bk, 1, warps, stages, rows), pdl=pdl)
     x = torch.randn(16, k, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(2 * bn, k, dtype=torch.bfloat16, device="cuda")
     r = torch.randn(16, 2 * bn, dtype=torch.bfloat16, device="cuda") if res else None
@@ -59,15 +60,17 @@ def _compile_job(args):
     return time.time() - t
 
 
-def precompile(ks: set, workers: int) -> float:
-    """Compile every variant the sweep will launch, in parallel processes."""
-    jobs = set()
+def precompile(ks: set, workers: int, extra=()) -> float:
+    """Compile every variant the sweep and the figures run launch (plain tiles with and
+    without PDL, ragged ones with it), plus ``extra`` jobs, in parallel processes."""
+    jobs = set(extra)
     for bn, bk, warps, stages in tiles.TILES:
         for k in ks:
             # EVEN_K and the divisibility of K decide the variant, not K itself.
             even_k = 4 * bk if k % bk == 0 else 4 * bk + 64
             for pdl in (True, False):
-                jobs.add((bn, bk, warps, stages, even_k, pdl, False))
+                jobs.add((bn, bk, warps, stages, even_k, pdl, False, 0))
+            jobs.add((bn, bk, warps, stages, even_k, True, False, bn - 1))
     t = time.time()
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:

@@ -1,7 +1,7 @@
 """Swap-AB configs worth timing, per weight shape (pure; no GPU).
 
 A config is ``swap_ab_gemm.SwapAbConfig(block_n, block_k, split_k, num_warps,
-num_stages)``; here it is a plain 5-tuple so the data stays JSON. The tiles below
+num_stages[, rows])``; here it is a plain tuple so the data stays JSON. The tiles below
 were chosen to keep 48-160 KB of weight in flight per CTA (H200: ~40 KB per SM
 covers the ~1 µs HBM latency at 4.8 TB/s / 132 SMs) and to fit one or two CTAs in
 the 227 KB of shared memory an SM90 CTA can take. The split is picked so that the
@@ -77,4 +77,27 @@ def seeded(n: int, k: int, seeds: list, new_tiles=TILES[:2]) -> list[tuple[int, 
     for bn, bk, warps, stages in new_tiles:
         for s in splits_for(n, k, bn, bk):
             out.append((bn, bk, s, warps, stages))
+    return list(dict.fromkeys(out))
+
+
+def ragged(n: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
+    """Configs whose CTAs own ``rows`` < ``block_n`` weight rows, so the grid fills the SMs.
+
+    For one and two CTAs per SM and every reachable split: ``SMS * waves // split`` row
+    groups of ``rows = ceil(n / groups)`` rows each, in the smallest tile that holds them
+    (a tile over twice ``rows`` would only waste MMA work; 16-row tiles take any ``rows``).
+    A 7168-row weight in 64-row tiles is 112 CTAs on 132 SMs; in 55-row groups, 131.
+    """
+    out = []
+    for bn, bk, warps, stages in TILES:
+        if bk > max(64, 2 ** math.ceil(math.log2(k))):
+            continue
+        for split in reachable_splits(k, bk):
+            for waves in (1, 2):
+                groups = waves * SMS // split
+                if groups < 1:
+                    continue
+                rows = math.ceil(n / groups)
+                if rows < bn and (2 * rows > bn or bn == 16):
+                    out.append((bn, bk, split, warps, stages, rows))
     return list(dict.fromkeys(out))

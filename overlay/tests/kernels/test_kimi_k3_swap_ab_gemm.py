@@ -34,6 +34,12 @@ CASES = [
     (5, 128, 576, (64, 64, 3, 4, 2), True),
     (16, 48, 512, (16, 128, 4, 2, 2), False),
     (7, 40, 192, (16, 64, 3, 1, 2), True),
+    # Ragged tiles (rows < block_n): 23-row CTAs in 32-row tiles, N not a multiple of
+    # the rows, with split-K, an uneven K and a residual; 5-row CTAs in 16-row tiles.
+    (4, 100, 320, (32, 64, 3, 4, 2, 23), True),
+    (9, 37, 256, (16, 128, 1, 4, 2, 5), False),
+    # 20 splits: the last CTA sums the partials in five rounds of four.
+    (2, 40, 1280, (16, 64, 20, 1, 2), True),
 ]
 
 _SCRIPT = textwrap.dedent(
@@ -86,6 +92,8 @@ def test_interpreted_kernel_matches_float64() -> None:
         ((64, 256, 29, 4, 4), 7168, 7168, "split_k=29"),
         ((64, 256, 11, 4, 4), 7168, 7168, "without K tiles"),
         ((64, 256, 1, 3, 4), 7168, 7168, "num_warps"),
+        ((32, 256, 1, 4, 4, 33), 7168, 7168, "rows=33"),
+        ((32, 256, 1, 4, 4, -1), 7168, 7168, "rows=-1"),
     ],
 )
 def test_config_error_names_the_problem(config, n, k, reason) -> None:
@@ -99,6 +107,8 @@ def test_legal_configs_and_grid() -> None:
     assert sab.grid_of(cfg, 7168, 7168) == (112, 4, 7)
     # 3216 rows: the last N tile is partial (clamped loads, masked store).
     assert sab.grid_of(sab.SwapAbConfig(64, 256, 1, 4, 4), 3216, 7168) == (51, 1, 28)
+    # 55-row CTAs in 64-row tiles: 7168 rows over 131 CTAs instead of 112.
+    assert sab.grid_of(sab.SwapAbConfig(64, 256, 1, 4, 4, 55), 7168, 1536) == (131, 1, 6)
 
 
 @pytest.mark.parametrize("m", [0, 17])

@@ -332,7 +332,7 @@ def config_from_data(backend: str, m: int, cfg: Any) -> Config | None:
     """A data module's config tuple -> the config object ``backend`` takes at M = ``m``.
 
     ``cute``: ``(block_size, outputs_per_block, k_unroll, vector_width, static_k)``;
-    ``swap_ab``: ``(block_n, block_k, split_k, num_warps, num_stages)``; ``ll_bf16``:
+    ``swap_ab``: ``(block_n, block_k, split_k, num_warps, num_stages[, rows])``; ``ll_bf16``:
     ``("splitk", split_k, num_stages)`` or ``("dotprod", block_size)``; None stays None.
 
     Raises:
