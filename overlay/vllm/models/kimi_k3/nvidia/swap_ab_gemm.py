@@ -37,19 +37,20 @@ needs no bundle to reach the GPU; Triton compiles it for sm_90a on a machine wit
 GPU (the PTX shows ``wgmma``, 16-byte ``cp.async`` and ``griddepcontrol.wait`` ahead
 of every load of ``x``), and its interpreter runs this very kernel on a CPU, so CI
 checks its numerics without a GPU. The measurement, and its limit: one H200 run
-(``ci/gpu/results/decode_gemm_sm90.json``, run h200-20261130-figures, torch 2.11.0,
-Triton 3.6.0, read roof 4.218 TB/s) timed this kernel next to cuBLAS, vLLM's CuTe
-skinny GEMM (96 of the 144 rows of the previous table, at their tuned configs),
-``ll_bf16`` and FlashInfer's ``tinygemm_bf16`` on every SM90 shape x M 1..16: against
-cuBLAS it is 1.21x geo-mean over the 496 (shape, M), and the SM90 table rendered from
-that run routes it on 346 of its 431 rows. Where both ran, CuTe was faster on 76 of the
-96 rows (mostly M <= 5; up to 109% of the roof), so the table keeps CuTe there. Over
+(``ci/gpu/results/decode_gemm_sm90.json``, run h200-20261130-figures3, torch 2.11.0,
+Triton 3.6.0, read roof 4.196 TB/s) timed this kernel next to cuBLAS, vLLM's CuTe
+skinny GEMM (the previous table's 129 CuTe rows, at their tuned configs), ``ll_bf16``
+and FlashInfer's ``tinygemm_bf16`` on every SM90 shape x M 1..16: against cuBLAS it is
+1.26x geo-mean over the 496 (shape, M), and the SM90 table rendered from that run
+routes it on 326 of its 446 rows. Where both ran, CuTe was faster on 75 of the 129 rows
+(69 of them at M <= 5; up to 108% of the roof), so the table keeps CuTe there. Over
 that run's timings of this kernel (every shape under 130 MB, M = 1, 8, 16) its time
-fits ``2.2 µs + bytes / 4.22 TB/s`` without split-K and ``3.8 µs + bytes / 4.22 TB/s``
-with it: the fixed part, not the stream, keeps 20-90 MB weights
-under 90% of the roof. So the route is Triton for the reasons above, not because a
-same-run measurement showed it faster than a CuTe DSL kernel of ours, which was not
-written.
+fits ``1.8 µs + bytes / 4.34 TB/s`` without split-K and ``3.5 µs + bytes / 4.38 TB/s``
+with it: the fixed part, not the stream, keeps 22-61 MB weights under 90% of the roof.
+So the route is Triton for the reasons above, not because a same-run measurement
+showed it faster than a CuTe DSL kernel of ours, which was not written; a split-K
+reduced through a cluster's shared memory (which Triton's ``tl`` cannot express) is
+what such a kernel would add.
 
 Concurrency: the split-K workspace is private to a (device, stream) pair, so GEMMs on
 different streams (or different branches of a captured graph) never share counters;
