@@ -37,17 +37,20 @@ REL_TOL = 1e-2
 READ_TILES = ((8, 1024, 4), (16, 512, 4), (4, 2048, 8))
 READ_WAVES = (1, 2, 3, 4)
 # (block_k, num_stages, num_warps) tried on the best ragged (block_n, split_k, rows) of
-# pass 1: deeper pipelines put more of a CTA's slice in flight before its first MMA.
-DEEP = ((128, 8, 4), (128, 10, 4), (128, 8, 8), (128, 10, 8), (64, 12, 4), (64, 16, 4),
-        (64, 12, 8), (256, 5, 4), (256, 6, 4), (256, 5, 8))
+# pass 1: deeper pipelines put more of a CTA's slice in flight before its first MMA;
+# shallower ones (<= ~100 KB of shared memory) let the next GEMM's CTAs, launched early
+# by PDL, sit on an SM next to this one's and prefetch while it drains.
+PIPELINES = ((128, 8, 4), (128, 10, 4), (128, 8, 8), (128, 10, 8), (64, 12, 4), (64, 16, 4),
+             (64, 12, 8), (256, 5, 4), (256, 6, 4), (256, 5, 8),
+             (128, 3, 4), (128, 4, 4), (128, 5, 4), (64, 6, 4), (64, 8, 4), (256, 2, 4))
 SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared-memory limit
 
 
-def deep_variants(cfg) -> list[tuple]:
-    """``cfg``'s (block_n, split_k, rows) at every ``DEEP`` stage that fits in shared memory."""
+def pipeline_variants(cfg) -> list[tuple]:
+    """``cfg``'s (block_n, split_k, rows) at every ``PIPELINES`` entry that fits in shared memory."""
     bn, _, split, _, _, rows = cfg
     out = []
-    for bk, stages, warps in DEEP:
+    for bk, stages, warps in PIPELINES:
         if stages * (bn + 16) * bk * 2 <= SMEM_BYTES - 8192:
             out.append((bn, bk, split, warps, stages, rows))
     return out
@@ -99,13 +102,13 @@ def read_fn(ctas: int, streams: int, block: int, warps: int):
 
 
 def precompile(sel, workers: int) -> float:
-    """``sweep.precompile`` of the shapes' K plus the ``DEEP`` tiles (ragged, PDL)."""
+    """``sweep.precompile`` of the shapes' K plus the ``PIPELINES`` tiles (ragged, PDL)."""
     import sweep
 
     extra = set()
     for n, k in sel:
         for cfg in tiles.ragged(n, k):
-            for bn, bk, _, warps, stages, _ in deep_variants(cfg):
+            for bn, bk, _, warps, stages, _ in pipeline_variants(cfg):
                 even_k = 4 * bk if k % bk == 0 else 4 * bk + 64
                 extra.add((bn, bk, warps, stages, even_k, True, False, bn - 1))
     return sweep.precompile({k for _, k in sel}, workers, extra)
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
             p1.append({"cfg": list(c), "us16": us, "relerr": err})
         lead = sorted((r for r in p1 if r["us16"]), key=lambda r: r["us16"])[:2]
         seen = {tuple(r["cfg"]) for r in p1}
-        for c in [v for r in lead for v in deep_variants(r["cfg"])]:
+        for c in [v for r in lead for v in pipeline_variants(r["cfg"])]:
             if c in seen:
                 continue
             seen.add(c)
