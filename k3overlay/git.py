@@ -10,8 +10,10 @@ user's global and system config and ``GIT_*`` variables are shut out and the
 settings the tool parses or records are pinned, so ``color.ui=always``, a DCO
 hook or ``diff.noprefix`` cannot change a verdict or a sha. What a user needs
 to *reach* a repository (credential helpers, proxies, ``url.*.insteadOf``,
-``safe.directory``) and their identity (their reflog lines stay theirs; the
-tool's own commits carry a fixed one) is carried over from their config.
+``safe.directory``), their identity (their reflog lines stay theirs; the
+tool's own commits carry a fixed one) and what they ignore (``core.excludesFile``:
+a checkout their ``git status`` calls clean is clean here too) is carried over
+from their config.
 
 Processes are started here rather than through GitPython's ``execute``, which
 can neither drop an inherited variable nor stop its child on Ctrl-C; GitPython
@@ -76,8 +78,10 @@ PINNED = {
     "commit.cleanup": "strip", "core.commentChar": "#",
     "i18n.commitEncoding": "UTF-8", "i18n.logOutputEncoding": "UTF-8",
     "user.useConfigOnly": "false", "init.defaultBranch": "main",
-    # what is ignored or filtered is decided by the tree alone, not by the user's files
-    "core.excludesFile": "/dev/null", "core.attributesFile": "/dev/null",
+    # what is filtered is decided by the tree alone, not by the user's files (what is
+    # ignored is the user's, as in their own `git status`: overlay files are staged by
+    # exact path whatever ignores them, and an ignored file is never overwritten)
+    "core.attributesFile": "/dev/null",
     # format-patch writes the same file for the same commit on every machine
     "format.signOff": "false", "format.coverLetter": "false", "format.numbered": "auto",
     "format.subjectPrefix": "PATCH", "format.suffix": ".patch", "format.useAutoBase": "false",
@@ -91,10 +95,10 @@ PINNED = {
 }
 GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={value}")))
 
-# Carried over from the user's own (global/system) config: reaching a repository, and
-# who they are. Canonical key names, as ``git config --get-regexp`` prints them.
+# Carried over from the user's own (global/system) config: reaching a repository, who
+# they are, and what they ignore. Canonical key names, as ``git config --get-regexp`` prints them.
 _CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(insteadof|pushinsteadof)"
-                      r"|core\.(sshcommand|askpass)|safe\.directory)$")
+                      r"|core\.(sshcommand|askpass|excludesfile)|safe\.directory)$")
 # Inherited variables kept: identity (reflog lines in the user's checkout stay theirs)
 # and transport (ssh, proxies, certificates). Every other GIT_* variable is dropped:
 # GIT_DIR, GIT_INDEX_FILE, GIT_CONFIG_PARAMETERS, … would redirect or reconfigure us.
@@ -109,13 +113,23 @@ class GitError(OverlayError):
 
 
 def first_line(text: str) -> str:
-    """The line of git's output that says what went wrong (``fatal:``/``error:`` first)."""
-    lines = [_unquote(line.strip().removeprefix("stderr: ")) for line in (text or "").splitlines()]
-    lines = [line for line in lines if line and not line.startswith("hint:")]
-    for line in lines:
-        if line.startswith(("fatal:", "error:")):
-            return line
-    return lines[0] if lines else "no message"
+    """The line of git's output that says what went wrong (``fatal:``/``error:`` first).
+
+    A line ending in ``:`` followed by tab-indented paths (``error: The following untracked
+    working tree files would be overwritten by checkout:``) gets those paths appended, so
+    the one line still names them."""
+    raw = [line for line in (text or "").splitlines()
+           if line.strip() and not line.strip().startswith("hint:")]
+    lines = [_unquote(line.strip().removeprefix("stderr: ")) for line in raw]
+    chosen = next((i for i, line in enumerate(lines) if line.startswith(("fatal:", "error:"))), 0)
+    if not lines:
+        return "no message"
+    listed = []
+    for line in raw[chosen + 1:] if lines[chosen].endswith(":") else []:
+        if not line.startswith("\t"):
+            break
+        listed.append(line.strip())
+    return " ".join([lines[chosen], ", ".join(listed)]) if listed else lines[chosen]
 
 
 def _unquote(line: str) -> str:
@@ -301,6 +315,17 @@ def operation_in_progress(repo: Repo) -> str | None:
         if (Path(repo.working_tree_dir) / path).exists():
             return name
     return None
+
+
+def untracked_in_the_way(repo: Repo, paths: list[str]) -> list[str]:
+    """Those of ``paths`` where something git does not track sits in the work tree (a file,
+    link or folder; with a clean status, one git ignores): what a checkout, ``git am
+    --3way`` or laying a file there would destroy."""
+    top = Path(repo.working_tree_dir)
+    present = [path for path in paths if os.path.lexists(top / path)]
+    tracked = set(_z(run(repo, "ls-files", "-z", "--", *literal(present)))) if present else set()
+    return [path for path in present
+            if path not in tracked and not any(t.startswith(path + "/") for t in tracked)]
 
 
 def is_dirty(repo: Repo) -> bool:
@@ -660,8 +685,11 @@ def merge_file(ours: Path, base: Path, theirs: Path) -> tuple[bool, bytes]:
 
 
 def set_branch(repo: Repo, name: str, sha: str) -> None:
-    """Point branch ``name`` at ``sha`` and check it out (the work tree must be clean)."""
-    run(repo, "checkout", "--quiet", "-B", name, sha)
+    """Point branch ``name`` at ``sha`` and check it out (the work tree must be clean).
+
+    An ignored file where ``sha`` has a file is never overwritten (git's default would):
+    GitError naming it, and nothing changes."""
+    run(repo, "checkout", "--quiet", "--no-overwrite-ignore", "-B", name, sha)
 
 
 def config_get(repo: Repo, key: str) -> str | None:

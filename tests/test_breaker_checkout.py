@@ -1,0 +1,116 @@
+"""Found by the second adversarial pass: files in the user's checkout that git does not
+track because they are ignored. ``git checkout`` and ``git am --3way`` treat ignored files
+as expendable, and laying an overlay file replaced whatever sat there, so publishing the
+work branch or ``--rebase-to`` overwrote a user's ignored file without a word. And the
+user's own ignore rules (``~/.config/git/ignore``, ``core.excludesFile``) were shut out, so
+a checkout their ``git status`` calls clean (a ``.venv`` they ignore) was refused as dirty."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3overlay import cli, errors, git
+from k3overlay.job import Options, run_apply
+from k3overlay.rebase import rebase_to
+
+from .conftest import g, snapshot
+
+MINE = "the user's own notes, ignored by git\n"
+
+
+def add_patch_creating(project, upstream, tmp_path, path: str) -> None:
+    """Append to the series a patch that creates ``path`` on v1.0.0."""
+    work = tmp_path / "_mk_create"
+    g(upstream, "worktree", "add", "-q", "--detach", str(work), "v1.0.0")
+    try:
+        (work / path).write_text("CREATED = 1\n")
+        g(work, "add", path)
+        g(work, "commit", "-qm", f"add {path}\n\nUpstream-Status: Pending")
+        text = g(work, "format-patch", "-1", "--zero-commit", "--no-signature", "--stdout", "HEAD")
+    finally:
+        g(upstream, "worktree", "remove", "--force", str(work))
+    (project.patches_dir / "0002-create.patch").write_text(text)
+    with open(project.patches_dir / "series", "a") as series:
+        series.write("0002-create.patch\n")
+
+
+def ignore(wd, path, how, tmp_path, monkeypatch):
+    """Make ``path`` a file of the user's in ``wd`` that git ignores, the way ``how`` says."""
+    if how == "info/exclude":
+        (wd / ".git/info/exclude").write_text(f"{path}\n")
+    else:  # the user's own global ignore file, found by git itself
+        home = tmp_path / "home"
+        (home / ".config/git").mkdir(parents=True)
+        (home / ".config/git/ignore").write_text(f"{path}\n")
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    (wd / path).write_text(MINE)
+    assert g(wd, "status", "--porcelain") == ""  # git itself calls the checkout clean
+
+
+@pytest.mark.parametrize("how", ["info/exclude", "global ignore"])
+@pytest.mark.parametrize("path", ["pkg/new.py", "pkg/created.py"])  # overlay file, patch's file
+def test_publishing_never_overwrites_an_ignored_file(project, upstream, tmp_path, monkeypatch,
+                                                    capsys, path, how):
+    add_patch_creating(project, upstream, tmp_path, "pkg/created.py")
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    ignore(wd, path, how, tmp_path, monkeypatch)
+    before = snapshot(wd)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)])
+    assert code == errors.USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        "apply.py: error: git checkout failed: error: The following untracked working tree files "
+        f"would be overwritten by checkout: {path}"]
+    assert (wd / path).read_text() == MINE and snapshot(wd) == before
+
+
+@pytest.mark.parametrize("how", ["info/exclude", "global ignore"])
+@pytest.mark.parametrize("path", ["pkg/new.py", "pkg/created.py"])
+def test_rebase_to_never_overwrites_an_ignored_file(project, upstream, tmp_path, monkeypatch,
+                                                   path, how):
+    add_patch_creating(project, upstream, tmp_path, "pkg/created.py")
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    ignore(wd, path, how, tmp_path, monkeypatch)
+    before = snapshot(wd)
+    with pytest.raises(errors.UsageError) as err:
+        rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert str(err.value) == (f"{path} in {wd} is not tracked by git (ignored) and the series or "
+                              f"overlay writes there; move it away first")
+    assert (wd / path).read_text() == MINE and snapshot(wd) == before
+    (wd / path).unlink()  # moved away: the same run goes through
+    report = rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert report.ok and (wd / path).read_text() != MINE
+
+
+@pytest.mark.parametrize("how", ["xdg default", "core.excludesFile"])
+def test_a_checkout_clean_by_the_users_own_ignore_rules_is_not_refused(project, upstream, tmp_path,
+                                                                      monkeypatch, how):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    rules = tmp_path / "ignore-rules"
+    rules.write_text(".venv/\n")
+    if how == "xdg default":
+        (tmp_path / "xdg/git").mkdir(parents=True)
+        rules.rename(tmp_path / "xdg/git/ignore")
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    else:
+        (tmp_path / "gitconfig").write_text(f"[core]\n\texcludesFile = {rules}\n")
+        monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    (wd / ".venv").mkdir()
+    (wd / ".venv/pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert g(wd, "status", "--porcelain") == ""
+    report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert report.ok, report.to_json()
+    assert g(wd, "rev-parse", "--abbrev-ref", "HEAD").strip() == "k3-overlay/9.9.9"
+    assert (wd / ".venv/pyvenv.cfg").read_text() == "home = /usr/bin\n"
+
+
+def test_gits_listed_paths_stay_on_the_one_line():
+    stderr = ("error: The following untracked working tree files would be overwritten by checkout:\n"
+              "\tpkg/a.py\n\tpkg/b c.py\nPlease move or remove them before you switch branches.\n"
+              "Aborting\n")
+    assert git.first_line(stderr) == ("error: The following untracked working tree files would be "
+                                      "overwritten by checkout: pkg/a.py, pkg/b c.py")
