@@ -41,6 +41,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
 
     from k3overlay import errors, git, progress
     from k3overlay.cli import report_console, stop_like_ctrl_c
+    from k3overlay.files import refuse_one_file_twice
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.report import (
@@ -169,6 +170,7 @@ def _main(argv: list[str] | None) -> int:
         for path, option in reports_to + folders:
             if path:
                 Project().refuse_as_output(path, option)
+        refuse_one_file_twice([(path, option) for path, option in reports_to])
         for path, option in reports_to:
             if path:
                 check_writable(path, option)

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from . import errors, git, progress
 from .export import export
+from .files import refuse_one_file_twice
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
@@ -97,6 +98,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
     try:
         if args.json:
             project.refuse_as_output(args.json, "--json")
+            refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
             json_to = args.json
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):

@@ -144,6 +144,21 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.close(dirfd)
 
 
+def refuse_one_file_twice(named: list[tuple[Path | None, str]]) -> None:
+    """Raise UsageError if two options name one file (links followed; a stream such as
+    ``/dev/stdout`` may be named twice): ``named`` is ``(path or None, option)`` in the
+    order they are written or read, and the later write would replace the earlier file
+    (a report, or an input the run reads, such as ``--release-wheel``)."""
+    seen: dict[str, tuple[Path, str]] = {}
+    for path, option in named:
+        if path is None or stream_target(path) is not None:
+            continue
+        first = seen.setdefault(os.path.realpath(path), (path, option))
+        if first[1] != option:
+            raise UsageError(f"{option} {path} is the file {first[1]} {first[0]} names; give each "
+                             f"its own")
+
+
 _OWN_FD = re.compile(r"/(?:dev|proc/self|proc/(\d+))/fd/(\d+)")
 _STD = {"/dev/stdout": 1, "/dev/stderr": 2}
 
