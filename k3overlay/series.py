@@ -81,12 +81,17 @@ def load(patches_dir: Path) -> list[Patch]:
 def read_patch(path: Path) -> Patch:
     """Read one mailbox patch file the way ``git am`` will (``git mailinfo -b``).
 
-    Raises UsageError if it is missing, holds no diff, or its commit message
-    (what ``git am`` keeps: the text before a ``---`` line) lacks Upstream-Status.
+    Raises UsageError if it is missing, has CRLF line endings (its first line ends in CR:
+    a whole file converted on checkout, whose every hunk would fail), holds no diff, or
+    its commit message (what ``git am`` keeps: the text before a ``---`` line) lacks
+    Upstream-Status.
     """
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
     try:
+        if path.read_bytes().partition(b"\n")[0].endswith(b"\r"):
+            raise UsageError(f"{path.name} has CRLF line endings (converted on checkout, e.g. by "
+                             f"core.autocrlf=true?): check patches/ out again with LF endings")
         headers, message, has_diff = git.mailinfo(path)
     except OSError as err:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
