@@ -40,7 +40,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
-    from k3overlay.cli import report_console, stop_like_ctrl_c
+    from k3overlay.cli import job_done, report_console, stop_like_ctrl_c
     from k3overlay.files import refuse_one_file_twice
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         stop_like_ctrl_c()
         return _main(argv)
     except KeyboardInterrupt:
+        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -189,6 +192,7 @@ def _main(argv: list[str] | None) -> int:
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
+    job_done()
     console = report_console()
     for report in reports:
         write_human(report, console)

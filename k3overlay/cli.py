@@ -76,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.quiet = args.quiet
         return _run(project, args)
     except KeyboardInterrupt:
+        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
         print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)
         return 130
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _left_as_it_was(args: argparse.Namespace | None) -> str:
@@ -131,6 +134,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             print(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
                   f"written", file=sys.stderr)
             return 130
+    job_done()
     write_human(report, report_console())
     if args.json:
         try:
@@ -188,8 +192,16 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
 
 
 def stop_like_ctrl_c() -> None:
-    """A cancelled CI job (SIGTERM) cleans up like Ctrl-C; a closed pipe ends quietly."""
+    """A cancelled CI job (SIGTERM) and a reader gone mid-run (SIGPIPE: ``apply.py 2>&1 |
+    head -1``, progress then written to a closed pipe) clean up like Ctrl-C: no scratch
+    clone, worktree or half-packed wheel is left behind. See ``job_done`` for after."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGPIPE, _interrupt)
+
+
+def job_done() -> None:
+    """Nothing is left to clean up: from now on a closed pipe ends the tool quietly
+    (``apply.py | head -1``: the report is cut short, nothing else is)."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 

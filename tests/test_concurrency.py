@@ -323,3 +323,42 @@ def test_a_damaged_temporary_worktree_leaves_no_entry(upstream, tmp_path, damage
             (parent / "tree" / ".git").unlink()
     assert worktree_entries(wd) == [] and not parent.exists()
     assert g(wd, "worktree", "list", "--porcelain").count("worktree ") == 1  # git agrees
+
+
+# Found by the second adversarial pass: ``apply.py 2>&1 | head -1``. Progress goes to stderr
+# while the job runs; once the reader had gone, the next progress line killed the tool on the
+# spot (SIGPIPE at its default), leaving a whole scratch clone beside the work directory, or
+# a temporary worktree registered in the user's checkout. A closed pipe now cleans up like
+# Ctrl-C, then ends quietly (killed by SIGPIPE, as ``| head`` expects).
+
+def run_with_stderr_read_once(project, env, *args):
+    """apply.py whose stderr reader goes away after the first line; (exit status, stdout)."""
+    run = subprocess.Popen([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=as_in_a_terminal)
+    assert run.stderr.readline().startswith("…".encode())  # the first progress line
+    run.stderr.close()
+    out = run.stdout.read()
+    return run.wait(60), out
+
+
+def test_a_reader_gone_mid_clone_leaves_no_scratch_clone(project, upstream, tmp_path, tmpdir_env):
+    parent = tmp_path / "work"
+    wd = parent / "vllm"
+    code, out = run_with_stderr_read_once(project, tmpdir_env, "--vllm-repo", str(upstream),
+                                          "--workdir", str(wd))
+    assert code == -signal.SIGPIPE and out == b""
+    assert os.listdir(parent) == [] and os.listdir(tmp_path / "t") == []
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).published
+
+
+def test_a_reader_gone_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstream, tmp_path,
+                                                                  tmpdir_env):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    before = snapshot(wd)
+    code, out = run_with_stderr_read_once(long_series, tmpdir_env, "--vllm-repo", str(upstream),
+                                          "--workdir", str(wd))
+    assert code == -signal.SIGPIPE and out == b""
+    assert snapshot(wd) == before and worktree_entries(wd) == [] and os.listdir(tmp_path / "t") == []
+    assert run_apply(long_series, Options(vllm_repo=str(upstream), workdir=wd)).published
