@@ -232,5 +232,7 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
 
 def _failed_hunks(am_output: str) -> list[str]:
     """The lines where git names what did not apply ("patch failed: FILE:LINE", "CONFLICT …")."""
-    keep = ("patch failed:", "CONFLICT", "does not exist in index", "does not match index")
-    return [line.strip() for line in am_output.splitlines() if any(k in line for k in keep)]
+    keep = ("patch failed:", "CONFLICT", "does not exist in index", "does not match index",
+            "invalid path")
+    return list(dict.fromkeys(line.strip() for line in am_output.splitlines()
+                              if any(k in line for k in keep)))  # am and apply may both say it
