@@ -73,7 +73,8 @@ class Project:
         """Raise UsageError (one line, exit 2) if ``path``, a file or folder the user named
         for ``option`` to write (a report, the wheel folder, the work directory), is one of
         ``data_paths`` or inside one, or inside a ``.git`` folder (this repository's, a
-        linked worktree's or the vLLM checkout's). Links are followed: the file written
+        linked worktree's or the vLLM checkout's) or any other git folder (a bare repository
+        such as the release mirror, a separate git folder). Links are followed: the file written
         is the one they lead to."""
         target = path.resolve()
         for data in self.data_paths:
@@ -89,6 +90,16 @@ class Project:
         if gitdirs:
             raise UsageError(f"{option} {path} is inside a .git folder ({gitdirs[-1]}); refusing "
                              f"to write there")
+        repos = [p for p in (target, *target.parents) if _is_git_dir(p)]
+        if repos:
+            raise UsageError(f"{option} {path} is inside the git repository {repos[-1]} (a bare "
+                             f"or separate git folder); refusing to write there")
+
+
+def _is_git_dir(path: Path) -> bool:
+    """True if ``path`` is a git folder by its layout (a bare repository, a ``--separate-git-dir``,
+    the release mirror), whatever its name: HEAD, objects/ and refs/ in it."""
+    return (path / "HEAD").is_file() and (path / "objects").is_dir() and (path / "refs").is_dir()
 
 
 def cache_dir() -> Path:

@@ -170,3 +170,28 @@ def test_json_over_the_release_wheel_is_refused(checked_in, upstream, capsys, tm
             f"apply.py: error: --json {json_to} is the file --release-wheel {wheel} names; give "
             f"each its own"]
     assert wheel.read_bytes() == b"PK\x05\x06" + bytes(18) and not (tmp_path / "wd").exists()
+
+
+# Found by the second adversarial pass: only a folder named ``.git`` counted as a git folder,
+# so a report or the wheel folder inside a bare repository (the release mirror in the cache)
+# or a ``--separate-git-dir`` was written there, over its config or HEAD.
+
+@pytest.mark.parametrize("kind", ["bare", "separate"])
+@pytest.mark.parametrize("option, rel", [("--json", "config"), ("--json", "HEAD"),
+                                         ("--wheel-dir", "wheels"), ("--workdir", "vllm")])
+def test_outputs_inside_a_git_folder_of_any_name_are_refused(checked_in, upstream, capsys, tmp_path,
+                                                             kind, option, rel):
+    if kind == "bare":
+        repo = tmp_path / "mirror-v2.git"
+        g(tmp_path, "clone", "-q", "--bare", str(upstream), str(repo))
+    else:
+        repo = tmp_path / "separate"
+        g(tmp_path, "clone", "-q", "--separate-git-dir", str(repo), str(upstream), str(tmp_path / "co"))
+    before = files_of(repo)
+    path = repo / rel
+    extra = ["--build-wheel"] if option == "--wheel-dir" else ["--check"] if option == "--json" else []
+    code = cli.main(["-q", "--vllm-repo", str(upstream), *extra, option, str(path)])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: {option} {path} is inside the git repository {repo.resolve()} (a bare or "
+        f"separate git folder); refusing to write there"]
+    assert files_of(repo) == before
