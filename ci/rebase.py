@@ -115,7 +115,7 @@ class TargetRun:
         tree_sha = git.run(git.Repo(tree), "rev-parse", "HEAD").strip()
         meta = stage.meta(report, tree_sha, self.upstream, ours, prefer, self.env.cute_dsl)
         if self.gpu_export is not None:
-            stage.export(tree, meta, self.gpu_export / report.ref)
+            stage.export(tree, meta, self.gpu_export, report.ref)
         if self.gpu:
             stage.attach(report, stage.run_here(tree, meta), tree_sha)
         elif self.gpu_results is not None:
