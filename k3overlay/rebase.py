@@ -20,6 +20,7 @@ from pathlib import Path
 from . import errors, git, source
 from . import manifest as manifest_mod
 from . import series as series_mod
+from .interrupts import deferred
 from .job import (
     BASE_KEY,
     Options,
@@ -128,8 +129,9 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
         raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
     _refuse_untracked_in_the_way(repo, patches, manifest)
     if not continuing:
-        git.set_branch(repo, branch, report.ref_sha)
-        record(repo, branch, opts.ref)
+        with deferred():  # switched but not recorded, the branch would be refused as not ours
+            git.set_branch(repo, branch, report.ref_sha)
+            record(repo, branch, opts.ref)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
     # landed-upstream is proven against REF's tree alone.

@@ -7,6 +7,9 @@ a checkout their ``git status`` calls clean (a ``.venv`` they ignore) was refuse
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from k3overlay import cli, errors, git
@@ -114,3 +117,27 @@ def test_gits_listed_paths_stay_on_the_one_line():
               "Aborting\n")
     assert git.first_line(stderr) == ("error: The following untracked working tree files would be "
                                       "overwritten by checkout: pkg/a.py, pkg/b c.py")
+
+
+# Found by the second adversarial pass: Ctrl-C landing just as --rebase-to had switched the
+# checkout to the new branch, before it recorded the branch as its own, left a branch every
+# later run refused ("has commits apply.py did not write"), with no way on but deleting it.
+
+def test_ctrl_c_right_after_rebase_to_switches_the_branch_leaves_it_ours(project, upstream,
+                                                                          tmp_path, monkeypatch):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    switch = git.set_branch
+
+    def switched_then_ctrl_c(*args):
+        switch(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(git, "set_branch", switched_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    monkeypatch.undo()
+    report = rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert report.ok and [p.status for p in report.patches] == ["applied-3way"]
+    tip = g(wd, "config", "branch.k3-overlay/9.9.9.k3overlaytip").strip()
+    assert tip == g(wd, "rev-parse", "HEAD").strip()
