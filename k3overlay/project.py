@@ -103,6 +103,8 @@ def _is_git_dir(path: Path) -> bool:
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vllm-k3-overlay"
+    """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``). A relative
+    ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says: it would put the cache (locks, the
+    release mirror) in whatever folder the tool runs from, a checkout among them."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "vllm-k3-overlay"

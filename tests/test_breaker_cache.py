@@ -153,3 +153,16 @@ def test_gpu_lock_in_the_shared_tmp_is_never_followed_or_waited_on(what, tmp_pat
         with ab.GpuLock(str(path)):
             pass
     assert as_it_was()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    """Found by the second adversarial pass: ``XDG_CACHE_HOME=cache`` put the lock files and the
+    release mirror under the folder apply.py ran from (a checkout, this repository); the XDG
+    spec says a relative path there is to be ignored."""
+    from k3overlay.project import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for relative in ("cache", "./cache", "~/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", relative)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "vllm-k3-overlay", relative
