@@ -287,6 +287,13 @@ def tag(repo: Repo, name: str, sha: str) -> None:
     run(repo, "tag", name, sha)
 
 
+def is_branch_name(name: str) -> bool:
+    """True if git takes ``name`` as a new branch's name (``git check-ref-format --branch``,
+    run outside any repository, so ``@{-1}`` and the like expand to nothing)."""
+    with tempfile.TemporaryDirectory(prefix="k3-refname-") as tmp:
+        return _execute(["check-ref-format", "--branch", name], cwd=tmp)[0] == 0
+
+
 def current_branch(repo: Repo) -> str | None:
     """The checked-out branch's short name, or None when HEAD is detached or unborn."""
     ok, out = attempt(repo, "symbolic-ref", "--quiet", "--short", "HEAD")

@@ -60,7 +60,7 @@ def run_apply(project: Project, opts: Options) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     ref = opts.ref or manifest.base
-    branch = opts.branch or project.default_branch
+    branch = work_branch(project, opts)
     workdir = (opts.workdir or project.default_workdir).resolve()
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift)
@@ -68,6 +68,16 @@ def run_apply(project: Project, opts: Options) -> Report:
     with locked(workdir):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
+
+
+def work_branch(project: Project, opts: Options) -> str:
+    """The work branch's name (``--branch``, else from VERSION); UsageError, before any work,
+    if git would refuse it as a branch name (git itself says so only when publishing)."""
+    branch = opts.branch or project.default_branch
+    if not git.is_branch_name(branch):
+        where = "--branch" if opts.branch else "the work branch (from VERSION)"
+        raise UsageError(f"{where} {branch!r} is not a valid git branch name")
+    return branch
 
 
 @contextlib.contextmanager

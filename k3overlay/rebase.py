@@ -31,6 +31,7 @@ from .job import (
     record,
     refuse_unsafe,
     verify_change,
+    work_branch,
 )
 from .project import COMMITTER, Project
 from .report import Report
@@ -109,7 +110,7 @@ def rebase_to(project: Project, opts: Options) -> Report:
 def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    branch = opts.branch or project.default_branch
+    branch = work_branch(project, opts)
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
