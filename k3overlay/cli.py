@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser(project).parse_args(argv)
         progress.quiet = args.quiet
         return _run(project, args)
+    except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
         print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UsageError
-from .files import write_all_in_tree, write_atomically
+from .files import read_regular, write_all_in_tree, write_atomically
 
 NEW = "new"
 REGULAR_MODES = ("100644", "100755")
@@ -70,7 +70,10 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     ``base_blob`` that is neither a 40-hex sha nor ``new``.
     """
     try:
-        data = json.loads(manifest_path.read_bytes())
+        text = read_regular(manifest_path)  # a FIFO there is not waited on
+        if text is None:
+            raise OSError(f"{manifest_path.name} is missing or not a regular file")
+        data = json.loads(text)
         files = tuple(OverlayFile(f["path"], f["base_blob"]) for f in data["files"])
         manifest = Manifest(data["base"], files)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
+from .files import read_regular
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +34,18 @@ class Project:
 
     @property
     def version(self) -> str:
-        """Overlay version, the one line of VERSION (e.g. ``0.1.0``)."""
-        return (self.root / "VERSION").read_text().strip()
+        """Overlay version, the one line of VERSION (e.g. ``0.1.0``). Raises UsageError if
+        VERSION is missing, not a regular file (a FIFO is not waited on), empty or not UTF-8."""
+        path = self.root / "VERSION"
+        data = read_regular(path)
+        try:
+            version = data.decode().strip() if data is not None else None
+        except UnicodeDecodeError:
+            version = None
+        if not version:
+            raise UsageError(f"{path} is missing, empty, not UTF-8 text or not a regular file; it "
+                             f"holds the overlay version (restore it with git)")
+        return version
 
     @property
     def patches_dir(self) -> Path:

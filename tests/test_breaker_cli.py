@@ -4,6 +4,8 @@ out of the user's work tree."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from k3overlay import cli, errors
@@ -55,3 +57,44 @@ def test_a_version_that_makes_no_branch_name_is_refused(project, upstream, tmp_p
     assert capsys.readouterr().err.splitlines() == [
         "apply.py: error: the work branch (from VERSION) 'k3-overlay/1.0 rc1' is not a valid git "
         "branch name"]
+
+
+# Found by the second adversarial pass: this repository's own VERSION missing (or a folder, or
+# empty) ended every mode, --help included, in a traceback; a FIFO at VERSION or overlay.json
+# hung the tool, waiting for a writer that never came.
+
+def _make(path, kind):
+    path.unlink()
+    if kind == "missing":
+        return
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "empty":
+        path.write_text("\n")
+    else:
+        path.write_bytes(b"\xff\xfe0.1\n")
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "fifo", "empty", "not utf-8"])
+@pytest.mark.parametrize("args", [["--help"], ["--check"], ["--export"]])
+def test_an_unreadable_version_file_is_one_line_never_a_traceback_or_a_hang(project, monkeypatch,
+                                                                          capsys, kind, args):
+    _make(project.root / "VERSION", kind)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["-q", *args]) == errors.USAGE  # a FIFO read would block here forever
+    assert capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: {project.root / 'VERSION'} is missing, empty, not UTF-8 text or not a "
+        f"regular file; it holds the overlay version (restore it with git)"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "fifo"])
+def test_an_unreadable_manifest_is_one_line_never_a_hang(project, upstream, tmp_path, monkeypatch,
+                                                         capsys, kind):
+    _make(project.manifest_path, kind)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: cannot read overlay manifest {project.manifest_path}: overlay.json is "
+        f"missing or not a regular file"]
