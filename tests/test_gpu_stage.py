@@ -312,3 +312,29 @@ def test_gpu_export_writes_nothing_through_a_link_and_nothing_half(tmp_path, mon
     with pytest.raises(errors.UsageError):
         stage.export(tree, {"ref": "v0.29.0", "prefer": None}, out, "v0.29.0")
     assert os.listdir(out / "v0.29.0") == []  # no tarball without its meta.json
+
+
+def test_bundle_out_removes_only_an_earlier_bundles_part_files(tmp_path):
+    """Found by the second adversarial pass: ``bundle.py --out DIR`` took any entry named
+    ``part-NNN`` for an earlier part and removed DIR whole: a file of the user's put in a
+    part's folder went too."""
+    trees = tmp_path / "trees"
+    (trees / "v9.9.0").mkdir(parents=True)
+    tree = write_tree(tmp_path / "src", {"vllm/__init__.py": ""})
+    with tarfile.open(trees / "v9.9.0" / "tree.tar.xz", "w:xz") as tar:
+        tar.add(tree, arcname=".")
+    (trees / "v9.9.0" / "meta.json").write_text(json.dumps({"ref": "v9.9.0", "tree_sha": "a" * 40,
+                                                           "cute_dsl": []}))
+    out = tmp_path / "parts"
+    bundle = [sys.executable, str(ROOT / "ci/gpu/bundle.py"), "--target-trees", str(trees),
+              "--only-targets", "--part-mib", "0.001", "--out", str(out)]
+    subprocess.run(bundle, check=True, capture_output=True)
+    first = sorted(os.listdir(out))
+    subprocess.run(bundle, check=True, capture_output=True)  # earlier parts are replaced
+    assert sorted(os.listdir(out)) == first and first[:2] == ["part-000", "part-001"]
+    (out / "part-001" / "notes.txt").write_text("the user's\n")
+    proc = subprocess.run(bundle, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == (
+        f"--out {out} holds other files (part-001); pick an empty folder")
+    assert (out / "part-001" / "notes.txt").read_text() == "the user's\n"
+    assert sorted(os.listdir(out)) == first  # and no other part was removed either
