@@ -29,6 +29,7 @@ from .job import (
     commit_overlay,
     locked,
     record,
+    refuse_merge_attributes,
     refuse_unsafe,
     verify_change,
     work_branch,
@@ -116,6 +117,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     repo = source.open_existing(workdir)
     if repo is None:
         repo = source.clone(origin, workdir)
+    refuse_merge_attributes(repo)
     op = git.operation_in_progress(repo)
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "

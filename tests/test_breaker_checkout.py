@@ -141,3 +141,38 @@ def test_ctrl_c_right_after_rebase_to_switches_the_branch_leaves_it_ours(project
     assert report.ok and [p.status for p in report.patches] == ["applied-3way"]
     tip = g(wd, "config", "branch.k3-overlay/9.9.9.k3overlaytip").strip()
     assert tip == g(wd, "rev-parse", "HEAD").strip()
+
+
+# Found by the second adversarial pass: the checkout's own .git/info/attributes, which no
+# config can shut out and the tool's temporary worktrees share. ``* merge=evil`` with the
+# checkout's merge.evil.driver ran the user's command in the tool's 3-way merge and published
+# its output as pkg/model.txt, exit 0; ``* merge=binary`` made a clean 3-way a "conflict".
+
+@pytest.mark.parametrize("line", ["* merge=evil", "*.txt merge=binary", "* -merge",
+                                  "[attr]mine filter=evil", "pkg/** filter=evil text"])
+@pytest.mark.parametrize("mode", ["apply", "check", "rebase-to"])
+def test_merge_or_filter_attributes_of_the_checkout_are_refused(project, upstream, tmp_path, line,
+                                                                mode):
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    (wd / ".git/info/attributes").write_text(f"# mine\n{line}\n")
+    ran = tmp_path / "driver-ran"
+    g(wd, "config", "merge.evil.driver", f"echo EVIL > %A; touch {ran}")
+    g(wd, "config", "filter.evil.clean", "cat")  # (git status runs it too: no marker)
+    before = snapshot(wd)
+    opts = Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0", check=mode == "check")
+    with pytest.raises(errors.UsageError) as err:
+        rebase_to(project, opts) if mode == "rebase-to" else run_apply(project, opts)
+    name = "filter" if "filter" in line else "merge"
+    assert str(err.value) == (f"{wd / '.git/info/attributes'} sets the {name!r} attribute ({line!r}): "
+                              f"git would use it in the tool's own 3-way merges; remove the line, "
+                              f"or give a fresh clone as --workdir")
+    assert snapshot(wd) == before and not ran.exists()
+
+
+def test_other_attributes_of_the_checkout_are_fine(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    (wd / ".git/info/attributes").write_text("*.py diff=python\n*.txt text eol=lf\n")
+    report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert report.ok and [p.status for p in report.patches] == ["applied-3way"]
