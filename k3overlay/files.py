@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from .errors import UsageError
+from .interrupts import deferred
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -62,10 +63,11 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
             except OSError as err:
                 raise UsageError(f"cannot write {rel}: {err.strerror}") from err
         try:
-            while staged:
-                dirfd, name, temp = staged[0]
-                os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
-                staged.pop(0)
+            with deferred():  # Ctrl-C waits for the last rename: all of them, or none
+                while staged:
+                    dirfd, name, temp = staged[0]
+                    os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+                    staged.pop(0)
             for dirfd in folders.values():
                 os.fsync(dirfd)  # the renames themselves survive a crash
         except OSError as err:

@@ -114,3 +114,22 @@ def test_write_all_in_tree_renames_nothing_until_every_file_is_on_disk(tmp_path,
     assert os.access(tmp_path / "pkg/c/d.py", os.X_OK) and not os.access(tmp_path / "a.py", os.X_OK)
     assert sorted(os.listdir(tmp_path)) == ["a.py", "pkg"] and sorted(os.listdir(tmp_path / "pkg")) == [
         "b.py", "c"]
+
+
+def test_ctrl_c_between_the_renames_waits_for_the_last(tmp_path, monkeypatch):
+    """All or none holds under Ctrl-C too: an interrupt after the first file is renamed into
+    place is acted on once every file is."""
+    import signal
+
+    rename = os.rename
+
+    def renamed_then_ctrl_c(*args, **kwargs):
+        rename(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "rename", renamed_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_all_in_tree(tmp_path, {"a.py": (b"a\n", False), "pkg/b.py": (b"b\n", False)})
+    monkeypatch.undo()
+    assert (tmp_path / "a.py").read_bytes() == b"a\n" and (tmp_path / "pkg/b.py").read_bytes() == b"b\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.py", "pkg"] and os.listdir(tmp_path / "pkg") == ["b.py"]
