@@ -41,7 +41,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
 
     from k3overlay import errors, git, progress
     from k3overlay.cli import job_done, report_console, stop_like_ctrl_c
-    from k3overlay.files import refuse_one_file_twice
+    from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.report import (
@@ -193,21 +193,30 @@ def _main(argv: list[str] | None) -> int:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
     job_done()
-    console = report_console()
-    for report in reports:
-        write_human(report, console)
-        console.print()
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
     renderers = [(args.json, lambda path: write_json(reports, path)),
                  (args.junit, lambda path: write_text(path, junit_xml(reports))),
                  (args.markdown, lambda path: write_text(path, markdown(reports)))]
+    # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
+    # which now ends the job) then costs only the text.
+    to_files = [(path, write) for path, write in renderers if path and stream_target(path) is None]
+    code = _write_reports(to_files, code)
+    console = report_console()
+    for report in reports:
+        write_human(report, console)
+        console.print()
+    return _write_reports([(path, write) for path, write in renderers
+                           if path and stream_target(path) is not None], code)
+
+
+def _write_reports(renderers, code: int) -> int:
+    """Write each ``(path, write)``; the exit code to end with (``code``, or a write error's)."""
     for path, write in renderers:
-        if path:
-            try:  # one report that cannot be written must not cost CI the others
-                write(path)
-            except errors.OverlayError as err:
-                print(f"rebase.py: error: {err}", file=sys.stderr)
-                code = code or err.exit_code
+        try:  # one report that cannot be written must not cost CI the others
+            write(path)
+        except errors.OverlayError as err:
+            print(f"rebase.py: error: {err}", file=sys.stderr)
+            code = code or err.exit_code
     return code
 
 

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from . import errors, git, progress
 from .export import export
-from .files import refuse_one_file_twice
+from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
@@ -138,13 +138,21 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                   f"written", file=sys.stderr)
             return 130
     job_done()
+    # A report file is written before the text: a reader of stdout gone early (`| head -1`,
+    # which now ends the tool) then costs only the text. A stream gets it after the text.
+    to_stream = args.json is not None and stream_target(args.json) is not None
+    code = _json_report(report, args.json) if args.json and not to_stream else report.exit_code
     write_human(report, report_console())
-    if args.json:
-        try:
-            write_json(report, args.json)
-        except errors.OverlayError as err:  # the disk filled up since the check, say
-            print(f"apply.py: error: {err}", file=sys.stderr)
-            return report.exit_code or err.exit_code
+    return _json_report(report, args.json) if to_stream else code
+
+
+def _json_report(report: Report, path: Path) -> int:
+    """Write the JSON report; the exit code to end with (a write error is said on stderr)."""
+    try:
+        write_json(report, path)
+    except errors.OverlayError as err:  # the disk filled up since the check, say
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return report.exit_code or err.exit_code
     return report.exit_code
 
 
