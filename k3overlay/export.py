@@ -65,6 +65,9 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     if not base_ref:
         raise UsageError(f"{workdir} is not on a work branch made by apply.py")
     base_sha = git.resolve(repo, base_ref)
+    if base_sha is None:
+        raise UsageError(f"the work branch's base {base_ref!r} is not in {workdir} (a deleted tag "
+                         f"or branch?): fetch it, then export again")
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     old_patches = series_mod.load(project.patches_dir)
     overlay_paths = {f.path for f in manifest.files}

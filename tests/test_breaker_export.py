@@ -133,3 +133,16 @@ def test_ctrl_c_between_the_renames_waits_for_the_last(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (tmp_path / "a.py").read_bytes() == b"a\n" and (tmp_path / "pkg/b.py").read_bytes() == b"b\n"
     assert sorted(os.listdir(tmp_path)) == ["a.py", "pkg"] and os.listdir(tmp_path / "pkg") == ["b.py"]
+
+
+def test_a_work_branch_whose_base_ref_is_gone_is_named(project, upstream, tmp_path):
+    """The base tag deleted from the checkout: the error named ``None..HEAD``."""
+    wd = tmp_path / "wd"
+    work_branch_with_a_new_patch(project, upstream, wd)
+    g(wd, "tag", "-d", "v1.0.0")
+    before = state(project.root)
+    with pytest.raises(errors.UsageError) as err:
+        export(project, wd)
+    assert str(err.value) == (f"the work branch's base 'v1.0.0' is not in {wd} (a deleted tag or "
+                              f"branch?): fetch it, then export again")
+    assert state(project.root) == before
