@@ -45,6 +45,7 @@ from git.exc import InvalidGitRepositoryError, NoSuchPathError
 from .errors import OverlayError
 from .files import read_regular
 from .interrupts import deferred
+from .lock import flock
 
 Repo = gitpython.Repo
 
@@ -357,8 +358,8 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
     _remove_stale_worktrees(repo)
     parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
     owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(owner, fcntl.LOCK_EX)
     try:
+        flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
         run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
         yield Repo(parent / "tree")
     finally:
