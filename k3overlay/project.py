@@ -116,6 +116,12 @@ def _is_git_dir(path: Path) -> bool:
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``). A relative
     ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says: it would put the cache (locks, the
-    release mirror) in whatever folder the tool runs from, a checkout among them."""
+    release mirror) in whatever folder the tool runs from, a checkout among them. UsageError
+    if there is no absolute home either (``HOME=`` or a relative one)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "vllm-k3-overlay"
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")  # "~" itself if there is no home
+    if not os.path.isabs(base):
+        raise UsageError(f"no folder for the cache: $HOME is {os.environ.get('HOME')!r}; set "
+                         f"XDG_CACHE_HOME (or HOME) to an absolute path")
+    return Path(base) / "vllm-k3-overlay"

@@ -170,6 +170,12 @@ def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
     for relative in ("cache", "./cache", "~/cache"):
         monkeypatch.setenv("XDG_CACHE_HOME", relative)
         assert cache_dir() == tmp_path / "home" / ".cache" / "vllm-k3-overlay", relative
+    for home in ("home", "./home"):  # no absolute home either: said, not a cache in this folder
+        monkeypatch.setenv("HOME", home)
+        with pytest.raises(errors.UsageError) as err:
+            cache_dir()
+        assert str(err.value) == (f"no folder for the cache: $HOME is {home!r}; set XDG_CACHE_HOME "
+                                  f"(or HOME) to an absolute path")
 
 
 @pytest.mark.parametrize("where, moved_by", [(".lock", "XDG_CACHE_HOME"), ("owner.lock", "TMPDIR")])
