@@ -52,7 +52,8 @@ def load(patches_dir: Path) -> list[Patch]:
 
     Raises UsageError if the series file is missing or unreadable, names a
     missing file or anything but a file name in ``patches_dir``, a ``.patch``
-    file is not in the series, or a patch lacks a valid ``Upstream-Status:`` line.
+    file is not in the series, a patch lacks a valid ``Upstream-Status:`` line, or
+    two patches share a subject.
     """
     series_file = patches_dir / "series"
     if not series_file.is_file():
@@ -75,7 +76,14 @@ def load(patches_dir: Path) -> list[Patch]:
     unlisted = sorted({p.name for p in patches_dir.glob("*.patch")} - set(names))
     if unlisted:
         raise UsageError(f"patches not in {series_file.name}: {', '.join(unlisted)}")
-    return [read_patch(patches_dir / name) for name in names]
+    patches = [read_patch(patches_dir / name) for name in names]
+    first: dict[str, str] = {}
+    for patch in patches:  # --rebase-to and --export find a patch's commit by its subject
+        other = first.setdefault(patch.subject, patch.name)
+        if other != patch.name:
+            raise UsageError(f"{other} and {patch.name} share the subject {patch.subject!r}; "
+                             f"reword one (--rebase-to and --export tell patches apart by subject)")
+    return patches
 
 
 def read_patch(path: Path) -> Patch:
