@@ -119,9 +119,10 @@ def first_line(text: str) -> str:
     A line ending in ``:`` followed by tab-indented paths (``error: The following untracked
     working tree files would be overwritten by checkout:``) gets those paths appended, so
     the one line still names them."""
-    raw = [line for line in (text or "").splitlines()
-           if line.strip() and not line.strip().startswith("hint:")]
-    lines = [_unquote(line.strip().removeprefix("stderr: ")) for line in raw]
+    pairs = [(line, _unquote(line.strip().removeprefix("stderr: ")))
+             for line in (text or "").splitlines()]
+    pairs = [(line, clean) for line, clean in pairs if clean and not clean.startswith("hint:")]
+    raw, lines = [line for line, _ in pairs], [clean for _, clean in pairs]
     chosen = next((i for i, line in enumerate(lines) if line.startswith(("fatal:", "error:"))), 0)
     if not lines:
         return "no message"

@@ -117,6 +117,8 @@ def test_gits_listed_paths_stay_on_the_one_line():
               "Aborting\n")
     assert git.first_line(stderr) == ("error: The following untracked working tree files would be "
                                       "overwritten by checkout: pkg/a.py, pkg/b c.py")
+    # a hint is skipped even as GitPython wraps it (the quote it opens is dropped)
+    assert git.first_line("  stderr: 'hint: a hint GitPython wrapped\nplain reason") == "plain reason"
 
 
 # Found by the second adversarial pass: Ctrl-C landing just as --rebase-to had switched the
