@@ -393,11 +393,14 @@ def _tree_of(gitdir_file: Path) -> Path:
 
 @contextlib.contextmanager
 def _owner_gone(parent: Path) -> Iterator[bool]:
-    """True (and the owner lock, held for the block) if no live process owns ``parent``."""
+    """True (and the owner lock, held for the block) if no live process owns ``parent``.
+
+    A folder without ``owner.lock`` was never ours (a run makes the lock before the worktree):
+    a user's own worktree at ``…/k3-worktree-x/tree`` is left alone, files and all."""
     try:
         fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        yield True  # folder gone (a cleaned /tmp) or never locked: nobody can own it
+        yield not os.path.lexists(parent)  # folder gone (a cleaned /tmp): only git's entry is left
         return
     try:
         try:

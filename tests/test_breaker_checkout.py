@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -178,3 +179,28 @@ def test_other_attributes_of_the_checkout_are_fine(project, upstream, tmp_path):
     (wd / ".git/info/attributes").write_text("*.py diff=python\n*.txt text eol=lf\n")
     report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
     assert report.ok and [p.status for p in report.patches] == ["applied-3way"]
+
+
+def test_a_users_worktree_named_like_ours_is_never_removed(project, upstream, tmp_path):
+    """Found by the second adversarial pass: any worktree at ``…/k3-worktree-*/tree`` without
+    an owner lock was taken for a killed run's, and every run (even --check) removed it: git's
+    entry, its files (changed and untracked ones too) and the folder above it. A folder
+    without ``owner.lock`` was never ours: only the entry of one that is gone is removed."""
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    mine = tmp_path / "k3-worktree-review" / "tree"
+    g(wd, "worktree", "add", "-q", str(mine), "v1.1.0")
+    (mine / "my-notes.txt").write_text("precious\n")
+    (mine / "pkg/model.txt").write_text("my edit\n")
+    (mine.parent / "beside.txt").write_text("also precious\n")
+    gone = tmp_path / "k3-worktree-gone" / "tree"  # a killed run's, its folder since cleaned
+    g(wd, "worktree", "add", "-q", "--detach", str(gone), "v1.0.0")
+    subprocess.run(["rm", "-rf", str(gone.parent)], check=True)
+    before = g(wd, "worktree", "list", "--porcelain")
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=True)).ok
+    after = g(wd, "worktree", "list", "--porcelain")
+    assert f"worktree {mine}\n" in after and f"worktree {gone}\n" in before
+    assert f"worktree {gone}\n" not in after
+    assert (mine / "my-notes.txt").read_text() == "precious\n"
+    assert (mine / "pkg/model.txt").read_text() == "my edit\n"
+    assert (mine.parent / "beside.txt").read_text() == "also precious\n"
