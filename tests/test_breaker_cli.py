@@ -98,3 +98,28 @@ def test_an_unreadable_manifest_is_one_line_never_a_hang(project, upstream, tmp_
     assert capsys.readouterr().err.splitlines() == [
         f"apply.py: error: cannot read overlay manifest {project.manifest_path}: overlay.json is "
         f"missing or not a regular file"]
+
+
+# Found by the second adversarial pass: a relative --vllm-repo (or $VLLM_REPO) was handed to
+# git as it was, and git runs beside the work directory (clone) or in the checkout (fetch):
+# "up.git" from the current folder was not found, or another repository of that name there
+# was silently used instead.
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_a_relative_vllm_repo_is_read_from_the_current_folder(project, upstream, tmp_path,
+                                                              monkeypatch, how):
+    here = tmp_path / "here"
+    here.mkdir()
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(here / "up.git"))
+    wd = tmp_path / "work" / "vllm"
+    decoy = tmp_path / "work" / "up.git"  # where git would have looked, beside the workdir
+    decoy.parent.mkdir()
+    g(tmp_path, "init", "-q", "--bare", str(decoy))
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    repo = ["--vllm-repo", "up.git"] if how == "option" else []
+    if how == "environment":
+        monkeypatch.setenv("VLLM_REPO", "up.git")
+    for ref in ("v1.0.0", "v1.1.0"):  # a fresh clone, then a fetch into the checkout
+        assert cli.main(["-q", *repo, "--workdir", str(wd), "--vllm-ref", ref]) == errors.OK
+        assert g(wd, "rev-parse", "HEAD~2").strip() == g(upstream, "rev-parse", ref).strip()
