@@ -40,7 +40,8 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
-    from k3overlay.cli import report_console, stop_like_ctrl_c
+    from k3overlay.cli import job_done, report_console, stop_like_ctrl_c
+    from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.report import (
@@ -114,7 +115,7 @@ class TargetRun:
         tree_sha = git.run(git.Repo(tree), "rev-parse", "HEAD").strip()
         meta = stage.meta(report, tree_sha, self.upstream, ours, prefer, self.env.cute_dsl)
         if self.gpu_export is not None:
-            stage.export(tree, meta, self.gpu_export / report.ref)
+            stage.export(tree, meta, self.gpu_export, report.ref)
         if self.gpu:
             stage.attach(report, stage.run_here(tree, meta), tree_sha)
         elif self.gpu_results is not None:
@@ -137,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         stop_like_ctrl_c()
         return _main(argv)
     except KeyboardInterrupt:
+        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
         print(INTERRUPTED, file=sys.stderr)
         return 130
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -169,6 +173,7 @@ def _main(argv: list[str] | None) -> int:
         for path, option in reports_to + folders:
             if path:
                 Project().refuse_as_output(path, option)
+        refuse_one_file_twice([(path, option) for path, option in reports_to])
         for path, option in reports_to:
             if path:
                 check_writable(path, option)
@@ -187,21 +192,31 @@ def _main(argv: list[str] | None) -> int:
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)
         return err.exit_code
-    console = report_console()
-    for report in reports:
-        write_human(report, console)
-        console.print()
+    job_done()
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
     renderers = [(args.json, lambda path: write_json(reports, path)),
                  (args.junit, lambda path: write_text(path, junit_xml(reports))),
                  (args.markdown, lambda path: write_text(path, markdown(reports)))]
+    # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
+    # which now ends the job) then costs only the text.
+    to_files = [(path, write) for path, write in renderers if path and stream_target(path) is None]
+    code = _write_reports(to_files, code)
+    console = report_console()
+    for report in reports:
+        write_human(report, console)
+        console.print()
+    return _write_reports([(path, write) for path, write in renderers
+                           if path and stream_target(path) is not None], code)
+
+
+def _write_reports(renderers, code: int) -> int:
+    """Write each ``(path, write)``; the exit code to end with (``code``, or a write error's)."""
     for path, write in renderers:
-        if path:
-            try:  # one report that cannot be written must not cost CI the others
-                write(path)
-            except errors.OverlayError as err:
-                print(f"rebase.py: error: {err}", file=sys.stderr)
-                code = code or err.exit_code
+        try:  # one report that cannot be written must not cost CI the others
+            write(path)
+        except errors.OverlayError as err:
+            print(f"rebase.py: error: {err}", file=sys.stderr)
+            code = code or err.exit_code
     return code
 
 

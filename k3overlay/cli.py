@@ -13,6 +13,7 @@ from rich.console import Console
 
 from . import errors, git, progress
 from .export import export
+from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
@@ -74,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser(project).parse_args(argv)
         progress.quiet = args.quiet
         return _run(project, args)
+    except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
+        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
         print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)
         return 130
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _left_as_it_was(args: argparse.Namespace | None) -> str:
@@ -97,6 +104,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
     try:
         if args.json:
             project.refuse_as_output(args.json, "--json")
+            refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
             json_to = args.json
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
@@ -129,13 +137,22 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             print(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
                   f"written", file=sys.stderr)
             return 130
+    job_done()
+    # A report file is written before the text: a reader of stdout gone early (`| head -1`,
+    # which now ends the tool) then costs only the text. A stream gets it after the text.
+    to_stream = args.json is not None and stream_target(args.json) is not None
+    code = _json_report(report, args.json) if args.json and not to_stream else report.exit_code
     write_human(report, report_console())
-    if args.json:
-        try:
-            write_json(report, args.json)
-        except errors.OverlayError as err:  # the disk filled up since the check, say
-            print(f"apply.py: error: {err}", file=sys.stderr)
-            return report.exit_code or err.exit_code
+    return _json_report(report, args.json) if to_stream else code
+
+
+def _json_report(report: Report, path: Path) -> int:
+    """Write the JSON report; the exit code to end with (a write error is said on stderr)."""
+    try:
+        write_json(report, path)
+    except errors.OverlayError as err:  # the disk filled up since the check, say
+        print(f"apply.py: error: {err}", file=sys.stderr)
+        return report.exit_code or err.exit_code
     return report.exit_code
 
 
@@ -186,8 +203,16 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
 
 
 def stop_like_ctrl_c() -> None:
-    """A cancelled CI job (SIGTERM) cleans up like Ctrl-C; a closed pipe ends quietly."""
+    """A cancelled CI job (SIGTERM) and a reader gone mid-run (SIGPIPE: ``apply.py 2>&1 |
+    head -1``, progress then written to a closed pipe) clean up like Ctrl-C: no scratch
+    clone, worktree or half-packed wheel is left behind. See ``job_done`` for after."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGPIPE, _interrupt)
+
+
+def job_done() -> None:
+    """Nothing is left to clean up: from now on a closed pipe ends the tool quietly
+    (``apply.py | head -1``: the report is cut short, nothing else is)."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 

@@ -22,7 +22,7 @@ from . import git
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
-from .files import write_in_tree
+from .files import write_all_in_tree
 from .interrupts import deferred
 from .job import BASE_KEY, locked, record, verify_change
 from .project import COMMITTER, Project
@@ -65,6 +65,9 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     if not base_ref:
         raise UsageError(f"{workdir} is not on a work branch made by apply.py")
     base_sha = git.resolve(repo, base_ref)
+    if base_sha is None:
+        raise UsageError(f"the work branch's base {base_ref!r} is not in {workdir} (a deleted tag "
+                         f"or branch?): fetch it, then export again")
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     old_patches = series_mod.load(project.patches_dir)
     overlay_paths = {f.path for f in manifest.files}
@@ -83,24 +86,31 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     modes = git.tree_entries(repo, "HEAD", sorted(overlay))
     files = tuple(manifest_mod.OverlayFile(f.path, git.blob_at(repo, base_sha, f.path)
                                            or manifest_mod.NEW) for f in manifest.files)
-    # Checked; now write, each file whole (temporary file + rename), never through a link.
+    # Checked; now write every file or none (each whole, on disk before any is renamed into
+    # place), never through a link: not even patches/, overlay/ or overlay.json being one.
+    writes = {_rel(project, project.patches_dir / name): (content, False)
+              for name, content in patch_files.items()}
+    writes[_rel(project, project.patches_dir / "series")] = (
+        "".join(f"{p.name}\n" for p in new_patches).encode(), False)
+    writes |= {_rel(project, project.overlay_dir / path): (content, modes[path][0] == "100755")
+               for path, content in overlay.items()}
+    writes[_rel(project, project.manifest_path)] = (
+        manifest_mod.dumps(manifest_mod.Manifest(base_ref, files)), False)
     with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
-        for name, content in patch_files.items():
-            write_in_tree(project.patches_dir, name, content)
-        write_in_tree(project.patches_dir, "series",
-                      "".join(f"{p.name}\n" for p in new_patches).encode())
+        write_all_in_tree(project.root, writes)
         for old in project.patches_dir.glob("*.patch"):
             if old.name not in patch_files:
                 old.unlink()
-        for path, content in overlay.items():
-            write_in_tree(project.overlay_dir, path, content,
-                          executable=modes[path][0] == "100755")
-        manifest_mod.save(manifest_mod.Manifest(base_ref, files), project.manifest_path)
         record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}
     result.dropped = [p.name for p in old_patches if p.subject not in kept]
     return result
+
+
+def _rel(project: Project, path: Path) -> str:
+    """``path`` (one of the project's data files) relative to the project's root, ``/``-separated."""
+    return path.relative_to(project.root).as_posix()
 
 
 def _overlay_content(repo: git.Repo, base_sha: str, project: Project,

@@ -7,7 +7,8 @@
   ``write_in_tree``    a file laid into a tree (a vLLM work tree, ``overlay/``): every folder
                        below the tree's top is opened without following links, so a link
                        anywhere on the way (``pkg -> /etc``) or at the destination is refused,
-                       never written through;
+                       never written through; ``write_all_in_tree`` several such files, all
+                       or none (the overlay laid into a checkout, an export of patches/);
   ``write_atomically`` a file the user named (a report): the whole text or nothing; a full
                        disk leaves the previous file as it was. A stream the user named
                        (``/dev/stdout``, ``/dev/fd/N`` of ``>(cmd)``, a FIFO, a device) is
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from .errors import UsageError
+from .interrupts import deferred
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -41,34 +43,75 @@ def write_in_tree(root: Path, rel: str, data: bytes, *, executable: bool = False
     nothing, when a folder on the way is a link or not a folder, or the
     destination is a link, a folder or anything but a regular file.
     """
+    write_all_in_tree(root, {rel: (data, executable)})
+
+
+def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
+    """Write each ``rel: (data, executable)`` under ``root`` as ``write_in_tree`` does, all or
+    none: every file is first written whole to a temporary file beside its destination and
+    flushed to disk, and only then are they all renamed into place. A refused path, a full
+    disk or Ctrl-C before the renames leaves every destination as it was (a folder made on
+    the way may stay, empty). Raises UsageError as ``write_in_tree``.
+    """
+    folders: dict[str, int] = {}  # folder (relative to root) -> its descriptor, opened once
+    staged: list[tuple[int, str, str]] = []  # (folder descriptor, name, temporary name)
+    try:
+        for rel, (data, executable) in files.items():
+            dirfd, name = _folder_of(root, rel, folders)
+            try:
+                staged.append((dirfd, name, _stage(dirfd, name, data, 0o777 if executable else 0o666)))
+            except OSError as err:
+                raise UsageError(f"cannot write {rel}: {err.strerror}") from err
+        try:
+            with deferred():  # Ctrl-C waits for the last rename: all of them, or none
+                while staged:
+                    dirfd, name, temp = staged[0]
+                    os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+                    staged.pop(0)
+            for dirfd in folders.values():
+                os.fsync(dirfd)  # the renames themselves survive a crash
+        except OSError as err:
+            raise UsageError(f"cannot write {name}: {err.strerror}") from err
+    finally:
+        for dirfd, _name, temp in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dirfd)
+        for dirfd in folders.values():
+            os.close(dirfd)
+
+
+def _folder_of(root: Path, rel: str, folders: dict[str, int]) -> tuple[int, str]:
+    """A descriptor of the folder ``rel``'s file goes in, and the file's name. The folder is
+    made if missing, every folder below ``root`` opened without following a link, and kept
+    open in ``folders`` (its caller closes them). UsageError if a folder on the way or the
+    destination itself is no place to write a file."""
     parts = rel.split("/")
     if not rel or any(part in ("", ".", "..") for part in parts):
         raise UsageError(f"refusing to write {rel!r}: not a plain path inside the tree")
-    dirfd = os.open(root, _DIR_FLAGS)
     try:
+        if "" not in folders:
+            folders[""] = os.open(root, _DIR_FLAGS)
         for depth, name in enumerate(parts[:-1], 1):
+            here, above = "/".join(parts[:depth]), "/".join(parts[:depth - 1])
+            if here in folders:
+                continue
             with contextlib.suppress(FileExistsError):
-                os.mkdir(name, dir_fd=dirfd)
+                os.mkdir(name, dir_fd=folders[above])
             try:
-                inner = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dirfd)
+                folders[here] = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folders[above])
             except OSError as err:
                 if err.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise UsageError(f"cannot write {rel}: {err.strerror}") from err
-                raise UsageError(f"refusing to write {rel}: {'/'.join(parts[:depth])} is a "
-                                 f"{_kind(name, dirfd)}, not a folder") from err
-            os.close(dirfd)
-            dirfd = inner
-        name = parts[-1]
+                    raise
+                raise UsageError(f"refusing to write {rel}: {here} is a "
+                                 f"{_kind(name, folders[above])}, not a folder") from err
+        dirfd, name = folders["/".join(parts[:-1])], parts[-1]
         with contextlib.suppress(FileNotFoundError):
-            mode = os.lstat(name, dir_fd=dirfd).st_mode
-            if not stat.S_ISREG(mode):
+            if not stat.S_ISREG(os.lstat(name, dir_fd=dirfd).st_mode):
                 raise UsageError(f"refusing to write {rel}: it is a {_kind(name, dirfd)} in the "
                                  f"tree, not a file")
-        _replace(dirfd, name, data, 0o777 if executable else 0o666)
     except OSError as err:
         raise UsageError(f"cannot write {rel}: {err.strerror}") from err
-    finally:
-        os.close(dirfd)
+    return dirfd, name
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -101,6 +144,21 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror}") from err
     finally:
         os.close(dirfd)
+
+
+def refuse_one_file_twice(named: list[tuple[Path | None, str]]) -> None:
+    """Raise UsageError if two options name one file (links followed; a stream such as
+    ``/dev/stdout`` may be named twice): ``named`` is ``(path or None, option)`` in the
+    order they are written or read, and the later write would replace the earlier file
+    (a report, or an input the run reads, such as ``--release-wheel``)."""
+    seen: dict[str, tuple[Path, str]] = {}
+    for path, option in named:
+        if path is None or stream_target(path) is not None:
+            continue
+        first = seen.setdefault(os.path.realpath(path), (path, option))
+        if first[1] != option:
+            raise UsageError(f"{option} {path} is the file {first[1]} {first[0]} names; give each "
+                             f"its own")
 
 
 _OWN_FD = re.compile(r"/(?:dev|proc/self|proc/(\d+))/fd/(\d+)")
@@ -198,6 +256,19 @@ def _not_regular(path: Path, kind: str) -> UsageError:
 def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> None:
     """Write ``data`` to a new temporary file in folder ``dirfd``, flush it to disk and
     rename it to ``name``. The rename replaces ``name`` itself (never follows a link there)."""
+    temp = _stage(dirfd, name, data, mode, keep_mode)
+    try:
+        os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dirfd)
+        raise
+    os.fsync(dirfd)  # the rename itself survives a crash
+
+
+def _stage(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> str:
+    """A new temporary file beside ``name`` in folder ``dirfd`` holding ``data``, flushed to
+    disk; its name. Nothing is left if it cannot be written whole."""
     temp = f".{name[:64]}.{secrets.token_hex(4)}.k3-tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                  dir_fd=dirfd)
@@ -209,12 +280,11 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp, dir_fd=dirfd)
         raise
-    os.fsync(dirfd)  # the rename itself survives a crash
+    return temp
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -10,8 +10,10 @@ user's global and system config and ``GIT_*`` variables are shut out and the
 settings the tool parses or records are pinned, so ``color.ui=always``, a DCO
 hook or ``diff.noprefix`` cannot change a verdict or a sha. What a user needs
 to *reach* a repository (credential helpers, proxies, ``url.*.insteadOf``,
-``safe.directory``) and their identity (their reflog lines stay theirs; the
-tool's own commits carry a fixed one) is carried over from their config.
+``safe.directory``), their identity (their reflog lines stay theirs; the
+tool's own commits carry a fixed one) and what they ignore (``core.excludesFile``:
+a checkout their ``git status`` calls clean is clean here too) is carried over
+from their config.
 
 Processes are started here rather than through GitPython's ``execute``, which
 can neither drop an inherited variable nor stop its child on Ctrl-C; GitPython
@@ -43,6 +45,7 @@ from git.exc import InvalidGitRepositoryError, NoSuchPathError
 from .errors import OverlayError
 from .files import read_regular
 from .interrupts import deferred
+from .lock import flock
 
 Repo = gitpython.Repo
 
@@ -76,8 +79,10 @@ PINNED = {
     "commit.cleanup": "strip", "core.commentChar": "#",
     "i18n.commitEncoding": "UTF-8", "i18n.logOutputEncoding": "UTF-8",
     "user.useConfigOnly": "false", "init.defaultBranch": "main",
-    # what is ignored or filtered is decided by the tree alone, not by the user's files
-    "core.excludesFile": "/dev/null", "core.attributesFile": "/dev/null",
+    # what is filtered is decided by the tree alone, not by the user's files (what is
+    # ignored is the user's, as in their own `git status`: overlay files are staged by
+    # exact path whatever ignores them, and an ignored file is never overwritten)
+    "core.attributesFile": "/dev/null",
     # format-patch writes the same file for the same commit on every machine
     "format.signOff": "false", "format.coverLetter": "false", "format.numbered": "auto",
     "format.subjectPrefix": "PATCH", "format.suffix": ".patch", "format.useAutoBase": "false",
@@ -91,10 +96,10 @@ PINNED = {
 }
 GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={value}")))
 
-# Carried over from the user's own (global/system) config: reaching a repository, and
-# who they are. Canonical key names, as ``git config --get-regexp`` prints them.
+# Carried over from the user's own (global/system) config: reaching a repository, who
+# they are, and what they ignore. Canonical key names, as ``git config --get-regexp`` prints them.
 _CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(insteadof|pushinsteadof)"
-                      r"|core\.(sshcommand|askpass)|safe\.directory)$")
+                      r"|core\.(sshcommand|askpass|excludesfile)|safe\.directory)$")
 # Inherited variables kept: identity (reflog lines in the user's checkout stay theirs)
 # and transport (ssh, proxies, certificates). Every other GIT_* variable is dropped:
 # GIT_DIR, GIT_INDEX_FILE, GIT_CONFIG_PARAMETERS, … would redirect or reconfigure us.
@@ -109,13 +114,24 @@ class GitError(OverlayError):
 
 
 def first_line(text: str) -> str:
-    """The line of git's output that says what went wrong (``fatal:``/``error:`` first)."""
-    lines = [_unquote(line.strip().removeprefix("stderr: ")) for line in (text or "").splitlines()]
-    lines = [line for line in lines if line and not line.startswith("hint:")]
-    for line in lines:
-        if line.startswith(("fatal:", "error:")):
-            return line
-    return lines[0] if lines else "no message"
+    """The line of git's output that says what went wrong (``fatal:``/``error:`` first).
+
+    A line ending in ``:`` followed by tab-indented paths (``error: The following untracked
+    working tree files would be overwritten by checkout:``) gets those paths appended, so
+    the one line still names them."""
+    pairs = [(line, _unquote(line.strip().removeprefix("stderr: ")))
+             for line in (text or "").splitlines()]
+    pairs = [(line, clean) for line, clean in pairs if clean and not clean.startswith("hint:")]
+    raw, lines = [line for line, _ in pairs], [clean for _, clean in pairs]
+    chosen = next((i for i, line in enumerate(lines) if line.startswith(("fatal:", "error:"))), 0)
+    if not lines:
+        return "no message"
+    listed = []
+    for line in raw[chosen + 1:] if lines[chosen].endswith(":") else []:
+        if not line.startswith("\t"):
+            break
+        listed.append(line.strip())
+    return " ".join([lines[chosen], ", ".join(listed)]) if listed else lines[chosen]
 
 
 def _unquote(line: str) -> str:
@@ -273,6 +289,13 @@ def tag(repo: Repo, name: str, sha: str) -> None:
     run(repo, "tag", name, sha)
 
 
+def is_branch_name(name: str) -> bool:
+    """True if git takes ``name`` as a new branch's name (``git check-ref-format --branch``,
+    run outside any repository, so ``@{-1}`` and the like expand to nothing)."""
+    with tempfile.TemporaryDirectory(prefix="k3-refname-") as tmp:
+        return _execute(["check-ref-format", "--branch", name], cwd=tmp)[0] == 0
+
+
 def current_branch(repo: Repo) -> str | None:
     """The checked-out branch's short name, or None when HEAD is detached or unborn."""
     ok, out = attempt(repo, "symbolic-ref", "--quiet", "--short", "HEAD")
@@ -303,6 +326,17 @@ def operation_in_progress(repo: Repo) -> str | None:
     return None
 
 
+def untracked_in_the_way(repo: Repo, paths: list[str]) -> list[str]:
+    """Those of ``paths`` where something git does not track sits in the work tree (a file,
+    link or folder; with a clean status, one git ignores): what a checkout, ``git am
+    --3way`` or laying a file there would destroy."""
+    top = Path(repo.working_tree_dir)
+    present = [path for path in paths if os.path.lexists(top / path)]
+    tracked = set(_z(run(repo, "ls-files", "-z", "--", *literal(present)))) if present else set()
+    return [path for path in present
+            if path not in tracked and not any(t.startswith(path + "/") for t in tracked)]
+
+
 def is_dirty(repo: Repo) -> bool:
     """True if ``repo`` has staged, unstaged or untracked (not ignored) changes."""
     return bool(run(repo, "status", "--porcelain", "--untracked-files=normal").strip())
@@ -325,8 +359,8 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
     _remove_stale_worktrees(repo)
     parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
     owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(owner, fcntl.LOCK_EX)
     try:
+        flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
         run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
         yield Repo(parent / "tree")
     finally:
@@ -359,11 +393,14 @@ def _tree_of(gitdir_file: Path) -> Path:
 
 @contextlib.contextmanager
 def _owner_gone(parent: Path) -> Iterator[bool]:
-    """True (and the owner lock, held for the block) if no live process owns ``parent``."""
+    """True (and the owner lock, held for the block) if no live process owns ``parent``.
+
+    A folder without ``owner.lock`` was never ours (a run makes the lock before the worktree):
+    a user's own worktree at ``…/k3-worktree-x/tree`` is left alone, files and all."""
     try:
         fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        yield True  # folder gone (a cleaned /tmp) or never locked: nobody can own it
+        yield not os.path.lexists(parent)  # folder gone (a cleaned /tmp): only git's entry is left
         return
     try:
         try:
@@ -660,8 +697,11 @@ def merge_file(ours: Path, base: Path, theirs: Path) -> tuple[bool, bytes]:
 
 
 def set_branch(repo: Repo, name: str, sha: str) -> None:
-    """Point branch ``name`` at ``sha`` and check it out (the work tree must be clean)."""
-    run(repo, "checkout", "--quiet", "-B", name, sha)
+    """Point branch ``name`` at ``sha`` and check it out (the work tree must be clean).
+
+    An ignored file where ``sha`` has a file is never overwritten (git's default would):
+    GitError naming it, and nothing changes."""
+    run(repo, "checkout", "--quiet", "--no-overwrite-ignore", "-B", name, sha)
 
 
 def config_get(repo: Repo, key: str) -> str | None:

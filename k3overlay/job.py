@@ -26,6 +26,7 @@ from . import errors, git, progress, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
+from .files import read_regular
 from .interrupts import deferred
 from .lock import workdir_lock
 from .progress import step
@@ -60,7 +61,7 @@ def run_apply(project: Project, opts: Options) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     ref = opts.ref or manifest.base
-    branch = opts.branch or project.default_branch
+    branch = work_branch(project, opts)
     workdir = (opts.workdir or project.default_workdir).resolve()
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift)
@@ -68,6 +69,16 @@ def run_apply(project: Project, opts: Options) -> Report:
     with locked(workdir):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
+
+
+def work_branch(project: Project, opts: Options) -> str:
+    """The work branch's name (``--branch``, else from VERSION); UsageError, before any work,
+    if git would refuse it as a branch name (git itself says so only when publishing)."""
+    branch = opts.branch or project.default_branch
+    if not git.is_branch_name(branch):
+        where = "--branch" if opts.branch else "the work branch (from VERSION)"
+        raise UsageError(f"{where} {branch!r} is not a valid git branch name")
+    return branch
 
 
 @contextlib.contextmanager
@@ -81,6 +92,8 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
                   patches: list[series_mod.Patch], ref: str, branch: str, workdir: Path,
                   report: Report) -> None:
     existing = source.open_existing(workdir)
+    if existing is not None:
+        refuse_merge_attributes(existing)
     if existing is not None and not opts.check:
         refuse_unsafe(existing, branch)
     origin = source.locate(opts.vllm_repo, [manifest.base, ref])
@@ -199,6 +212,24 @@ def _overlay_message(project: Project, report: Report) -> str:
     lines = [f"k3-overlay: lay overlay files (vllm-k3-overlay {project.version})", ""]
     lines += [f"{f.status}: {f.path}" for f in report.overlay]
     return "\n".join(lines + ["", f"Overlay-Version: {project.version}", ""])
+
+
+def refuse_merge_attributes(repo: git.Repo) -> None:
+    """UsageError if the checkout's own ``info/attributes`` sets a ``merge`` or ``filter``
+    attribute. No config can shut that file out, and the tool's temporary worktrees share
+    it: a merge driver of the user's would run in the tool's 3-way merges and its output
+    be published as the patched tree, ``merge=binary`` would turn a clean 3-way into a
+    conflict."""
+    path = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-path",
+                        "info/attributes").strip())
+    for line in (read_regular(path) or b"").decode(errors="replace").splitlines():
+        if line.strip().startswith("#"):
+            continue
+        names = {token.lstrip("-!").split("=", 1)[0] for token in line.split()[1:]}
+        for name in sorted(names & {"merge", "filter"}):
+            raise UsageError(f"{path} sets the {name!r} attribute ({line.strip()!r}): git would use "
+                             f"it in the tool's own 3-way merges; remove the line, or give a fresh "
+                             f"clone as --workdir")
 
 
 def refuse_unsafe(repo: git.Repo, branch: str) -> None:

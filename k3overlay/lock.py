@@ -37,14 +37,15 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
     """
     workdir = workdir.resolve()  # one folder, one lock, however it was named
     key = hashlib.sha256(os.fsencode(workdir)).hexdigest()[:32]
-    fd = lock_file(cache_dir() / "locks" / f"{key}.lock")
+    path = cache_dir() / "locks" / f"{key}.lock"
+    fd = lock_file(path)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd, path, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
             say(f"waiting for {holder} to finish with {workdir}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            flock(fd, path, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
         yield
@@ -58,10 +59,23 @@ def held(path: Path) -> Iterator[None]:
     waiting for whoever holds it. Raises UsageError as ``lock_file``."""
     fd = lock_file(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        flock(fd, path, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def flock(fd: int, path: Path, operation: int, *, moved_by: str = "XDG_CACHE_HOME") -> None:
+    """``flock`` the lock file ``path``. BlockingIOError (held, with ``LOCK_NB``) goes to the
+    caller; any other failure (a network file system without locks: ENOLCK, ENOSYS,
+    EOPNOTSUPP) is a UsageError in one line: point ``moved_by`` at a local disk."""
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        raise
+    except OSError as err:
+        raise UsageError(f"cannot lock {path} ({err.strerror}): its file system does not "
+                         f"support locks; point {moved_by} at a local disk") from err
 
 
 def lock_file(path: Path) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UsageError
-from .files import write_atomically, write_in_tree
+from .files import read_regular, write_all_in_tree, write_atomically
 
 NEW = "new"
 REGULAR_MODES = ("100644", "100755")
@@ -70,7 +70,10 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     ``base_blob`` that is neither a 40-hex sha nor ``new``.
     """
     try:
-        data = json.loads(manifest_path.read_bytes())
+        text = read_regular(manifest_path)  # a FIFO there is not waited on
+        if text is None:
+            raise OSError(f"{manifest_path.name} is missing or not a regular file")
+        data = json.loads(text)
         files = tuple(OverlayFile(f["path"], f["base_blob"]) for f in data["files"])
         manifest = Manifest(data["base"], files)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
@@ -132,10 +135,15 @@ def _one_line(err: BaseException) -> str:
 
 
 def save(manifest: Manifest, manifest_path: Path) -> None:
-    """Write ``manifest`` (files in their given order, stable formatting), atomically."""
+    """Write ``manifest`` (``dumps``), atomically."""
+    write_atomically(manifest_path, dumps(manifest))
+
+
+def dumps(manifest: Manifest) -> bytes:
+    """``manifest`` as the file holds it: files in their given order, stable formatting."""
     data = {"base": manifest.base,
             "files": [{"path": f.path, "base_blob": f.base_blob} for f in manifest.files]}
-    write_atomically(manifest_path, (json.dumps(data, indent=2) + "\n").encode())
+    return (json.dumps(data, indent=2) + "\n").encode()
 
 
 def _is_hex(text: str) -> bool:
@@ -202,9 +210,10 @@ def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
     overlay file's executable bit. A conflicted file keeps upstream's version
     unless ``with_conflicts``, which writes the merge with its conflict markers
     for a maintainer to resolve. The one write path into a tree: the
-    destination's type in git at HEAD is checked first and nothing is ever
-    written through a link (``files.write_in_tree``). Raises UsageError, before
-    writing anything, if a destination at HEAD is a link, folder or submodule.
+    destination's type in git at HEAD is checked first, nothing is ever written
+    through a link and every file or none is written (``files.write_all_in_tree``).
+    Raises UsageError, before writing anything, if a destination at HEAD is a link,
+    folder or submodule.
     Returns ``path: (bytes, executable)`` for ``commit_laid``.
     """
     chosen = [r for r in results
@@ -217,9 +226,8 @@ def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
     for result in chosen:
         source = overlay_dir / result.path
         data = result.merged if result.merged is not None else source.read_bytes()
-        executable = bool(os.stat(source).st_mode & stat.S_IXUSR)
-        write_in_tree(Path(repo.working_tree_dir), result.path, data, executable=executable)
-        laid[result.path] = (data, executable)
+        laid[result.path] = (data, bool(os.stat(source).st_mode & stat.S_IXUSR))
+    write_all_in_tree(Path(repo.working_tree_dir), laid)
     return laid
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
+from .files import read_regular
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +34,18 @@ class Project:
 
     @property
     def version(self) -> str:
-        """Overlay version, the one line of VERSION (e.g. ``0.1.0``)."""
-        return (self.root / "VERSION").read_text().strip()
+        """Overlay version, the one line of VERSION (e.g. ``0.1.0``). Raises UsageError if
+        VERSION is missing, not a regular file (a FIFO is not waited on), empty or not UTF-8."""
+        path = self.root / "VERSION"
+        data = read_regular(path)
+        try:
+            version = data.decode().strip() if data is not None else None
+        except UnicodeDecodeError:
+            version = None
+        if not version:
+            raise UsageError(f"{path} is missing, empty, not UTF-8 text or not a regular file; it "
+                             f"holds the overlay version (restore it with git)")
+        return version
 
     @property
     def patches_dir(self) -> Path:
@@ -73,7 +84,8 @@ class Project:
         """Raise UsageError (one line, exit 2) if ``path``, a file or folder the user named
         for ``option`` to write (a report, the wheel folder, the work directory), is one of
         ``data_paths`` or inside one, or inside a ``.git`` folder (this repository's, a
-        linked worktree's or the vLLM checkout's). Links are followed: the file written
+        linked worktree's or the vLLM checkout's) or any other git folder (a bare repository
+        such as the release mirror, a separate git folder). Links are followed: the file written
         is the one they lead to."""
         target = path.resolve()
         for data in self.data_paths:
@@ -89,9 +101,27 @@ class Project:
         if gitdirs:
             raise UsageError(f"{option} {path} is inside a .git folder ({gitdirs[-1]}); refusing "
                              f"to write there")
+        repos = [p for p in (target, *target.parents) if _is_git_dir(p)]
+        if repos:
+            raise UsageError(f"{option} {path} is inside the git repository {repos[-1]} (a bare "
+                             f"or separate git folder); refusing to write there")
+
+
+def _is_git_dir(path: Path) -> bool:
+    """True if ``path`` is a git folder by its layout (a bare repository, a ``--separate-git-dir``,
+    the release mirror), whatever its name: HEAD, objects/ and refs/ in it."""
+    return (path / "HEAD").is_file() and (path / "objects").is_dir() and (path / "refs").is_dir()
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    """``$XDG_CACHE_HOME/vllm-k3-overlay`` (default ``~/.cache/vllm-k3-overlay``). A relative
+    ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says: it would put the cache (locks, the
+    release mirror) in whatever folder the tool runs from, a checkout among them. UsageError
+    if there is no absolute home either (``HOME=`` or a relative one)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")  # "~" itself if there is no home
+    if not os.path.isabs(base):
+        raise UsageError(f"no folder for the cache: $HOME is {os.environ.get('HOME')!r}; set "
+                         f"XDG_CACHE_HOME (or HOME) to an absolute path")
     return Path(base) / "vllm-k3-overlay"

@@ -20,6 +20,7 @@ from pathlib import Path
 from . import errors, git, source
 from . import manifest as manifest_mod
 from . import series as series_mod
+from .interrupts import deferred
 from .job import (
     BASE_KEY,
     Options,
@@ -28,8 +29,10 @@ from .job import (
     commit_overlay,
     locked,
     record,
+    refuse_merge_attributes,
     refuse_unsafe,
     verify_change,
+    work_branch,
 )
 from .project import COMMITTER, Project
 from .report import Report
@@ -108,12 +111,13 @@ def rebase_to(project: Project, opts: Options) -> Report:
 def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    branch = opts.branch or project.default_branch
+    branch = work_branch(project, opts)
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
     if repo is None:
         repo = source.clone(origin, workdir)
+    refuse_merge_attributes(repo)
     op = git.operation_in_progress(repo)
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
@@ -124,10 +128,13 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                   and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
     if not continuing:
         refuse_unsafe(repo, branch)
-        git.set_branch(repo, branch, report.ref_sha)
-        record(repo, branch, opts.ref)
     elif git.is_dirty(repo):
         raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
+    _refuse_untracked_in_the_way(repo, patches, manifest)
+    if not continuing:
+        with deferred():  # switched but not recorded, the branch would be refused as not ours
+            git.set_branch(repo, branch, report.ref_sha)
+            record(repo, branch, opts.ref)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
     # landed-upstream is proven against REF's tree alone.
@@ -161,6 +168,21 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     report.verify = verify_change(repo, report.ref_sha, sha)
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
     return report
+
+
+def _refuse_untracked_in_the_way(repo: git.Repo, patches: list[series_mod.Patch],
+                                 manifest: manifest_mod.Manifest) -> None:
+    """UsageError if a file git does not track (one it ignores) sits where a patch or an
+    overlay file will be written in the checkout: ``git am --3way`` and laying a file
+    would overwrite it without a word."""
+    paths = [f.path for f in manifest.files]
+    for patch in patches:
+        paths += git.patch_paths(repo, patch.path)
+    in_the_way = git.untracked_in_the_way(repo, list(dict.fromkeys(paths)))
+    if in_the_way:
+        raise errors.UsageError(f"{in_the_way[0]} in {repo.working_tree_dir} is not tracked by "
+                                f"git (ignored) and the series or overlay writes there; move it "
+                                f"away first")
 
 
 def _overlay_committed(repo: git.Repo, ref_sha: str, overlay_paths: set[str]) -> bool:

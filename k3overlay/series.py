@@ -52,7 +52,8 @@ def load(patches_dir: Path) -> list[Patch]:
 
     Raises UsageError if the series file is missing or unreadable, names a
     missing file or anything but a file name in ``patches_dir``, a ``.patch``
-    file is not in the series, or a patch lacks a valid ``Upstream-Status:`` line.
+    file is not in the series, a patch lacks a valid ``Upstream-Status:`` line, or
+    two patches share a subject.
     """
     series_file = patches_dir / "series"
     if not series_file.is_file():
@@ -75,18 +76,30 @@ def load(patches_dir: Path) -> list[Patch]:
     unlisted = sorted({p.name for p in patches_dir.glob("*.patch")} - set(names))
     if unlisted:
         raise UsageError(f"patches not in {series_file.name}: {', '.join(unlisted)}")
-    return [read_patch(patches_dir / name) for name in names]
+    patches = [read_patch(patches_dir / name) for name in names]
+    first: dict[str, str] = {}
+    for patch in patches:  # --rebase-to and --export find a patch's commit by its subject
+        other = first.setdefault(patch.subject, patch.name)
+        if other != patch.name:
+            raise UsageError(f"{other} and {patch.name} share the subject {patch.subject!r}; "
+                             f"reword one (--rebase-to and --export tell patches apart by subject)")
+    return patches
 
 
 def read_patch(path: Path) -> Patch:
     """Read one mailbox patch file the way ``git am`` will (``git mailinfo -b``).
 
-    Raises UsageError if it is missing, holds no diff, or its commit message
-    (what ``git am`` keeps: the text before a ``---`` line) lacks Upstream-Status.
+    Raises UsageError if it is missing, has CRLF line endings (its first line ends in CR:
+    a whole file converted on checkout, whose every hunk would fail), holds no diff, or
+    its commit message (what ``git am`` keeps: the text before a ``---`` line) lacks
+    Upstream-Status.
     """
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
     try:
+        if path.read_bytes().partition(b"\n")[0].endswith(b"\r"):
+            raise UsageError(f"{path.name} has CRLF line endings (converted on checkout, e.g. by "
+                             f"core.autocrlf=true?): check patches/ out again with LF endings")
         headers, message, has_diff = git.mailinfo(path)
     except OSError as err:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
@@ -227,5 +240,7 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
 
 def _failed_hunks(am_output: str) -> list[str]:
     """The lines where git names what did not apply ("patch failed: FILE:LINE", "CONFLICT …")."""
-    keep = ("patch failed:", "CONFLICT", "does not exist in index", "does not match index")
-    return [line.strip() for line in am_output.splitlines() if any(k in line for k in keep)]
+    keep = ("patch failed:", "CONFLICT", "does not exist in index", "does not match index",
+            "invalid path")
+    return list(dict.fromkeys(line.strip() for line in am_output.splitlines()
+                              if any(k in line for k in keep)))  # am and apply may both say it

@@ -53,6 +53,7 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
 
     Without ``vllm_repo`` (or ``$VLLM_REPO``), every release tag among
     ``refs`` is first materialized in the release mirror, whose path is returned.
+    A relative path is made absolute from the current folder.
     """
     for ref in refs:
         check_ref(ref)
@@ -60,10 +61,19 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
     if chosen and chosen.startswith("-"):
         raise UsageError(f"bad vLLM repository {chosen!r}: give a URL or a path")
     if chosen:
-        return chosen
+        return _absolute(chosen)
     mirror = default_mirror()
     mirror.ensure(v for v in map(release_of, refs) if v is not None)
     return str(mirror.path)
+
+
+def _absolute(source: str) -> str:
+    """``source`` as git will be given it: a path made absolute from the current folder (git
+    runs elsewhere: beside the work directory, in the checkout); a URL (``scheme://``) or an
+    scp-like ``host:path`` as it is."""
+    if "://" in source or ":" in source.split("/", 1)[0]:
+        return source
+    return os.path.abspath(source)
 
 
 def open_existing(workdir: Path) -> git.Repo | None:

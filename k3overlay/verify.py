@@ -34,6 +34,11 @@ class VerifyResult:
         self.errors.append(message)
 
 
+# What ast.parse raises on a file Python cannot compile: a syntax error, a NUL byte
+# (ValueError), nesting deeper than the parser's stack (RecursionError, MemoryError).
+_UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
+
+
 def verify(tree: Path, touched: list[str], before: Mapping[str, bytes] | None = None) -> VerifyResult:
     """Check ``touched`` paths (relative to ``tree``); return every error found.
 
@@ -60,8 +65,8 @@ def verify(tree: Path, touched: list[str], before: Mapping[str, bytes] | None = 
         except SyntaxError as err:
             result.fail(f"{path}:{err.lineno}: does not compile: {err.msg}")
             continue
-        except ValueError as err:  # e.g. a NUL byte
-            result.fail(f"{path}: does not compile: {err}")
+        except (ValueError, RecursionError, MemoryError) as err:  # a NUL byte; nesting too deep
+            result.fail(f"{path}: does not compile: {str(err) or type(err).__name__}")
             continue
         modules[module_name(path)] = parsed_files[path] = parsed
         lost[module_name(path)] = _lost_names(_top_level_names(parsed), before, path)
@@ -88,7 +93,7 @@ def _lost_names(now: set[str] | None, before: Mapping[str, bytes] | None,
         return set()  # a new module: nothing imported it before us
     try:
         old = _top_level_names(ast.parse(before[path]))
-    except (SyntaxError, ValueError):
+    except _UNPARSABLE:
         return None
     return None if old is None else old - now
 
@@ -184,7 +189,7 @@ def _imports_of(tree: Path, lost: dict[str, set[str] | None], gone: set[str], to
                     continue  # cheap filter: most files never mention what changed
                 try:
                     parsed = ast.parse(source, filename=rel)
-                except (SyntaxError, ValueError):
+                except _UNPARSABLE:
                     continue  # not ours to judge; touched files are compiled above
             for node in _statements(parsed.body):
                 if isinstance(node, ast.ImportFrom):
@@ -245,5 +250,5 @@ def _package_names(tree: Path, package: str) -> set[str] | None:
     source = read_regular(tree.joinpath(*package.split("."), "__init__.py"))
     try:
         return _top_level_names(ast.parse(source or b""))
-    except (SyntaxError, ValueError):
+    except _UNPARSABLE:
         return set()

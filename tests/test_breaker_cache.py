@@ -7,6 +7,8 @@ file is one line, exit 2, and left as it was."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import signal
@@ -18,9 +20,11 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from k3overlay import errors, source
+from k3overlay import errors, lock, source
+from k3overlay.job import Options, run_apply
 from k3overlay.project import ROOT, cache_dir
 
+from .conftest import g
 from .test_downloads import release_file
 from .test_mirror import sdist_bytes
 
@@ -153,3 +157,47 @@ def test_gpu_lock_in_the_shared_tmp_is_never_followed_or_waited_on(what, tmp_pat
         with ab.GpuLock(str(path)):
             pass
     assert as_it_was()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    """Found by the second adversarial pass: ``XDG_CACHE_HOME=cache`` put the lock files and the
+    release mirror under the folder apply.py ran from (a checkout, this repository); the XDG
+    spec says a relative path there is to be ignored."""
+    from k3overlay.project import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for relative in ("cache", "./cache", "~/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", relative)
+        assert cache_dir() == tmp_path / "home" / ".cache" / "vllm-k3-overlay", relative
+    for home in ("home", "./home"):  # no absolute home either: said, not a cache in this folder
+        monkeypatch.setenv("HOME", home)
+        with pytest.raises(errors.UsageError) as err:
+            cache_dir()
+        assert str(err.value) == (f"no folder for the cache: $HOME is {home!r}; set XDG_CACHE_HOME "
+                                  f"(or HOME) to an absolute path")
+
+
+@pytest.mark.parametrize("where, moved_by", [(".lock", "XDG_CACHE_HOME"), ("owner.lock", "TMPDIR")])
+def test_a_file_system_without_locks_is_one_line_not_a_traceback(project, upstream, tmp_path,
+                                                                monkeypatch, where, moved_by):
+    """Found by the second adversarial pass: a cache (or TMPDIR) on a network file system
+    without flock (NFS without lockd, Lustre mounted noflock: common home folders on GPU
+    clusters) ended the run in a traceback (OSError ENOLCK)."""
+    real = fcntl.flock
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))  # an existing checkout: a worktree is made
+
+    def no_locks_there(fd, operation):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(where):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        real(fd, operation)
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks_there)
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=True))
+    message = str(err.value)
+    assert message.startswith("cannot lock ") and message.endswith(
+        f".lock (No locks available): its file system does not support locks; point {moved_by} "
+        f"at a local disk")
+    assert g(wd, "worktree", "list", "--porcelain").count("worktree ") == 1  # none of ours left

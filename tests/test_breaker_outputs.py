@@ -125,3 +125,73 @@ def test_rebase_job_outputs_onto_the_data_are_refused(checked_in, upstream, caps
     line = git_message(option, path, project.root) if expected is None else message(option, path, *expected)
     assert code == errors.USAGE and capsys.readouterr().err.splitlines() == ["rebase.py: error: " + line]
     assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+# Found by the second adversarial pass: two options naming one file. The rebase job wrote
+# --junit over the --json report it had just written (CI read an XML file as JSON), and
+# apply.py wrote its --json report over the --release-wheel it had built from (the air-gapped
+# user's only copy of vLLM's 314 MB release wheel). Refused in one line before any work.
+
+@pytest.mark.parametrize("first, second, through_a_link", [
+    ("--json", "--junit", False), ("--json", "--markdown", True), ("--junit", "--markdown", False)])
+def test_rebase_job_reports_naming_one_file_are_refused(checked_in, upstream, capsys, monkeypatch,
+                                                        tmp_path, first, second, through_a_link):
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "Project", lambda: checked_in[0])
+    report = tmp_path / "report.json"
+    report.write_text("the previous report\n")
+    other = report
+    if through_a_link:
+        other = tmp_path / "link.json"
+        other.symlink_to(report)
+    code = job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
+                     first, str(report), second, str(other)])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"rebase.py: error: {second} {other} is the file {first} {report} names; give each its own"]
+    assert report.read_text() == "the previous report\n"
+
+
+def test_rebase_job_may_send_two_reports_to_stdout(checked_in, upstream, capfd, monkeypatch):
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "Project", lambda: checked_in[0])
+    code = job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
+                     "--json", "/dev/stdout", "--markdown", "/dev/stdout"])
+    out = capfd.readouterr().out
+    assert code == errors.OK and '"ref": "v1.1.0"' in out and "## vllm-k3-overlay rebase report" in out
+
+
+def test_json_over_the_release_wheel_is_refused(checked_in, upstream, capsys, tmp_path):
+    wheel = tmp_path / "vllm-1.0.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x05\x06" + bytes(18))  # what it holds is not read: refused before
+    for json_to in (wheel, tmp_path / "sub" / ".." / wheel.name):
+        code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"),
+                         "--build-wheel", "--release-wheel", str(wheel), "--json", str(json_to)])
+        assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+            f"apply.py: error: --json {json_to} is the file --release-wheel {wheel} names; give "
+            f"each its own"]
+    assert wheel.read_bytes() == b"PK\x05\x06" + bytes(18) and not (tmp_path / "wd").exists()
+
+
+# Found by the second adversarial pass: only a folder named ``.git`` counted as a git folder,
+# so a report or the wheel folder inside a bare repository (the release mirror in the cache)
+# or a ``--separate-git-dir`` was written there, over its config or HEAD.
+
+@pytest.mark.parametrize("kind", ["bare", "separate"])
+@pytest.mark.parametrize("option, rel", [("--json", "config"), ("--json", "HEAD"),
+                                         ("--wheel-dir", "wheels"), ("--workdir", "vllm")])
+def test_outputs_inside_a_git_folder_of_any_name_are_refused(checked_in, upstream, capsys, tmp_path,
+                                                             kind, option, rel):
+    if kind == "bare":
+        repo = tmp_path / "mirror-v2.git"
+        g(tmp_path, "clone", "-q", "--bare", str(upstream), str(repo))
+    else:
+        repo = tmp_path / "separate"
+        g(tmp_path, "clone", "-q", "--separate-git-dir", str(repo), str(upstream), str(tmp_path / "co"))
+    before = files_of(repo)
+    path = repo / rel
+    extra = ["--build-wheel"] if option == "--wheel-dir" else ["--check"] if option == "--json" else []
+    code = cli.main(["-q", "--vllm-repo", str(upstream), *extra, option, str(path)])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: {option} {path} is inside the git repository {repo.resolve()} (a bare or "
+        f"separate git folder); refusing to write there"]
+    assert files_of(repo) == before

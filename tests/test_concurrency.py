@@ -323,3 +323,69 @@ def test_a_damaged_temporary_worktree_leaves_no_entry(upstream, tmp_path, damage
             (parent / "tree" / ".git").unlink()
     assert worktree_entries(wd) == [] and not parent.exists()
     assert g(wd, "worktree", "list", "--porcelain").count("worktree ") == 1  # git agrees
+
+
+# Found by the second adversarial pass: ``apply.py 2>&1 | head -1``. Progress goes to stderr
+# while the job runs; once the reader had gone, the next progress line killed the tool on the
+# spot (SIGPIPE at its default), leaving a whole scratch clone beside the work directory, or
+# a temporary worktree registered in the user's checkout. A closed pipe now cleans up like
+# Ctrl-C, then ends quietly (killed by SIGPIPE, as ``| head`` expects).
+
+def run_with_stderr_read_once(project, env, *args):
+    """apply.py whose stderr reader goes away after the first line; (exit status, stdout)."""
+    run = subprocess.Popen([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=as_in_a_terminal)
+    assert run.stderr.readline().startswith("…".encode())  # the first progress line
+    run.stderr.close()
+    out = run.stdout.read()
+    return run.wait(60), out
+
+
+def test_a_reader_gone_mid_clone_leaves_no_scratch_clone(project, upstream, tmp_path, tmpdir_env):
+    parent = tmp_path / "work"
+    wd = parent / "vllm"
+    code, out = run_with_stderr_read_once(project, tmpdir_env, "--vllm-repo", str(upstream),
+                                          "--workdir", str(wd))
+    assert code == -signal.SIGPIPE and out == b""
+    assert os.listdir(parent) == [] and os.listdir(tmp_path / "t") == []
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).published
+
+
+def test_a_reader_gone_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstream, tmp_path,
+                                                                  tmpdir_env):
+    wd = tmp_path / "wd"
+    g(upstream, "clone", "-q", str(upstream), str(wd))
+    before = snapshot(wd)
+    code, out = run_with_stderr_read_once(long_series, tmpdir_env, "--vllm-repo", str(upstream),
+                                          "--workdir", str(wd))
+    assert code == -signal.SIGPIPE and out == b""
+    assert snapshot(wd) == before and worktree_entries(wd) == [] and os.listdir(tmp_path / "t") == []
+    assert run_apply(long_series, Options(vllm_repo=str(upstream), workdir=wd)).published
+
+
+REBASE_RUNNER = ("import sys, importlib.util; from pathlib import Path; "
+                 "from k3overlay.project import Project; "
+                 "spec = importlib.util.spec_from_file_location('ci_rebase', 'ci/rebase.py'); "
+                 "job = importlib.util.module_from_spec(spec); spec.loader.exec_module(job); "
+                 "job.Project = lambda: Project(Path(sys.argv[1])); sys.exit(job.main(sys.argv[2:]))")
+
+
+@pytest.mark.parametrize("runner", [RUNNER, REBASE_RUNNER])
+def test_a_reader_of_stdout_gone_early_still_gets_the_report_files(project, upstream, tmp_path,
+                                                                   tmpdir_env, runner):
+    """``apply.py --json out.json | head -1``: the text report is cut short, the file is not
+    (it used to be written after the text, and the closed pipe ended the tool first)."""
+    out = tmp_path / "out.json"
+    args = (["--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--json", str(out)]
+            if runner == RUNNER else
+            ["--onto", "v1.1.0", "--vllm-repo", str(upstream), "--no-tests", "--json", str(out),
+             "--markdown", str(tmp_path / "out.md")])
+    run = subprocess.Popen([sys.executable, "-c", runner, str(project.root), "-q", *args], cwd=ROOT,
+                           env=tmpdir_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           preexec_fn=as_in_a_terminal)
+    run.stdout.close()  # the reader is gone before the first line
+    assert run.wait(60) == -signal.SIGPIPE
+    report = json.loads(out.read_text())
+    assert (report if runner == RUNNER else report[0])["ok"] is True
+    assert runner == RUNNER or (tmp_path / "out.md").read_text().startswith("## vllm-k3-overlay")

@@ -8,6 +8,7 @@ time. The last test runs ``offline.sh`` itself end to end on a synthetic add-on 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -17,12 +18,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from k3overlay import errors, files
 from k3overlay.project import ROOT
 from k3overlay.report import Report, markdown
 
 sys.path.insert(0, str(ROOT / "ci"))
 
-from gpu_stage import ab, compile_shards, pytest_record, run, summary  # noqa: E402
+from gpu_stage import ab, compile_shards, pytest_record, run, stage, summary  # noqa: E402
 
 CI = str(ROOT / "ci")
 
@@ -259,3 +263,78 @@ def test_ab_times_ours_swap_ab_rows_with_our_triton_kernel():
     out = subprocess.run([sys.executable, "-c", code, CI], capture_output=True, text=True)
     assert out.stdout.split() == ["swap_ab.<locals>.f", "True"], out.stderr[-2000:]
 
+
+
+# Found by the second adversarial pass: --gpu-export wrote each target's tree.tar.xz in
+# place (a cut-short export left a truncated tarball that looked like a bundle) and its
+# tarball and meta.json through any link already there. Both now land whole or not at all.
+
+def _exported_tree(root: Path) -> Path:
+    tree = root / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm/_version.py").write_text("__version__ = version = '0.29.0'\n")
+    (tree / "tests/kernels").mkdir(parents=True)
+    (tree / "tests/kernels/test_x.py").write_text("def test_x():\n    pass\n")
+    (tree / "pyproject.toml").write_text("[project]\nname = 'vllm'\n")
+    return tree
+
+
+def test_gpu_export_writes_the_tarball_and_meta_whole(tmp_path):
+    out = tmp_path / "bundle"
+    stage.export(_exported_tree(tmp_path), {"ref": "v0.29.0", "prefer": None}, out, "v0.29.0")
+    assert sorted(os.listdir(out / "v0.29.0")) == ["meta.json", "tree.tar.xz"]
+    with tarfile.open(out / "v0.29.0/tree.tar.xz") as tar:
+        names = tar.getnames()
+    assert {"vllm/_version.py", "tests/kernels/test_x.py", "pyproject.toml",
+            "vllm-0.29.0.dist-info/METADATA"} <= set(names)
+    assert json.loads((out / "v0.29.0/meta.json").read_text()) == {"ref": "v0.29.0", "prefer": None}
+
+
+def test_gpu_export_writes_nothing_through_a_link_and_nothing_half(tmp_path, monkeypatch):
+    tree, out = _exported_tree(tmp_path), tmp_path / "bundle"
+    (out / "v0.29.0").mkdir(parents=True)
+    outside = tmp_path / "outside.json"
+    outside.write_text("not ours\n")
+    (out / "v0.29.0/meta.json").symlink_to(outside)
+    with pytest.raises(errors.UsageError) as err:
+        stage.export(tree, {"ref": "v0.29.0", "prefer": None}, out, "v0.29.0")
+    assert str(err.value) == ("refusing to write v0.29.0/meta.json: it is a symbolic link in the "
+                              "tree, not a file")
+    assert outside.read_text() == "not ours\n" and os.listdir(out / "v0.29.0") == ["meta.json"]
+    (out / "v0.29.0/meta.json").unlink()
+
+    def full(fd, data):  # the disk fills up at meta.json, after the tarball is on disk
+        if data.startswith(b"{"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.write(fd, data)
+
+    monkeypatch.setattr(files, "_write_all", full)
+    with pytest.raises(errors.UsageError):
+        stage.export(tree, {"ref": "v0.29.0", "prefer": None}, out, "v0.29.0")
+    assert os.listdir(out / "v0.29.0") == []  # no tarball without its meta.json
+
+
+def test_bundle_out_removes_only_an_earlier_bundles_part_files(tmp_path):
+    """Found by the second adversarial pass: ``bundle.py --out DIR`` took any entry named
+    ``part-NNN`` for an earlier part and removed DIR whole: a file of the user's put in a
+    part's folder went too."""
+    trees = tmp_path / "trees"
+    (trees / "v9.9.0").mkdir(parents=True)
+    tree = write_tree(tmp_path / "src", {"vllm/__init__.py": ""})
+    with tarfile.open(trees / "v9.9.0" / "tree.tar.xz", "w:xz") as tar:
+        tar.add(tree, arcname=".")
+    (trees / "v9.9.0" / "meta.json").write_text(json.dumps({"ref": "v9.9.0", "tree_sha": "a" * 40,
+                                                           "cute_dsl": []}))
+    out = tmp_path / "parts"
+    bundle = [sys.executable, str(ROOT / "ci/gpu/bundle.py"), "--target-trees", str(trees),
+              "--only-targets", "--part-mib", "0.001", "--out", str(out)]
+    subprocess.run(bundle, check=True, capture_output=True)
+    first = sorted(os.listdir(out))
+    subprocess.run(bundle, check=True, capture_output=True)  # earlier parts are replaced
+    assert sorted(os.listdir(out)) == first and first[:2] == ["part-000", "part-001"]
+    (out / "part-001" / "notes.txt").write_text("the user's\n")
+    proc = subprocess.run(bundle, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == (
+        f"--out {out} holds other files (part-001); pick an empty folder")
+    assert (out / "part-001" / "notes.txt").read_text() == "the user's\n"
+    assert sorted(os.listdir(out)) == first  # and no other part was removed either

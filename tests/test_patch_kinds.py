@@ -28,7 +28,7 @@ from k3overlay.job import Options, run_apply
 from k3overlay.project import Project
 from k3overlay.rebase import rebase_to, run_rebase
 
-from .conftest import IDENT, g, model
+from .conftest import IDENT, g, make_patch, model
 
 BINARY = bytes(range(256)) * 4
 BINARY_NEW = bytes(reversed(range(256))) * 4
@@ -486,3 +486,23 @@ def test_an_import_upstream_broke_itself_is_not_ours_to_judge(kinds, tmp_path):
     patch = patch_on_v1(up, tmp_path / "out", "pkg.mod grows", {"write": ("pkg/mod.py", MOD + "MORE = 2\n")})
     report = apply(make_project(tmp_path / "p", [patch], base="f1"), foreign, tmp_path / "wd")
     assert report.ok and report.verify.errors == [], report.to_json()
+
+
+
+def test_two_patches_sharing_a_subject_are_refused(project, upstream, tmp_path):
+    """Found by the second adversarial pass: --rebase-to finds a patch's commit by its subject,
+    so after a conflict and ``git am --continue`` the run that went on took a later patch with
+    an earlier one's subject for applied: its change was lost, reported ``applied``, exit 0,
+    and --export then dropped it without a word."""
+    later = make_patch(upstream, project.patches_dir, "0002-model-line-9.patch", {9: "line 9 (ours)"})
+    later.write_text(later.read_text().replace("model: change lines [9]", "model: change lines [4]"))
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n0002-model-line-9.patch\n")
+    for run in (lambda: run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd")),
+                lambda: rebase_to(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd",
+                                                   ref="v1.1.0"))):
+        with pytest.raises(errors.UsageError) as err:
+            run()
+        assert str(err.value) == ("0001-model-line-4.patch and 0002-model-line-9.patch share the "
+                                  "subject 'model: change lines [4]'; reword one (--rebase-to and "
+                                  "--export tell patches apart by subject)")
+    assert not (tmp_path / "wd").exists()

@@ -152,3 +152,27 @@ def test_imports_in_else_branches_and_from_two_levels_up_are_checked(tmp_path):
         "pkg/other.py:5: cannot import pkg.gone: pkg.gone no longer exists",
         "pkg/sub/deep.py:1: cannot import pkg.gone: pkg.gone no longer exists",
     ]
+
+
+# Found by the second adversarial pass: a file nested deeper than Python's parser can take
+# (generated code: ``1+1+…`` a hundred thousand times, ``----…1``) made ast.parse raise
+# RecursionError or MemoryError, and apply.py ended in a traceback. Python cannot import such
+# a file either: touched, it fails verification; upstream's own, it is not ours to judge.
+DEEP = {"sum": "X = " + "1+" * 200_000 + "1\n", "unary": "X = " + "-" * 100_000 + "1\n"}
+
+
+def test_a_touched_file_nested_too_deep_fails_verification_in_one_line(tmp_path):
+    root = tree(tmp_path, {"pkg/__init__.py": "", **{f"pkg/{k}.py": v for k, v in DEEP.items()}})
+    result = verify(root, ["pkg/sum.py", "pkg/unary.py"])
+    assert not result.ok and len(result.errors) == 2
+    assert result.errors[0].startswith("pkg/sum.py: does not compile: maximum recursion depth")
+    assert result.errors[1] in ("pkg/unary.py: does not compile: MemoryError",
+                                "pkg/unary.py: does not compile: maximum recursion depth exceeded "
+                                "during ast construction")
+
+
+def test_upstream_files_nested_too_deep_are_not_ours_to_judge(tmp_path):
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/mod.py": "B = 2\n",
+                           **{f"pkg/{k}.py": "from pkg.mod import A\n" + v for k, v in DEEP.items()}})
+    before = {"pkg/mod.py": DEEP["sum"].encode()}  # the module as it was: unparsable too
+    assert verify(root, ["pkg/mod.py"], before).ok

@@ -197,11 +197,15 @@ def main(argv=None) -> int:
     if args.part_mib <= 0:
         raise SystemExit("--part-mib must be > 0")
     if os.path.exists(args.out):
-        foreign = [f for f in os.listdir(args.out) if not re.fullmatch(r"part-\d{3}", f)]
-        if foreign:  # never delete what is not an earlier bundle
+        earlier = {name: _part_files(args.out, name) for name in sorted(os.listdir(args.out))}
+        foreign = [name for name, files in earlier.items() if files is None]
+        if foreign:  # never delete what is not an earlier bundle's part
             raise SystemExit(f"--out {args.out} holds other files ({foreign[0]}); pick an empty folder")
-        shutil.rmtree(args.out)
-    os.makedirs(args.out)
+        for name, files in earlier.items():
+            for file in files:
+                os.unlink(os.path.join(args.out, name, file))
+            os.rmdir(os.path.join(args.out, name))
+    os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="k3bundle-")
     payload = os.path.join(work, "payload.tar")
     if args.only_targets:
@@ -254,6 +258,20 @@ def main(argv=None) -> int:
     return write_parts(args, work, payload, {
         "kind": "base", "vllm_version": version, "wheels": wheel_files, "csrc": csrc_files,
         "targets": refs})
+
+
+def _part_files(out: str, name: str) -> list[str] | None:
+    """The files of ``out/name`` if it is a part ``write_parts`` made (a folder ``part-NNN``
+    holding no more than ``bundle.partNNN`` and ``BUNDLE.json``, plain files); else None."""
+    folder = os.path.join(out, name)
+    match = re.fullmatch(r"part-(\d{3})", name)
+    if not match or os.path.islink(folder) or not os.path.isdir(folder):
+        return None
+    files = os.listdir(folder)
+    allowed = {f"bundle.part{match.group(1)}", "BUNDLE.json"}
+    plain = all(os.path.isfile(os.path.join(folder, f)) and not os.path.islink(os.path.join(folder, f))
+                for f in files)
+    return files if set(files) <= allowed and plain else None
 
 
 def write_parts(args, work: str, payload: str, about: dict) -> int:

@@ -3,9 +3,9 @@
 * ``meta(report, tree_sha, upstream, ours, prefer)``: what ``run.py`` needs to know of a
   target (ref, the built tree's commit, both tables as ``table_dump`` read them, where
   our module comes from when its merge conflicted).
-* ``export(tree, meta, dest)``: the tree as the job built it, for the offline bundle:
-  ``dest/tree.tar.xz`` (``vllm/``, ``tests/kernels/``, ``pyproject.toml``, our overlay
-  package as ``k3_ours/`` when it must win the import) and ``dest/meta.json``.
+* ``export(tree, meta, out, ref)``: the tree as the job built it, for the offline bundle:
+  ``out/REF/tree.tar.xz`` (``vllm/``, ``tests/kernels/``, ``pyproject.toml``, our overlay
+  package as ``k3_ours/`` when it must win the import) and ``out/REF/meta.json``.
 * ``run_here(tree, meta, ...)``: ``--gpu`` on a runner with a GPU and package access:
   the CuTe DSL release the target pins into a cached ``pip --target`` folder, then
   ``run.py all`` in a subprocess.
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -27,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 from k3overlay.errors import UsageError  # noqa: E402
-from k3overlay.files import read_regular, write_in_tree  # noqa: E402
+from k3overlay.files import read_regular, write_all_in_tree, write_in_tree  # noqa: E402
 from k3overlay.project import cache_dir  # noqa: E402
 
 RUN = HERE / "run.py"
@@ -46,21 +47,23 @@ def meta(report, tree_sha: str, upstream: dict, ours: dict, prefer: Path | None,
             "tables": {"upstream": upstream, "ours": ours}}
 
 
-def export(tree: Path, target_meta: dict, dest: Path) -> None:
-    """Write ``dest/tree.tar.xz`` and ``dest/meta.json`` (``prefer`` made tree-relative).
+def export(tree: Path, target_meta: dict, out: Path, ref: str) -> None:
+    """Write ``out/REF/tree.tar.xz`` and ``out/REF/meta.json`` (``prefer`` made tree-relative).
 
     The tarball also holds a ``vllm-<version>.dist-info`` (vLLM finds its platform
     through the installed distribution; ``ci/gpu/bundle.py`` does the same for the base).
+    Both files land whole or not at all, never through a link under ``out``
+    (``write_all_in_tree``): an interrupted export leaves no truncated tarball that looks
+    like a bundle. Raises UsageError if they cannot be written.
     """
     sys.path.insert(0, str(HERE.parent / "gpu"))
     from bundle import version_of, write_dist_info
 
-    dest.mkdir(parents=True, exist_ok=True)
     data = dict(target_meta)
     skip = lambda ti: None if "__pycache__" in ti.name else ti  # noqa: E731
     version = version_of(str(tree))
-    with tempfile.TemporaryDirectory() as tmp, \
-            tarfile.open(dest / "tree.tar.xz", "w:xz", preset=6) as tar:
+    packed = io.BytesIO()  # the Python tree, compressed: a few MB
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=packed, mode="w:xz", preset=6) as tar:
         write_dist_info(tmp, version)
         tar.add(Path(tmp) / f"vllm-{version}.dist-info", arcname=f"vllm-{version}.dist-info")
         for part in TREE_PARTS:
@@ -72,7 +75,13 @@ def export(tree: Path, target_meta: dict, dest: Path) -> None:
         if data["prefer"]:
             tar.add(data["prefer"], arcname=OURS_DIR, filter=skip)
             data["prefer"] = OURS_DIR
-    (dest / "meta.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--gpu-export {out}: cannot create it ({err.strerror})") from err
+    write_all_in_tree(out, {f"{ref}/tree.tar.xz": (packed.getvalue(), False),
+                            f"{ref}/meta.json": ((json.dumps(data, indent=1, sort_keys=True) + "\n")
+                                                 .encode(), False)})
 
 
 def cute_dsl_site(lines: tuple[str, ...]) -> Path:
