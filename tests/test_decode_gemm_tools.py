@@ -332,7 +332,7 @@ def test_report_reads_every_figure_from_the_run():
     text = figures_targets.render(winners.decide(run), "ci/gpu/results/x.json")
     assert "| weights >= 20 MB at >= 90% of the read roof | 1 of 2 | 0 (cuBLAS) |" in text
     # after: 2x and 1x (cute 1.01x is under the 5% margin); before: 1x and 10/9.9.
-    assert f"| {2 ** 0.5:.3f}x over 2 | {(10 / 9.9) ** 0.5:.3f}x (today's table; 0 CuTe" in text
+    assert f"| {2 ** 0.5:.3f}x over 2 | {(10 / 9.9) ** 0.5:.3f}x (today's table; 0 rows whose config" in text
     assert "| 4096x4096 | 33.6 | `S.` | 46-92% | 46% | 1.00-2.00x | 5.00 / 10.00 |" in text
     assert "- skipped `shape:1x8` (ll_bf16): no progress in 45 s" in text
 

@@ -41,7 +41,7 @@ def target_lines(res: dict) -> list[str]:
         f"| geo-mean vs cuBLAS, all (shape, M) (target 1.5x) | "
         f"{s['geomean_vs_cublas_all_rows']:.3f}x over {s['rows']} | "
         f"{s['before_today_geomean_vs_cublas']:.3f}x (today's table; "
-        f"{s['before_today_rows_not_retimed']} CuTe rows not re-timed) |",
+        f"{s['before_today_rows_not_retimed']} rows whose config was not re-timed) |",
         f"| ceiling: geo-mean if every row ran at its roof, no faster than the trivial launch "
         f"| {s['geomean_bound_roof_or_launch']:.3f}x | - |",
         f"| routed rows slower than cuBLAS (target 0) | {len(slow)} | - |",

@@ -78,8 +78,8 @@ def routed_speedup(row: dict) -> float:
 def today_speedup(row: dict) -> float | None:
     """Speedup over cuBLAS of today's table on this row in this run (1.0: cuBLAS row).
 
-    A CuTe row counts only where its very config was re-timed here (pass 2, else pass 1,
-    each against the cuBLAS of its own pass); None where it was not.
+    A routed row counts only where its very backend and config were re-timed here (pass 2,
+    else pass 1, each against the cuBLAS of its own pass); None where they were not.
     """
     backend, cfg = row.get("today") or ("cublas", None)
     if backend == "cublas":
