@@ -31,7 +31,6 @@ from __future__ import annotations
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
-    import argparse
     import sys
     from pathlib import Path
 
@@ -40,7 +39,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
-    from k3overlay.cli import job_done, report_console, stop_like_ctrl_c
+    from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--onto", action="append", required=True, metavar="REF",
                    help="upstream ref to rebase onto (repeatable); 'latest' = the newest vLLM "
                         "release on the package index")

@@ -25,8 +25,16 @@ soundly), 3 patch conflict, 4 overlay drift, 5 verification failed (or the wheel
 6 vLLM source unreachable or not matching the index's sha256"""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is the one line every other bad input gets (no usage
+    block above it): ``PROG: error: MESSAGE``, exit 2 (``errors.USAGE``)."""
+
+    def error(self, message: str):
+        self.exit(errors.USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parser(project: Project) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="apply.py", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Apply the Kimi-K3 patch series and overlay onto a vLLM checkout.")
     p.add_argument("--vllm-ref", metavar="REF",

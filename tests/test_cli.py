@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
 
 from k3overlay import cli, errors, git, progress
-from k3overlay.project import cache_dir
+from k3overlay.project import ROOT, cache_dir
 
 from .conftest import g
 
@@ -161,3 +163,25 @@ def test_a_byte_bar_is_drawn_on_a_terminal_only_and_never_with_quiet(monkeypatch
     with progress.ByteBar(4096, "packing x.whl") as bar:
         bar.update(4096)
     assert ("packing x.whl" in out.getvalue()) == shown
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--check", "--export"], "argument --export: not allowed with argument --check"),
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["--workdir"], "argument --workdir: expected one argument"),
+])
+def test_usage_errors_are_one_line(project, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(args)
+    assert stop.value.code == errors.USAGE
+    assert capsys.readouterr().err == f"apply.py: error: {message} (see --help)\n"
+
+
+def test_rebase_job_usage_errors_are_one_line():
+    # The rebase job's own options go through the same parser: no usage block either.
+    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "rebase.py"), "--gpu", "--gpu-results", "x",
+                           "--onto", "v0.28.0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == errors.USAGE
+    assert proc.stderr.splitlines() == [
+        "rebase.py: error: argument --gpu-results: not allowed with argument --gpu (see --help)"]
