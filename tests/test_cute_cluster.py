@@ -33,8 +33,8 @@ sys.path.insert(0, sys.argv[1])
 import cute_cluster as cc
 dump = os.environ["CUTE_DSL_DUMP_DIR"]
 for c in (2, 4, 8):
-    for s in (3, 4, 6):
-        cc.compile_kernel(cc.ClusterConfig(c, s))
+    for s, tk in ((3, 128), (6, 128), (12, 64)):
+        cc.compile_kernel(cc.ClusterConfig(c, s, tk))
         sub = os.path.join(dump, f"c{c}s{s}")
         os.mkdir(sub)
         for name in os.listdir(dump):
@@ -113,6 +113,10 @@ def test_config_error_accepts_the_issue_shapes_and_names_what_it_refuses(n, k):
     # 8 stages load 7 K tiles in the prologue: 7168 / (8 x 128) = 7 per rank is enough, 6144 not
     assert cc.config_error(cc.ClusterConfig(8, 8), n, k) is None
     assert "fewer than stages - 1" in cc.config_error(cc.ClusterConfig(8, 8), n, 6144)
+    # every config the bench tries fits every issue shape
+    for cfg in bench.cute_configs():
+        assert cc.config_error(cc.ClusterConfig(*cfg), n, k, 16) is None, cfg
+    assert "stages=17" in cc.config_error(cc.ClusterConfig(2, 17, 64), n, k)
 
 
 def test_bench_arguments():
@@ -178,8 +182,10 @@ def test_run_units_writes_after_every_unit_records_errors_and_skips_past_the_dea
 
 def test_passed_keeps_only_correct_configs():
     checked = {"checks": [
-        {"N": 768, "K": 7168, "M": 1, "cluster": 2, "stages": 3, "status": "ok"},
-        {"N": 768, "K": 7168, "M": 8, "cluster": 2, "stages": 3, "status": "wrong"},
+        {"N": 768, "K": 7168, "M": 1, "cluster": 2, "stages": 3, "tile_k": 64, "pdl": True,
+         "status": "ok"},
+        {"N": 768, "K": 7168, "M": 8, "cluster": 2, "stages": 3, "tile_k": 64, "pdl": True,
+         "status": "wrong"},
         {"unit": "(4, 4)", "status": "error", "error": "x"},
     ]}
-    assert bench.passed(checked) == {(768, 7168, 1, 2, 3)}
+    assert bench.passed(checked) == {(768, 7168, 1, 2, 3, 64, True)}

@@ -58,7 +58,7 @@ class ClusterConfig(NamedTuple):
 
     Attributes:
         cluster: CTAs per cluster = K splits (2, 4 or 8; the portable cluster limit is 8).
-        stages: ``cp.async`` ring depth (2..8).
+        stages: ``cp.async`` ring depth (2..16).
         tile_k: K elements per stage (64 or 128).
         pdl: launch with programmatic dependent launch.
     """
@@ -76,8 +76,8 @@ def config_error(cfg: ClusterConfig, n: int, k: int, m: int = 1) -> str | None:
         return f"cluster={c} not in (2, 4, 8)"
     if tile_k not in (64, 128):
         return f"tile_k={tile_k} not in (64, 128)"
-    if not 2 <= stages <= 8:
-        return f"stages={stages} outside 2..8"
+    if not 2 <= stages <= 16:
+        return f"stages={stages} outside 2..16"
     if not 1 <= m <= TOKENS:
         return f"M={m} outside 1..{TOKENS}"
     if n < ROWS or n % ROWS:
@@ -303,13 +303,13 @@ def compiled(cfg: ClusterConfig):
     return _COMPILED[cfg]
 
 
-def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 128):
+def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 128, pdl: bool = True):
     """``x @ w.T`` as a new bf16 ``[M, N]`` tensor on the current torch stream.
 
     Args:
         x: ``[M, K]`` bf16 CUDA tensor, packed row-major, 1 <= M <= 16.
         w: ``[N, K]`` bf16, packed row-major, on ``x``'s device.
-        cluster, stages, tile_k: see :class:`ClusterConfig`; compiled once per config.
+        cluster, stages, tile_k, pdl: see :class:`ClusterConfig`; compiled once per config.
 
     Raises:
         ValueError: wrong dtype, layout or a shape :func:`config_error` refuses.
@@ -317,7 +317,7 @@ def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 1
     import torch
     from cuda.bindings.driver import CUstream
 
-    cfg = ClusterConfig(cluster, stages, tile_k)
+    cfg = ClusterConfig(cluster, stages, tile_k, pdl)
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"need bf16 x and w, got {x.dtype} and {w.dtype}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:

@@ -5,12 +5,13 @@ cluster's DSMEM) beats ``swap_ab_gemm.py`` (split-K through a global workspace a
 counter) on the split-K shapes 1536/3072/2112/768 x 7168 at M = 1, 8, 16. Two phases,
 each its own process so a kernel that never ends loses only what follows it:
 
-* ``check``: every CuTe config (cluster C in 2/4/8 x stages 3/4/6) is compiled and run
+* ``check``: every CuTe config (``cute_configs``: cluster C in 2/4/8 x five pipelines, and
+  two without PDL) is compiled and run
   once per (shape, M) against float64 (``timing.ref64``, ``timing.rel_err`` <= 1e-2).
   A wrong result is recorded with two diagnostics (its error against rank 0's K slice
   alone, and whether it is finite), never timed. Written after every config.
 * ``time``: per shape and M, with ``timing.time_us`` (CUDA graph, rotating weights,
-  median µs per call): cuBLAS, our Triton kernel at the SM90 table's ``swap_ab`` config
+  median of 15 replays, µs per call): cuBLAS, our Triton kernel at the SM90 table's ``swap_ab`` config
   for that shape (the row's own config at that M, else the shape's most common one),
   and every CuTe config the check phase passed. The read roof ``bytes / read_bw``
   uses ``timing.read_bandwidth_Bps()`` measured in the same run. Written after every
@@ -44,8 +45,10 @@ SM90_TABLE = os.path.join(ROOT, "overlay", "vllm", "models", "kimi_k3", "nvidia"
 SHAPES = ((1536, 7168), (3072, 7168), (2112, 7168), (768, 7168))
 TOKENS = (1, 8, 16)
 CLUSTERS = (2, 4, 8)
-STAGES = (3, 4, 6)
+# (tile_k, stages): the same 64-80 KiB of weight in flight in 16 KiB or 8 KiB steps, and 112 KiB.
+PIPELINES = ((128, 4), (128, 6), (128, 8), (64, 8), (64, 12))
 REL_TOL = 1e-2
+REPLAYS = 15
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,9 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cute_configs() -> list[tuple[int, int]]:
-    """``(cluster, stages)`` of every CuTe config tried, in order."""
-    return [(c, s) for c in CLUSTERS for s in STAGES]
+def cute_configs() -> list[tuple[int, int, int, bool]]:
+    """``(cluster, stages, tile_k, pdl)`` of every CuTe config tried, in order.
+
+    Every cluster size x pipeline with PDL, and two without it (does launching the
+    next GEMM early help or hurt this kernel?).
+    """
+    out = [(c, s, tk, True) for c in CLUSTERS for tk, s in PIPELINES]
+    return out + [(2, 6, 128, False), (4, 6, 128, False)]
 
 
 def triton_config(rows_by_m: dict, m: int) -> tuple | None:
@@ -88,8 +96,8 @@ def triton_config(rows_by_m: dict, m: int) -> tuple | None:
 
 
 def passed(checked: dict) -> set[tuple]:
-    """``(N, K, M, cluster, stages)`` the check phase found correct."""
-    return {(r["N"], r["K"], r["M"], r["cluster"], r["stages"])
+    """``(N, K, M, cluster, stages, tile_k, pdl)`` the check phase found correct."""
+    return {(r["N"], r["K"], r["M"], r["cluster"], r["stages"], r["tile_k"], r["pdl"])
             for r in checked.get("checks", []) if r.get("status") == "ok"}
 
 
@@ -137,25 +145,26 @@ def _provenance(run_id: str) -> dict:
     return p
 
 
-def _check_config(cfg: tuple[int, int]) -> list[dict]:
+def _check_config(cfg: tuple[int, int, int, bool]) -> list[dict]:
     """Compile one CuTe config and run it once on every (shape, M) against float64."""
     import cute_cluster as cc
     import timing
     import torch
 
-    c, stages = cfg
+    c, stages, tile_k, pdl = cfg
     t = time.time()
-    cc.compiled(cc.ClusterConfig(c, stages))  # counted apart from the checks
+    cc.compiled(cc.ClusterConfig(*cfg))  # counted apart from the checks
     compile_s = round(time.time() - t, 2)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(c * 10 + stages)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen, dtype=torch.bfloat16, device="cuda")
         for m in TOKENS:
-            row = {"N": n, "K": k, "M": m, "cluster": c, "stages": stages, "compile_s": compile_s}
+            row = {"N": n, "K": k, "M": m, "cluster": c, "stages": stages, "tile_k": tile_k,
+                   "pdl": pdl, "compile_s": compile_s}
             x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")
             try:
-                y = cc.cluster_splitk_gemm(x, w, cluster=c, stages=stages)
+                y = cc.cluster_splitk_gemm(x, w, *cfg)
                 torch.cuda.synchronize()
                 err = timing.rel_err(y, timing.ref64(x, w))
                 row.update(relerr=err, status="ok" if err <= REL_TOL else "wrong")
@@ -166,7 +175,7 @@ def _check_config(cfg: tuple[int, int]) -> list[dict]:
             except Exception as exc:
                 row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
             rows.append(row)
-    print(f"[check] C={c} stages={stages}: compile {compile_s} s, "
+    print(f"[check] {cfg}: compile {compile_s} s, "
           + " ".join(f"{r['N']}x{r['K']}/M{r['M']}:{r['status']}" for r in rows), flush=True)
     return rows
 
@@ -191,10 +200,10 @@ def _time_shape(shape, ok: set, rot, read_bw: float, sm90_rows: dict) -> list[di
         entries = [("cublas", None, lambda: candidates.cublas)]
         if tcfg is not None:
             entries.append(("swap_ab", list(tcfg), lambda t=tcfg: candidates.swap_ab(t)))
-        for c, s in cute_configs():
-            if (n, k, m, c, s) in ok:
-                entries.append(("cute_cluster", [c, s], lambda c=c, s=s: (
-                    lambda x, w: cc.cluster_splitk_gemm(x, w, cluster=c, stages=s))))
+        for cfg in cute_configs():
+            if (n, k, m, *cfg) in ok:
+                entries.append(("cute_cluster", list(cfg), lambda cfg=cfg: (
+                    lambda x, w: cc.cluster_splitk_gemm(x, w, *cfg))))
         for backend, cfg, make in entries:
             b = {"backend": backend, "cfg": cfg}
             try:
@@ -206,7 +215,7 @@ def _time_shape(shape, ok: set, rot, read_bw: float, sm90_rows: dict) -> list[di
                         b["status"] = "wrong"
                         row["backends"].append(b)
                         continue
-                b["us"] = round(timing.time_us(fn, xs, ws), 3)
+                b["us"] = round(timing.time_us(fn, xs, ws, replays=REPLAYS), 3)
                 b["status"] = "ok"
             except Exception as exc:
                 b.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500])
@@ -225,7 +234,7 @@ def summary_line(rows: list[dict]) -> str:
             return min(ok, key=lambda b: b["us"]) if ok else None
         cb, sab, cute = best("cublas"), best("swap_ab"), best("cute_cluster")
         fmt = lambda b: "-" if b is None else f"{b['us']:.2f}"  # noqa: E731
-        cute_s = "-" if cute is None else f"{cute['us']:.2f} (C{cute['cfg'][0]},s{cute['cfg'][1]})"
+        cute_s = "-" if cute is None else f"{cute['us']:.2f} {tuple(cute['cfg'])}"
         parts.append(f"M{r['M']}: cuBLAS {fmt(cb)} / swap_ab {fmt(sab)} / cute {cute_s}"
                      f" / roof {r['roof_us']:.2f}")
     head = f"{rows[0]['N']}x{rows[0]['K']}" if rows else "?"
@@ -240,7 +249,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(HERE))
     res = {"provenance": _provenance(args.run_id), "phase": args.phase,
            "method": {"rel_tol": REL_TOL, "timing": "ci/gpu/timing.py time_us: CUDA graph >= 12"
-                      " calls, >= 256 MiB rotating weights, median of 7 replays"},
+                      " calls, >= 256 MiB rotating weights, median of 15 replays"},
            "skipped": []}
     write_json(args.out, res)  # on disk before the first kernel runs
     if args.phase == "check":
