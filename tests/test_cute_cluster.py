@@ -81,14 +81,13 @@ def test_ptx_splits_k_over_the_cluster_and_waits_before_reading_x(dumps):
         assert ".target sm_90a" in text
         assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in text
         assert "mbarrier.arrive.expect_tx" in text
-        # x rows are predicated (a register src-size, so rows past M read nothing);
-        # every such load comes after griddepcontrol.wait, weight loads may come before.
+        # Every load is predicated (a register src-size: x rows past M and weight rows
+        # past the cluster's read nothing); weight tiles go out before griddepcontrol.wait,
+        # x after it (its prologue x loads are the first after the wait).
         wait = text.index("griddepcontrol.wait")
-        load = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, "
-        x_loads = [m.start() for m in re.finditer(load + "%r", text)]
-        w_loads = [m.start() for m in re.finditer(load + "16;", text)]
-        assert x_loads and min(x_loads) > wait
-        assert w_loads and min(w_loads) < wait
+        loads = [m for m in re.finditer(r"cp\.async\.cg\.shared\.global [^;]*;", text)]
+        assert loads and all(re.search(r", 16, %r\d+;$", m.group()) for m in loads)
+        assert any(m.start() < wait for m in loads) and any(m.start() > wait for m in loads)
         # rank 0 arms its mbarrier with (C - 1) partials of 64 x 16 fp32 = 4096 bytes each
         armed = re.search(r"mov\.b32\s+%r\d+, (\d+);\s+mbarrier\.arrive\.expect_tx", text)
         assert armed, path.name
@@ -106,7 +105,8 @@ def test_config_error_accepts_the_issue_shapes_and_names_what_it_refuses(n, k):
         for s in (3, 4, 6):
             for m in (1, 8, 16):
                 assert cc.config_error(cc.ClusterConfig(c, s), n, k, m) is None
-    assert "multiple of 64" in cc.config_error(cc.ClusterConfig(4, 4), n + 32, k)
+    assert "rows=65" in cc.config_error(cc.ClusterConfig(4, 4), n, k, 1, 65)
+    assert "rows=0" in cc.config_error(cc.ClusterConfig(4, 4), n, k, 1, 0)
     assert "multiple of cluster x tile_k" in cc.config_error(cc.ClusterConfig(4, 4), n, k + 128)
     assert "M=17" in cc.config_error(cc.ClusterConfig(4, 4), n, k, 17)
     assert "cluster=3" in cc.config_error(cc.ClusterConfig(3, 4), n, k)
@@ -115,7 +115,8 @@ def test_config_error_accepts_the_issue_shapes_and_names_what_it_refuses(n, k):
     assert "fewer than stages - 1" in cc.config_error(cc.ClusterConfig(8, 8), n, 6144)
     # every config the bench tries fits every issue shape
     for cfg in bench.cute_configs():
-        assert cc.config_error(cc.ClusterConfig(*cfg), n, k, 16) is None, cfg
+        for rows in bench.rows_for(n, cfg[0]):
+            assert cc.config_error(cc.ClusterConfig(*cfg), n, k, 16, rows) is None, cfg
     assert "stages=17" in cc.config_error(cc.ClusterConfig(2, 17, 64), n, k)
 
 
@@ -183,9 +184,23 @@ def test_run_units_writes_after_every_unit_records_errors_and_skips_past_the_dea
 def test_passed_keeps_only_correct_configs():
     checked = {"checks": [
         {"N": 768, "K": 7168, "M": 1, "cluster": 2, "stages": 3, "tile_k": 64, "pdl": True,
-         "status": "ok"},
+         "rows": 12, "status": "ok"},
         {"N": 768, "K": 7168, "M": 8, "cluster": 2, "stages": 3, "tile_k": 64, "pdl": True,
-         "status": "wrong"},
+         "rows": 12, "status": "wrong"},
         {"unit": "(4, 4)", "status": "error", "error": "x"},
     ]}
-    assert bench.passed(checked) == {(768, 7168, 1, 2, 3, 64, True)}
+    assert bench.passed(checked) == {(768, 7168, 1, 2, 3, 64, True, 12)}
+
+
+def test_rows_for_aims_the_grid_at_one_and_two_ctas_per_sm():
+    # 1536 rows, cluster 4: 33 clusters of 47 rows (132 CTAs), 66 of 24 (264 CTAs)
+    assert bench.rows_for(1536, 4) == [24, 47]
+    # 768 rows, cluster 8: 16 clusters of 48 (128 CTAs), 33 of 24 (264)
+    assert bench.rows_for(768, 8) == [24, 48]
+    # a shape with more 64-row clusters than SMs keeps the full tile
+    assert bench.rows_for(40960, 2) == [64]
+    for n in (768, 1536, 2112, 3072):
+        for c in (2, 4, 8):
+            for rows in bench.rows_for(n, c):
+                # at most 2 CTAs per SM unless already the full 64-row tile (3072 rows, C = 8)
+                assert 1 <= rows <= 64 and (-(-n // rows) * c <= 2 * bench.SMS or rows == 64)

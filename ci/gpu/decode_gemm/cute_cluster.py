@@ -14,8 +14,11 @@ The kernel, written here from scratch:
   ``x`` past M are never loaded (predicated ``cp.async``), so padding costs no
   bandwidth; the stale shared memory they leave only reaches output columns (tokens)
   that are not stored, since an MMA's columns are independent.
-* **split-K over a cluster**: grid ``(C, N / 64)`` with cluster ``(C, 1, 1)``; cluster
-  rank ``r`` owns the contiguous K slice ``[r K / C, (r + 1) K / C)``.
+* **split-K over a cluster**: grid ``(C, ceil(N / rows))`` with cluster ``(C, 1, 1)``;
+  cluster rank ``r`` owns the contiguous K slice ``[r K / C, (r + 1) K / C)``.
+* **ragged rows**: a cluster owns ``rows`` <= 64 weight rows (a run-time value), so N
+  spreads over as many clusters as fill the SMs; the tile's rows past them are
+  predicated off (no bandwidth), their outputs not stored.
 * **loads**: 16-byte ``cp.async`` of the weight and ``x`` tiles (``tile_k`` = 128 K
   per stage: 16 KiB of weight), ``stages`` deep (multi-stage ring, one commit group per
   stage); fragments reach registers by ``ldmatrix`` from a swizzled layout.
@@ -30,10 +33,10 @@ The kernel, written here from scratch:
   prologue are issued before ``griddepcontrol.wait`` (the weight is no kernel's
   output), ``x`` after it.
 
-Limits (acceptable for the experiment, checked by :func:`config_error`): N a multiple
-of 64; K a multiple of ``C x tile_k`` with at least ``stages - 1`` K tiles per rank;
-packed row-major bf16 tensors, 16-byte aligned. Compiled for sm_90a (cluster launch and
-``st.async`` need SM90+); ``cute.compile`` runs without a GPU (``tests/test_cute_cluster.py``).
+Limits (acceptable for the experiment, checked by :func:`config_error`): K a multiple
+of ``C x tile_k`` with at least ``stages - 1`` K tiles per rank; packed row-major bf16
+tensors, 16-byte aligned. Compiled for sm_90a (cluster launch and ``st.async`` need
+SM90+); ``cute.compile`` runs without a GPU (``tests/test_cute_cluster.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ class ClusterConfig(NamedTuple):
     pdl: bool = True
 
 
-def config_error(cfg: ClusterConfig, n: int, k: int, m: int = 1) -> str | None:
-    """Why ``cfg`` cannot run ``[m, k] x [n, k]^T``; None if it can."""
+def config_error(cfg: ClusterConfig, n: int, k: int, m: int = 1, rows: int = 64) -> str | None:
+    """Why ``cfg`` cannot run ``[m, k] x [n, k]^T`` with ``rows`` weight rows per cluster; None if it can."""
     c, stages, tile_k, _ = cfg
     if c not in (2, 4, 8):
         return f"cluster={c} not in (2, 4, 8)"
@@ -80,8 +83,10 @@ def config_error(cfg: ClusterConfig, n: int, k: int, m: int = 1) -> str | None:
         return f"stages={stages} outside 2..16"
     if not 1 <= m <= TOKENS:
         return f"M={m} outside 1..{TOKENS}"
-    if n < ROWS or n % ROWS:
-        return f"N={n} is not a positive multiple of {ROWS}"
+    if not 1 <= rows <= ROWS:
+        return f"rows={rows} outside 1..{ROWS}"
+    if n < 1:
+        return f"N={n} is empty"
     if k % (c * tile_k):
         return f"K={k} is not a multiple of cluster x tile_k = {c * tile_k}"
     if k // (c * tile_k) < stages - 1:
@@ -98,6 +103,24 @@ def _swizzled(rows: int, tile_k: int, stages: int):
     return cute.tile_to_shape(atom, (rows, tile_k, stages), (0, 1, 2))
 
 
+@cute.jit
+def _row_predicate(t_smem: cute.Tensor, t_coord: cute.Tensor, limit: cutlass.Int32):
+    """One predicate per 16-byte copy of a tile partition (``t_smem``: CPY x rows x K x
+    stages): its row (from the identity partition ``t_coord``) < ``limit``, the same
+    for every K tile and stage."""
+    pred = cute.make_rmem_tensor(
+        cute.make_layout(
+            (t_smem.shape[0][1], cute.size(t_smem, mode=[1]), cute.size(t_smem, mode=[2])),
+            stride=(cute.size(t_smem, mode=[1]), 1, 0),
+        ),
+        cutlass.Boolean,
+    )
+    for v in cutlass.range_constexpr(pred.shape[0]):
+        for r in cutlass.range_constexpr(pred.shape[1]):
+            pred[v, r, 0] = t_coord[(0, v), r, 0, 0][0] < limit
+    return pred
+
+
 class _Kernel:
     """The jit host function and kernel for one :class:`ClusterConfig`."""
 
@@ -105,7 +128,7 @@ class _Kernel:
         self.c, self.stages, self.tile_k, self.pdl = cfg
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream):
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, rows: cutlass.Int32, stream):
         sw_layout = _swizzled(ROWS, self.tile_k, self.stages)
         sx_layout = _swizzled(TOKENS, self.tile_k, self.stages)
         g2s = cute.make_copy_atom(
@@ -123,8 +146,8 @@ class _Kernel:
             cute.make_layout((4, 1, 1)),
             permutation_mnk=(ROWS, TOKENS, 16),
         )
-        self.kernel(mX, mW, mY, sw_layout, sx_layout, copy_g2s, mma).launch(
-            grid=[self.c, mW.shape[0] // ROWS, 1],
+        self.kernel(mX, mW, mY, rows, sw_layout, sx_layout, copy_g2s, mma).launch(
+            grid=[self.c, (mW.shape[0] + rows - 1) // rows, 1],
             block=[THREADS, 1, 1],
             cluster=[self.c, 1, 1],
             stream=stream,
@@ -137,6 +160,7 @@ class _Kernel:
         mX: cute.Tensor,
         mW: cute.Tensor,
         mY: cute.Tensor,
+        rows: cutlass.Int32,
         sw_layout: cute.ComposedLayout,
         sx_layout: cute.ComposedLayout,
         copy_g2s: cute.TiledCopy,
@@ -174,30 +198,32 @@ class _Kernel:
             # The next kernel may launch; its griddepcontrol.wait still waits for all of this grid.
             cute.arch.griddepcontrol_launch_dependents()
 
-        gW = cute.local_tile(mW, (ROWS, tile_k), (tile_n, None))  # (64, tile_k, K tiles)
+        # This cluster's weight rows: [row0, row_end), at most 64 (ragged: fewer rows per
+        # cluster spread N over more clusters). Rows past row_end are not loaded.
+        row0 = tile_n * rows
+        row_end = cutlass.min(row0 + rows, mW.shape[0])
+        mWr = cute.domain_offset((row0, 0), mW)
+        gW = cute.local_tile(mWr, (ROWS, tile_k), (0, None))  # (64, tile_k, K tiles)
+        gW = cute.make_tensor(gW.iterator.align(16), gW.layout)  # row0 x K x 2 bytes: 16-byte aligned
+        cW = cute.local_tile(
+            cute.domain_offset((row0, 0), cute.make_identity_tensor(mW.shape)), (ROWS, tile_k), (0, None)
+        )
         gX = cute.local_tile(mX, (TOKENS, tile_k), (0, None))  # (16, tile_k, K tiles)
         cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (TOKENS, tile_k), (0, None))
         thr_copy = copy_g2s.get_slice(tidx)
         tWg = thr_copy.partition_S(gW)
+        tWc = thr_copy.partition_S(cW)
         tWs = thr_copy.partition_D(sW)
         tXg = thr_copy.partition_S(gX)
         tXs = thr_copy.partition_D(sX)
         tXc = thr_copy.partition_S(cX)
-        # Token rows past M are not loaded: one predicate per 16-byte copy, same for every K tile.
-        tXp = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tXs.shape[0][1], cute.size(tXs, mode=[1]), cute.size(tXs, mode=[2])),
-                stride=(cute.size(tXs, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for v in cutlass.range_constexpr(tXp.shape[0]):
-            for r in cutlass.range_constexpr(tXp.shape[1]):
-                tXp[v, r, 0] = tXc[(0, v), r, 0, 0][0] < m_tokens
+        # x rows past M and weight rows past the cluster's are not loaded.
+        tXp = _row_predicate(tXs, tXc, m_tokens)
+        tWp = _row_predicate(tWs, tWc, row_end)
 
         # Prologue: the weight of stages-1 K tiles before griddepcontrol.wait, x after it.
         for s in cutlass.range_constexpr(stages - 1):
-            cute.copy(copy_g2s, tWg[None, None, None, k0 + s], tWs[None, None, None, s])
+            cute.copy(copy_g2s, tWg[None, None, None, k0 + s], tWs[None, None, None, s], pred=tWp)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         for s in cutlass.range_constexpr(stages - 1):
@@ -229,7 +255,9 @@ class _Kernel:
             nxt = i + stages - 1
             if nxt < k_tiles:
                 slot_n = nxt % stages
-                cute.copy(copy_g2s, tWg[None, None, None, k0 + nxt], tWs[None, None, None, slot_n])
+                cute.copy(
+                    copy_g2s, tWg[None, None, None, k0 + nxt], tWs[None, None, None, slot_n], pred=tWp
+                )
                 cute.copy(
                     copy_g2s, tXg[None, None, None, k0 + nxt], tXs[None, None, None, slot_n], pred=tXp
                 )
@@ -256,15 +284,13 @@ class _Kernel:
             cute.arch.mbarrier_wait(mbar, 0)
             tok = e0 // ROWS
             if tok < m_tokens:
-                out = cute.make_rmem_tensor(cute.make_layout((PER_THREAD,)), cutlass.BFloat16)
                 for j in cutlass.range_constexpr(PER_THREAD):
-                    total = sAcc[(e0 + j) % ROWS, tok]
-                    for peer in cutlass.range_constexpr(c - 1):  # fixed order: ranks 1..C-1
-                        total = total + sRed[e0 + j, peer]
-                    out[j] = total.to(cutlass.BFloat16)
-                chunks = ROWS // PER_THREAD  # 16-byte chunks of bf16 per token in one tile
-                gY = cute.local_tile(mY, (1, PER_THREAD), (tok, tile_n * chunks + tidx % chunks))
-                cute.autovec_copy(out, gY[0, None])
+                    r = (e0 + j) % ROWS
+                    if row0 + r < row_end:  # a ragged cluster stores only its own rows
+                        total = sAcc[r, tok]
+                        for peer in cutlass.range_constexpr(c - 1):  # fixed order: ranks 1..C-1
+                            total = total + sRed[e0 + j, peer]
+                        mY[tok, row0 + r] = total.to(cutlass.BFloat16)
         else:
             # Same flat index, in rank 0's slab for this rank; the bytes complete rank 0's mbarrier.
             flat = cute.make_tensor(
@@ -284,13 +310,14 @@ def compile_kernel(cfg: ClusterConfig, stream=None, options: str = "--enable-tvm
     """``cute.compile`` the kernel for ``cfg`` with dynamic M, N, K; no GPU needed.
 
     ``stream``: a placeholder (default ``make_fake_stream()``); the compiled callable
-    takes ``(x, w, y, CUstream)``. Set ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU.
+    takes ``(x, w, y, rows, CUstream)``. Set ``CUTE_DSL_ARCH=sm_90a`` to compile without a GPU.
     """
-    m, n, k = cute.sym_int(), cute.sym_int(divisibility=ROWS), cute.sym_int(divisibility=8)
+    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=8)
     x = make_fake_compact_tensor(cutlass.BFloat16, (m, k), stride_order=(1, 0), assumed_align=_FAKE_ALIGN)
     w = make_fake_compact_tensor(cutlass.BFloat16, (n, k), stride_order=(1, 0), assumed_align=_FAKE_ALIGN)
     y = make_fake_compact_tensor(cutlass.BFloat16, (m, n), stride_order=(1, 0), assumed_align=_FAKE_ALIGN)
-    return cute.compile(_Kernel(cfg), x, w, y, stream or make_fake_stream(), options=options)
+    return cute.compile(_Kernel(cfg), x, w, y, cutlass.Int32(ROWS), stream or make_fake_stream(),
+                        options=options)
 
 
 _COMPILED: dict[ClusterConfig, object] = {}
@@ -303,13 +330,15 @@ def compiled(cfg: ClusterConfig):
     return _COMPILED[cfg]
 
 
-def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 128, pdl: bool = True):
+def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 128, pdl: bool = True,
+                        rows: int = ROWS):
     """``x @ w.T`` as a new bf16 ``[M, N]`` tensor on the current torch stream.
 
     Args:
         x: ``[M, K]`` bf16 CUDA tensor, packed row-major, 1 <= M <= 16.
         w: ``[N, K]`` bf16, packed row-major, on ``x``'s device.
         cluster, stages, tile_k, pdl: see :class:`ClusterConfig`; compiled once per config.
+        rows: weight rows per cluster, 1..64 (a run-time value): ``ceil(N / rows)`` clusters.
 
     Raises:
         ValueError: wrong dtype, layout or a shape :func:`config_error` refuses.
@@ -324,9 +353,9 @@ def cluster_splitk_gemm(x, w, cluster: int = 4, stages: int = 4, tile_k: int = 1
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} are not [M, K] and [N, K]")
     if not (x.is_contiguous() and w.is_contiguous()):
         raise ValueError("x and w must be packed row-major")
-    why = config_error(cfg, w.shape[0], w.shape[1], x.shape[0])
+    why = config_error(cfg, w.shape[0], w.shape[1], x.shape[0], rows)
     if why:
         raise ValueError(f"cluster split-K config {tuple(cfg)}: {why}")
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    compiled(cfg)(x, w, y, CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+    compiled(cfg)(x, w, y, rows, CUstream(torch.cuda.current_stream(x.device).cuda_stream))
     return y

@@ -5,8 +5,8 @@ cluster's DSMEM) beats ``swap_ab_gemm.py`` (split-K through a global workspace a
 counter) on the split-K shapes 1536/3072/2112/768 x 7168 at M = 1, 8, 16. Two phases,
 each its own process so a kernel that never ends loses only what follows it:
 
-* ``check``: every CuTe config (``cute_configs``: cluster C in 2/4/8 x five pipelines, and
-  two without PDL) is compiled and run
+* ``check``: every CuTe config (``cute_configs``: cluster C in 2/4/8 x three pipelines, at
+  the weight rows per cluster of ``rows_for``: grids of about 1 and 2 CTAs per SM) is compiled and run
   once per (shape, M) against float64 (``timing.ref64``, ``timing.rel_err`` <= 1e-2).
   A wrong result is recorded with two diagnostics (its error against rank 0's K slice
   alone, and whether it is finite), never timed. Written after every config.
@@ -45,8 +45,9 @@ SM90_TABLE = os.path.join(ROOT, "overlay", "vllm", "models", "kimi_k3", "nvidia"
 SHAPES = ((1536, 7168), (3072, 7168), (2112, 7168), (768, 7168))
 TOKENS = (1, 8, 16)
 CLUSTERS = (2, 4, 8)
-# (tile_k, stages): the same 64-80 KiB of weight in flight in 16 KiB or 8 KiB steps, and 112 KiB.
-PIPELINES = ((128, 4), (128, 6), (128, 8), (64, 8), (64, 12))
+# (tile_k, stages): 48-80 KiB of weight in flight per CTA in 16 KiB or 8 KiB steps.
+PIPELINES = ((128, 4), (128, 6), (64, 8))
+SMS = 132  # the H200's SMs: ragged rows aim the grid at 1 and 2 CTAs per SM
 REL_TOL = 1e-2
 REPLAYS = 15
 
@@ -69,13 +70,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cute_configs() -> list[tuple[int, int, int, bool]]:
-    """``(cluster, stages, tile_k, pdl)`` of every CuTe config tried, in order.
+    """``(cluster, stages, tile_k, pdl)`` of every CuTe config tried, in order."""
+    return [(c, s, tk, True) for c in CLUSTERS for tk, s in PIPELINES]
 
-    Every cluster size x pipeline with PDL, and two without it (does launching the
-    next GEMM early help or hurt this kernel?).
-    """
-    out = [(c, s, tk, True) for c in CLUSTERS for tk, s in PIPELINES]
-    return out + [(2, 6, 128, False), (4, 6, 128, False)]
+
+def rows_for(n: int, cluster: int) -> list[int]:
+    """Weight rows per cluster (<= 64) that put ``ceil(n / rows) x cluster`` CTAs at about
+    1 and 2 per SM (the 64-row tile when it already gives that many), distinct, ascending."""
+    out = set()
+    for per_sm in (1, 2):
+        clusters = max(1, per_sm * SMS // cluster)
+        out.add(min(64, -(-n // clusters)))
+    return sorted(out)
 
 
 def triton_config(rows_by_m: dict, m: int) -> tuple | None:
@@ -96,8 +102,8 @@ def triton_config(rows_by_m: dict, m: int) -> tuple | None:
 
 
 def passed(checked: dict) -> set[tuple]:
-    """``(N, K, M, cluster, stages, tile_k, pdl)`` the check phase found correct."""
-    return {(r["N"], r["K"], r["M"], r["cluster"], r["stages"], r["tile_k"], r["pdl"])
+    """``(N, K, M, cluster, stages, tile_k, pdl, rows)`` the check phase found correct."""
+    return {(r["N"], r["K"], r["M"], r["cluster"], r["stages"], r["tile_k"], r["pdl"], r["rows"])
             for r in checked.get("checks", []) if r.get("status") == "ok"}
 
 
@@ -159,12 +165,12 @@ def _check_config(cfg: tuple[int, int, int, bool]) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(c * 10 + stages)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen, dtype=torch.bfloat16, device="cuda")
-        for m in TOKENS:
+        for m, rows_ in ((m, r) for m in TOKENS for r in rows_for(n, c)):
             row = {"N": n, "K": k, "M": m, "cluster": c, "stages": stages, "tile_k": tile_k,
-                   "pdl": pdl, "compile_s": compile_s}
+                   "pdl": pdl, "rows": rows_, "compile_s": compile_s}
             x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")
             try:
-                y = cc.cluster_splitk_gemm(x, w, *cfg)
+                y = cc.cluster_splitk_gemm(x, w, *cfg, rows=rows_)
                 torch.cuda.synchronize()
                 err = timing.rel_err(y, timing.ref64(x, w))
                 row.update(relerr=err, status="ok" if err <= REL_TOL else "wrong")
@@ -201,9 +207,10 @@ def _time_shape(shape, ok: set, rot, read_bw: float, sm90_rows: dict) -> list[di
         if tcfg is not None:
             entries.append(("swap_ab", list(tcfg), lambda t=tcfg: candidates.swap_ab(t)))
         for cfg in cute_configs():
-            if (n, k, m, *cfg) in ok:
-                entries.append(("cute_cluster", list(cfg), lambda cfg=cfg: (
-                    lambda x, w: cc.cluster_splitk_gemm(x, w, *cfg))))
+            for r in rows_for(n, cfg[0]):
+                if (n, k, m, *cfg, r) in ok:
+                    entries.append(("cute_cluster", [*cfg, r], lambda cfg=cfg, r=r: (
+                        lambda x, w: cc.cluster_splitk_gemm(x, w, *cfg, rows=r))))
         for backend, cfg, make in entries:
             b = {"backend": backend, "cfg": cfg}
             try:
