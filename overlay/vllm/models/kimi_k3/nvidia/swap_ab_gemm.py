@@ -47,10 +47,17 @@ routes it on 326 of its 446 rows. Where both ran, CuTe was faster on 75 of the 1
 that run's timings of this kernel (every shape under 130 MB, M = 1, 8, 16) its time
 fits ``1.8 µs + bytes / 4.34 TB/s`` without split-K and ``3.5 µs + bytes / 4.38 TB/s``
 with it: the fixed part, not the stream, keeps 22-61 MB weights under 90% of the roof.
-So the route is Triton for the reasons above, not because a same-run measurement
-showed it faster than a CuTe DSL kernel of ours, which was not written; a split-K
-reduced through a cluster's shared memory (which Triton's ``tl`` cannot express) is
-what such a kernel would add.
+The CuTe DSL kernel of ours that would remove split-K's part of it, a swap-AB
+``mma.sync`` kernel whose split-K is reduced through a thread-block cluster's
+distributed shared memory (``ci/gpu/decode_gemm/cute_cluster.py``, an experiment, not
+routed), was timed next to this kernel at the SM90 table's configs in the same H200
+runs (``ci/gpu/results/cute_cluster/``, runs h200-20261130-cute2 and -cute3, every
+output checked against float64) on the four split-K shapes 1536/2112/3072/768x7168 at
+M = 1, 8, 16: at its best it matched this kernel on 3072x7168 (13.4-13.9 µs against
+13.5-13.9) and was slower on the other three (1536x7168 8.5-8.8 µs against 8.2-8.6,
+2112x7168 11.6-11.9 against 9.9-10.2, 768x7168 7.2-7.5 against 6.2-6.3). So the route
+stays Triton, which vLLM already depends on, on that measurement and for the reasons
+above.
 
 Concurrency: the split-K workspace is private to a (device, stream) pair, so GEMMs on
 different streams (or different branches of a captured graph) never share counters;
