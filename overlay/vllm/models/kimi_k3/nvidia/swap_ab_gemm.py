@@ -103,7 +103,7 @@ class SwapAbConfig(NamedTuple):
 def config_error(config: SwapAbConfig, n: int, k: int) -> str | None:
     """Why ``config`` cannot run a ``[M, k] x [n, k]^T`` GEMM; None if it can.
 
-    ``k`` must be a multiple of 8 (16-byte rows); ``block_n`` one of 32, 64, 128;
+    ``k`` must be a multiple of 8 (16-byte rows); ``block_n`` one of 16, 32, 64, 128;
     ``block_k`` a power of two >= 64; ``split_k`` at least 1 and at most the number of
     ``block_k`` tiles of ``k``, so that no split is left without work; ``rows`` 0 or
     1..``block_n``.
