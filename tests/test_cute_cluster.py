@@ -203,4 +203,4 @@ def test_rows_for_aims_the_grid_at_one_and_two_ctas_per_sm():
         for c in (2, 4, 8):
             for rows in bench.rows_for(n, c):
                 # at most 2 CTAs per SM unless already the full 64-row tile (3072 rows, C = 8)
-                assert 1 <= rows <= 64 and (-(-n // rows) * c <= 2 * bench.SMS or rows == 64)
+                assert 1 <= rows <= 64 and (-(-n // rows) * c <= 2 * bench.tiles.SMS or rows == 64)

@@ -38,6 +38,12 @@ import time
 from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import shapes  # noqa: E402
+import tiles  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 SM90_TABLE = os.path.join(ROOT, "overlay", "vllm", "models", "kimi_k3", "nvidia",
                           "low_latency_gemm_sm90.py")
@@ -47,7 +53,6 @@ TOKENS = (1, 8, 16)
 CLUSTERS = (2, 4, 8)
 # (tile_k, stages): 48-80 KiB of weight in flight per CTA in 16 KiB or 8 KiB steps.
 PIPELINES = ((128, 4), (128, 6), (64, 8))
-SMS = 132  # the H200's SMs: ragged rows aim the grid at 1 and 2 CTAs per SM
 REL_TOL = 1e-2
 REPLAYS = 15
 
@@ -79,7 +84,7 @@ def rows_for(n: int, cluster: int) -> list[int]:
     1 and 2 per SM (the 64-row tile when it already gives that many), distinct, ascending."""
     out = set()
     for per_sm in (1, 2):
-        clusters = max(1, per_sm * SMS // cluster)
+        clusters = max(1, per_sm * tiles.SMS // cluster)
         out.add(min(64, -(-n // clusters)))
     return sorted(out)
 
@@ -198,8 +203,8 @@ def _time_shape(shape, ok: set, rot, read_bw: float, sm90_rows: dict) -> list[di
     rows = []
     for m in TOKENS:
         xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-        roof_us = (2 * n * k + 2 * m * k + 2 * m * n) / read_bw * 1e6
-        row = {"N": n, "K": k, "M": m, "roof_us": round(roof_us, 3), "backends": []}
+        row = {"N": n, "K": k, "M": m, "roof_us": round(shapes.roof_us(n, k, m, read_bw), 3),
+               "backends": []}
         tcfg = triton_config(sm90_rows.get((n, k), {}), m)
         # (backend, cfg, make): make() builds the callable inside the try below, so a
         # backend that cannot even load is recorded like any other failure.
@@ -252,8 +257,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
     deadline = start + args.deadline_s
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))
     res = {"provenance": _provenance(args.run_id), "phase": args.phase,
            "method": {"rel_tol": REL_TOL, "timing": "ci/gpu/timing.py time_us: CUDA graph >= 12"
                       " calls, >= 256 MiB rotating weights, median of 15 replays"},
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
         sm90_rows = runpy.run_path(SM90_TABLE)["ROWS"]
         bw = timing.read_bandwidth_Bps()
         res["read_bw_TBps"] = round(bw / 1e12, 4)
-        rot = timing.RotatingWeights(max(2 * n * k for n, k in SHAPES))
+        rot = timing.RotatingWeights(max(shapes.weight_bytes(n, k) for n, k in SHAPES))
         res["rows"] = []
         run_units(list(SHAPES), lambda s: _time_shape(s, ok, rot, bw, sm90_rows),
                   res, "rows", args.out, deadline)
