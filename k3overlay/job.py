@@ -165,8 +165,10 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
         return None
     laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
     sha = commit_overlay(tree, project, report, laid)
+    if blocked:  # what applied is built for the tests, never verified (``VerifyResult``)
+        return None
     report.verify = verify_change(tree, report.ref_sha, sha)
-    return None if blocked or not report.verify.ok else sha
+    return sha if report.verify.ok else None
 
 
 def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:

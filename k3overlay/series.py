@@ -39,12 +39,14 @@ class Patch:
 
 @dataclass
 class PatchResult:
-    """What happened to one patch on one ref. ``files``/``hunks`` only for a conflict."""
+    """What happened to one patch on one ref. ``files``/``hunks`` only for a conflict
+    (``hunks``: ``path:first-last`` regions between conflict markers, then git's own lines)."""
 
     name: str
     status: str
     files: list[str] = field(default_factory=list)
     hunks: list[str] = field(default_factory=list)
+    upstream_commit: str = ""  # landed-upstream by patch-id: the upstream commit that has it
 
 
 def load(patches_dir: Path) -> list[Patch]:
@@ -225,16 +227,21 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
     regions = []
     for path in paths:
         data = read_regular(tree / path)  # a link git left there is not followed
-        if data is None:
-            continue
-        lines = data.decode(errors="replace").splitlines()
-        start = None
-        for number, line in enumerate(lines, 1):
-            if line.startswith("<<<<<<< "):
-                start = number
-            elif line.startswith(">>>>>>> ") and start is not None:
-                regions.append(f"{path}:{start}-{number}")
-                start = None
+        if data is not None:
+            regions += conflict_regions(path, data)
+    return regions
+
+
+def conflict_regions(path: str, data: bytes) -> list[str]:
+    """``path:first-last`` (1-based lines, markers included) for each conflict region in
+    ``data``, the text of ``path`` as a 3-way merge left it."""
+    regions, start = [], None
+    for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+        if line.startswith("<<<<<<< "):
+            start = number
+        elif line.startswith(">>>>>>> ") and start is not None:
+            regions.append(f"{path}:{start}-{number}")
+            start = None
     return regions
 
 
