@@ -116,6 +116,52 @@ def read_patch(path: Path) -> Patch:
     return Patch(path.name, path, headers.get("Subject", ""), status.group(0).split(": ", 1)[1].strip())
 
 
+# A diffstat as format-patch writes it, at the end of the text between ``---`` and the diff.
+_DIFFSTAT = re.compile(rb"(?:^ [^\n]*\|[^\n]*\n)+^ \d+ files? changed[^\n]*\n\n?\Z", re.M)
+
+
+def split_notes(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """A mailbox patch as ``(head, notes, rest)``, ``head + notes + rest == data``.
+
+    ``head`` ends with the ``---`` line that ends the commit message (``git am`` keeps
+    nothing after it); ``notes`` is what a person wrote below it (version notes,
+    measurements), before the diffstat; ``rest`` is the diffstat and the diff. A patch
+    without a ``---`` line has no notes (``(data, b"", b"")``).
+    """
+    sep = data.find(b"\n---\n")
+    if sep < 0:
+        return data, b"", b""
+    body = sep + len(b"\n---\n")
+    diff = data.find(b"\ndiff ", body - 1)
+    diff = len(data) if diff < 0 else diff + 1
+    between = data[body:diff]
+    stat = _DIFFSTAT.search(between)
+    end = body + (stat.start() if stat else len(between))
+    return data[:body], data[body:end], data[end:]
+
+
+def with_notes(data: bytes, notes: bytes) -> bytes:
+    """``data`` (a mailbox patch) with its notes below ``---`` replaced by ``notes``."""
+    head, _, rest = split_notes(data)
+    return head + notes + rest if head != data else data
+
+
+def notes_in_message(patch: Patch, folder: Path) -> Patch:
+    """A copy of ``patch`` in ``folder`` whose notes are in its commit message, indented
+    under ``Notes:`` (as ``git log --notes`` shows them): applied, its commit then
+    carries them, so a range-diff tells a change in them apart from none."""
+    data = patch.path.read_bytes()
+    head, notes, rest = split_notes(data)
+    if not notes.strip():
+        return patch
+    indented = b"".join(b"    " + line if line.strip() else line
+                        for line in notes.splitlines(keepends=True))
+    message = head[:-len(b"---\n")]
+    copy = folder / patch.name
+    copy.write_bytes(message + b"\nNotes:\n" + indented.rstrip(b"\n") + b"\n---\n" + rest)
+    return Patch(patch.name, copy, patch.subject, patch.upstream_status)
+
+
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
           ref_sha: str) -> list[PatchResult]:
     """Apply ``patches`` in order onto ``repo``'s work tree (HEAD at REF, ``ref_sha``), one

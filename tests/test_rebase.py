@@ -356,3 +356,43 @@ def test_verify_means_one_thing_in_apply_check_and_the_rebase_job(project, upstr
                     if c.get("name") == "verify"]
         assert verify.find("failure") is None and verify.find("skipped") is not None
     assert "not run: patch 0001-model-line-4.patch conflicts" in markdown([job])
+
+
+NOTES = b"v2: context moved for v1.1.0\nmeasured: 4.1 \xc2\xb5s -> 3.9 \xc2\xb5s (H200, 2026-11-30)\n\n"
+
+
+def _with_notes(path, notes):
+    from k3overlay.series import with_notes
+
+    path.write_bytes(with_notes(path.read_bytes(), notes))
+
+
+def test_notes_below_the_dashes_survive_export_byte_for_byte(project, upstream, tmp_path):
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    _with_notes(patch, NOTES)
+    before = patch.read_bytes()
+    assert b"\n---\n" + NOTES + b" pkg/model.txt | 2 +-\n" in before  # above the diffstat
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    result = export(project, wd)
+    assert patch.read_bytes() == before
+    assert " = " in result.range_diff.splitlines()[0]  # nothing changed, notes included
+
+
+def test_range_diff_tells_a_change_in_the_notes_apart_from_none(project, upstream, tmp_path):
+    from k3overlay import git, series
+    from k3overlay.export import _range_diff
+
+    old = series.load(project.patches_dir)
+    new_dir = tmp_path / "new"
+    new_dir.mkdir()
+    (new_dir / "series").write_text("0001-model-line-4.patch\n")
+    copy = new_dir / "0001-model-line-4.patch"
+    copy.write_bytes(old[0].path.read_bytes())
+    g(tmp_path, "clone", "-q", str(upstream), "up")  # range-diff commits there
+    repo = git.open_repo(tmp_path / "up")
+    _with_notes(copy, NOTES)
+    same = _range_diff(repo, ("v1.0.0", old), ("v1.0.0", old))
+    changed = _range_diff(repo, ("v1.0.0", old), ("v1.0.0", series.load(new_dir)))
+    assert " = " in same.splitlines()[0]
+    assert " ! " in changed.splitlines()[0] and "measured: 4.1" in changed
