@@ -130,14 +130,16 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
             record(repo, branch, opts.ref)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
-    # landed-upstream is proven against REF's tree alone.
+    # landed-upstream is proven against REF's tree, or by an upstream commit's patch-id.
     done = {subject for _, subject in git.log_subjects(repo, f"{report.ref_sha}..HEAD")}
+    base_sha = git.resolve(repo, manifest.base)
     env = git.environ(**COMMITTER)
     for patch in patches:
         if patch.subject in done:
             report.patches.append(series_mod.PatchResult(patch.name, series_mod.APPLIED))
             continue
-        result = series_mod.apply_one(repo, patch, env=env, ref_sha=report.ref_sha, keep_conflict=True)
+        result = series_mod.apply_one(repo, patch, env=env, ref_sha=report.ref_sha,
+                                      keep_conflict=True, base_sha=base_sha)
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
             report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "

@@ -147,6 +147,8 @@ class Report:
 
 def _patch_json(p: PatchResult) -> dict:
     data = {"name": p.name, "status": p.status}
+    if p.upstream_commit:
+        data["upstream_commit"] = p.upstream_commit
     if p.status == PATCH_CONFLICT:
         data.update(files=p.files, hunks=p.hunks)
     return data
@@ -224,6 +226,8 @@ def write_human(report: Report, console: Console) -> None:
     table.add_column("status")
     for p in report.patches:
         table.add_row("patch", Text(p.name), _styled(p.status))
+        if p.upstream_commit:
+            table.add_row("", Text(f"  as upstream's {p.upstream_commit[:12]}"), "")
         for line in p.hunks or p.files:
             table.add_row("", Text(f"  {line}"), "")
     for f in report.overlay:

@@ -163,7 +163,7 @@ def notes_in_message(patch: Patch, folder: Path) -> Patch:
 
 
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
-          ref_sha: str) -> list[PatchResult]:
+          ref_sha: str, base_sha: str | None = None) -> list[PatchResult]:
     """Apply ``patches`` in order onto ``repo``'s work tree (HEAD at REF, ``ref_sha``), one
     commit each, in one ``git am --3way`` run.
 
@@ -175,15 +175,58 @@ def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
     ``conflict`` otherwise, with the files and hunks that failed. A
     conflicting patch is skipped and the rest are still tried, so one run
     classifies the whole series. No commit is left that changes nothing.
+
+    With ``base_sha`` (upstream at our base) and history from it to REF (a git
+    clone, not a release mirror), a patch whose patch-id equals an upstream
+    commit's there is ``landed-upstream`` first of all, naming that commit, and
+    is not applied: upstream took it, whatever it did to those lines later
+    (``git rebase`` drops such a commit the same way).
     """
-    return _run(repo, patches, env, ref_sha, keep_conflict=False)
+    return _by_patch_id(repo, patches, base_sha, ref_sha,
+                        lambda rest: _run(repo, rest, env, ref_sha, keep_conflict=False))
 
 
 def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str], ref_sha: str,
-              keep_conflict: bool = False) -> PatchResult:
+              keep_conflict: bool = False, base_sha: str | None = None) -> PatchResult:
     """Apply and classify one patch (see ``apply``). With ``keep_conflict`` a
     conflicting am is left in progress for a maintainer to resolve."""
-    return _run(repo, [patch], env, ref_sha, keep_conflict)[0]
+    return _by_patch_id(repo, [patch], base_sha, ref_sha,
+                        lambda rest: _run(repo, rest, env, ref_sha, keep_conflict))[0]
+
+
+def landed_by_patch_id(repo: git.Repo, patches: list[Patch], base_sha: str | None,
+                       ref_sha: str) -> dict[str, str]:
+    """``{patch name: upstream commit}`` for each patch an upstream commit in
+    ``base_sha..ref_sha`` carries, by ``git patch-id --stable``; empty without
+    ``base_sha`` or without history between the two."""
+    if not base_sha or base_sha == ref_sha or not git.is_ancestor(repo, base_sha, ref_sha):
+        return {}
+    found = {}
+    for patch in patches:
+        mine = git.patch_ids(repo, patch=patch.path)
+        if not mine:
+            continue  # no diff git can id (a mode change alone, say): the tree rule decides
+        theirs = git.patch_ids(repo, rev_range=f"{base_sha}..{ref_sha}",
+                               paths=git.patch_paths(repo, patch.path))
+        commit = next((theirs[pid] for pid in mine if pid in theirs), None)
+        if commit:
+            found[patch.name] = commit
+    return found
+
+
+def _by_patch_id(repo, patches, base_sha, ref_sha, run) -> list[PatchResult]:
+    """``run`` on the patches upstream has not taken by patch-id; the results in series order."""
+    taken = landed_by_patch_id(repo, patches, base_sha, ref_sha)
+    rest = iter(run([p for p in patches if p.name not in taken]) if len(taken) < len(patches)
+                else [])
+    results = []
+    for patch in patches:
+        result = (PatchResult(patch.name, LANDED, upstream_commit=taken[patch.name])
+                  if patch.name in taken else next(rest, None))
+        if result is None:
+            break  # a conflict left in progress (``keep_conflict``): nothing after it ran
+        results.append(result)
+    return results
 
 
 def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,

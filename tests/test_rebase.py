@@ -396,3 +396,46 @@ def test_range_diff_tells_a_change_in_the_notes_apart_from_none(project, upstrea
     changed = _range_diff(repo, ("v1.0.0", old), ("v1.0.0", series.load(new_dir)))
     assert " = " in same.splitlines()[0]
     assert " ! " in changed.splitlines()[0] and "measured: 4.1" in changed
+
+
+@pytest.fixture
+def took_then_reworked(project, upstream, tmp_path):
+    """A clone of upstream (history, not a release mirror) where v1.5.0 took our patch as
+    it is (commit ``took``), then reworked the same line: the tree no longer holds it."""
+    repo = tmp_path / "history"
+    g(tmp_path, "clone", "-q", str(upstream), str(repo))
+    g(repo, "checkout", "-q", "-b", "next", "v1.0.0")
+    g(repo, "am", "-q", str(project.patches_dir / "0001-model-line-4.patch"))
+    took = g(repo, "rev-parse", "HEAD").strip()
+    (repo / "pkg/model.txt").write_text((repo / "pkg/model.txt").read_text()
+                                        .replace("line 4 (ours)", "line 4 (reworked)"))
+    g(repo, "commit", "-q", "-am", "model: rework line 4")
+    g(repo, "tag", "v1.5.0")
+    return repo, took
+
+
+def test_a_patch_upstream_took_then_reworked_is_landed_by_patch_id(project, took_then_reworked,
+                                                                   tmp_path):
+    repo, took = took_then_reworked
+    [report] = run_rebase(project, ["v1.5.0"], vllm_repo=str(repo))
+    [patch] = report.patches
+    assert (patch.status, patch.upstream_commit) == ("landed-upstream", took)
+    assert report.to_json()["patches"][0]["upstream_commit"] == took
+    assert f"landed-upstream: 0001 (as {took[:12]})" in markdown([report])
+    wd = tmp_path / "wd"
+    first = rebase_to(project, Options(ref="v1.5.0", vllm_repo=str(repo), workdir=wd))
+    assert [(p.status, p.upstream_commit) for p in first.patches] == [("landed-upstream", took)]
+    assert first.ok, first.to_json()
+    result = export(project, wd)
+    assert result.dropped == ["0001-model-line-4.patch"] and result.patches == []
+
+
+def test_without_history_the_tree_rule_decides(project, took_then_reworked):
+    # The same tag through a source whose v1.5.0 has no history back to the base (a release
+    # mirror's snapshot): the patch conflicts, as the tree says.
+    repo, _ = took_then_reworked
+    tree = g(repo, "rev-parse", "v1.5.0^{tree}").strip()
+    lone = g(repo, "commit-tree", tree, "-m", "release v1.6.0").strip()
+    g(repo, "tag", "v1.6.0", lone)
+    [report] = run_rebase(project, ["v1.6.0"], vllm_repo=str(repo))
+    assert [(p.status, p.upstream_commit) for p in report.patches] == [("conflict", "")]
