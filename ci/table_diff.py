@@ -131,9 +131,11 @@ def as_section(tables: dict, ref: str) -> Section:
     if tables.get("error"):
         return Section("tables", "table diff", [f"not read: {tables['error']}"], tables,
                        error=tables["error"])
-    lines = [f"{arch} {len(s['upstream_only'])} upstream only, {len(s['ours_only'])} ours only, "
+    parts = [f"{arch} {s['same']} same" if not any(s[kind] for kind in KINDS) else
+             f"{arch} {len(s['upstream_only'])} upstream only, {len(s['ours_only'])} ours only, "
              f"{len(s['different'])} different, {s['same']} same"
              for arch, s in tables["archs"].items()]
+    lines = ["; ".join(parts)]  # one line: the first screen is short
     rows = [f"| {arch} | {kind.replace('_', ' ')} | {d['N']}x{d['K']} M{d['M']}"
             f"{' +residual' if d['residual'] else ''} | {choice(d['upstream'])} | {choice(d['ours'])} |"
             for arch, s in tables["archs"].items() for kind in KINDS for d in s[kind]]

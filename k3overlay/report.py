@@ -94,12 +94,19 @@ class Report:
 
     @property
     def missing(self) -> list[str]:
-        """What of ours the tree the job built lacks: ``patch NAME conflicts``, ``overlay
-        PATH conflicts`` (or ``drifts``, when drift was not accepted)."""
-        return ([f"patch {p.name} conflicts" for p in self.conflicting_patches]
-                + [f"overlay {f.path} {'conflicts' if f.status == FILE_CONFLICT else 'drifts'}"
-                   for f in self.overlay if f.status == FILE_CONFLICT
-                   or (f.status == DRIFT and not self.allow_drift)])
+        """What of ours the tree the job built lacks, by kind: ``patches 0002, 0003
+        conflict``, ``overlay PATH conflicts`` (``drifts``, when drift was not accepted)."""
+        out = []
+        patches = [short_name(p.name) for p in self.conflicting_patches]
+        if patches:
+            out.append(f"patch {patches[0]} conflicts" if len(patches) == 1
+                       else f"patches {', '.join(patches)} conflict")
+        for status, verb in ((FILE_CONFLICT, "conflict"), (DRIFT, "drift")):
+            files = [f.path for f in self.overlay if f.status == status
+                     and (status == FILE_CONFLICT or not self.allow_drift)]
+            if files:
+                out.append(f"overlay {', '.join(files)} {verb}{'s' if len(files) == 1 else ''}")
+        return out
 
     @property
     def verification(self) -> VerifyResult:
@@ -107,18 +114,7 @@ class Report:
         return self.verify or VerifyResult.skipped(self._why_not_verified())
 
     def _why_not_verified(self) -> str:
-        if self.error:
-            return self.error
-        patches = [p.name for p in self.conflicting_patches]
-        if patches:
-            return (f"patch {patches[0]} conflicts" if len(patches) == 1
-                    else f"patches {', '.join(patches)} conflict")
-        files = [f.path for f in self.overlay if f.status == FILE_CONFLICT
-                 or (f.status == DRIFT and not self.allow_drift)]
-        if files:
-            kind = "conflict" if any(f.status == FILE_CONFLICT for f in self.overlay) else "drift"
-            return f"overlay {kind} in {', '.join(files)}"
-        return "stopped before verification"
+        return self.error or "; ".join(self.missing) or "stopped before verification"
 
     def to_json(self) -> dict:
         """The report as the JSON object documented in README.md."""
@@ -143,6 +139,11 @@ class Report:
         if self.error:
             data["error"] = self.error
         return data
+
+
+def short_name(patch: str) -> str:
+    """``0002`` for ``0002-some-subject.patch`` (the series' numbers are unique), else the name."""
+    return patch[:4] if re.match(r"\d{4}-", patch) else patch
 
 
 def _patch_json(p: PatchResult) -> dict:
@@ -365,8 +366,9 @@ def markdown(reports: list[Report]) -> str:
     if reports:
         r0 = reports[0]
         lines.append(f"Overlay {r0.overlay_version} (base {r0.base_ref}) onto "
-                     + ", ".join(f"{r.ref}: **{'ok' if r.ok else f'exit {r.exit_code}'}**"
-                                 for r in reports) + ".")
+                     + ", ".join(f"{r.ref}: **{verdict(r).split(':')[0]}**"
+                                 + ("" if r.ok else f" (exit {r.exit_code})") for r in reports)
+                     + ".")
     for r in reports:
         lines += ["", *_first_screen(r)]
     details = [line for r in reports for line in _details(r)]
@@ -428,7 +430,7 @@ def _first_screen(r: Report) -> list[str]:
             lines.append(f"- overlay `{f.path}` **conflicts**{where}")
         elif f.status == DRIFT:
             lines.append(f"- overlay `{f.path}` drifted: {f.detail}")
-    lines += _grouped(r)
+    lines += _went_in(r)
     lines.append(f"- verify: {r.verification.line()}")
     lines += [f"  - {error}" for error in r.verification.errors]
     for run in r.runs:
@@ -443,28 +445,24 @@ def _first_screen(r: Report) -> list[str]:
                      f"- wheel `{w['name']}`, {w['size']:,} bytes, sha256 `{w['sha256']}`")
     commands = next_commands(r)
     if commands:
-        lines += ["", "Next:", "", "```bash", *commands, "```"]
+        lines += ["", "```bash", *commands, "```"]
     return lines
 
 
-def _grouped(r: Report) -> list[str]:
-    """One line for the patches and one for the overlay files that went in."""
-    out = []
-    by_status: dict[str, list[str]] = {}
+def _went_in(r: Report) -> list[str]:
+    """One line for what went in: patches by status, overlay files by status."""
+    parts: dict[str, list[str]] = {}
     for p in r.patches:
         if p.status != PATCH_CONFLICT:
-            label = p.name.split("-")[0] + (f" (as {p.upstream_commit[:12]})" if p.upstream_commit else "")
-            by_status.setdefault(p.status, []).append(label)
-    if by_status:
-        out.append("- patches " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by_status.items()))
+            label = short_name(p.name) + (f" (as {p.upstream_commit[:12]})" if p.upstream_commit else "")
+            parts.setdefault(f"patches {p.status}", []).append(label)
     files: dict[str, list[str]] = {}
     for f in r.overlay:
         if f.status not in (FILE_CONFLICT, DRIFT):
             files.setdefault(f.status, []).append(f"`{Path(f.path).name}`")
-    if files:
-        out.append("- overlay " + "; ".join(
-            f"{k}: {', '.join(v) if k == 'merged' else len(v)}" for k, v in files.items()))
-    return out
+    items = [f"{k}: {', '.join(v)}" for k, v in parts.items()]
+    items += [f"overlay {k}: {', '.join(v) if k == 'merged' else len(v)}" for k, v in files.items()]
+    return [f"- went in: {'; '.join(items)}"] if items else []
 
 
 def _not_run(not_run: list[str]) -> list[str]:
@@ -482,23 +480,23 @@ def next_commands(r: Report) -> list[str]:
         return []
     source = f" --vllm-repo {shlex.quote(r.vllm_repo)}" if r.vllm_repo else ""
     rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}"
-    workdir = "work/vllm"
+    git = "git -C work/vllm"
     lines = [rebase]
     for p in r.conflicting_patches:
-        lines += [f"#   stops at {p.name}: resolve {', '.join(p.files) or 'the conflict'}, then",
-                  f"git -C {workdir} am --continue", rebase]
+        lines += [f"# stops at {p.name}: resolve {', '.join(p.files) or 'it'}, then",
+                  f"{git} am --continue && {rebase}"]
     conflicted = [f for f in r.overlay if f.status == FILE_CONFLICT]
     for f in conflicted:
         regions = conflict_regions(f.path, f.merged or b"")
-        lines.append(f"#   resolve the conflict markers in {f.path}"
+        lines.append(f"# resolve the conflict markers in {f.path}"
                      + (f" ({_count(regions, 'region', 'regions')})" if regions else ""))
-    if conflicted:
-        lines.append(f"git -C {workdir} commit -a")
     # Tests of a tree that lacks part of the series say little: resolve first, then see.
     problems = [run.name for run in r.runs if run.exit_code == errors.VERIFY and not r.missing]
     if (r.verify is not None and not r.verify.ok) or problems:
-        lines.append(f"#   fix what {' and '.join(['verify'] * bool(r.verify and not r.verify.ok) + problems)}"
-                     f" found (above) on the work branch, commit it")
+        found = ["verify"] * bool(r.verify and not r.verify.ok) + problems
+        lines.append(f"# fix what {' and '.join(found)} found (above) on the work branch")
+    if len(lines) > 1 and not lines[-1].startswith(git):
+        return lines + [f"{git} commit -a && python apply.py --export"]
     return lines + ["python apply.py --export"]
 
 

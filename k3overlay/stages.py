@@ -82,7 +82,7 @@ class TestRun:
     problems: list[Problem] = field(default_factory=list)
     not_run: list[str] = field(default_factory=list)
     env_error: str = ""
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
     suites: dict[str, TestRun] = field(default_factory=dict)
     note: str = ""
     extra: dict = field(default_factory=dict)  # what else the stage recorded, for the JSON as is

@@ -345,17 +345,19 @@ def test_verify_means_one_thing_in_apply_check_and_the_rebase_job(project, upstr
 
     checked = run_apply(project, Options(ref="v1.3.0", vllm_repo=str(upstream), check=True))
     [job] = run_rebase(project, ["v1.3.0"], vllm_repo=str(upstream), stages=model_test)
-    want = {"ok": False, "status": "not run", "errors": [],
-            "not_run": "patch 0001-model-line-4.patch conflicts"}
-    assert checked.to_json()["verify"] == job.to_json()["verify"] == want
+    # Same meaning, each with what it found: apply refuses the drifted file, the job merges it.
+    assert checked.to_json()["verify"] == {"ok": False, "status": "not run", "errors": [],
+                                           "not_run": "patch 0001 conflicts; overlay pkg/mod.py drifts"}
+    assert job.to_json()["verify"] == {"ok": False, "status": "not run", "errors": [],
+                                       "not_run": "patch 0001 conflicts; overlay pkg/mod.py conflicts"}
     for report in (checked, job):
         out = io.StringIO()
         write_human(report, Console(file=out, width=200))
-        assert "verify: not run: patch 0001-model-line-4.patch conflicts" in out.getvalue()
+        assert f"verify: not run: {report.verification.not_run}" in out.getvalue()
         [verify] = [c for c in ET.fromstring(junit_xml([report])).iter("testcase")
                     if c.get("name") == "verify"]
         assert verify.find("failure") is None and verify.find("skipped") is not None
-    assert "not run: patch 0001-model-line-4.patch conflicts" in markdown([job])
+    assert f"- verify: not run: {job.verification.not_run}" in markdown([job])
 
 
 NOTES = b"v2: context moved for v1.1.0\nmeasured: 4.1 \xc2\xb5s -> 3.9 \xc2\xb5s (H200, 2026-11-30)\n\n"
@@ -439,3 +441,19 @@ def test_without_history_the_tree_rule_decides(project, took_then_reworked):
     g(repo, "tag", "v1.6.0", lone)
     [report] = run_rebase(project, ["v1.6.0"], vllm_repo=str(repo))
     assert [(p.status, p.upstream_commit) for p in report.patches] == [("conflict", "")]
+
+
+def test_the_tool_knows_nothing_of_the_ci_job():
+    # The job plugs its stages in (k3overlay.stages); nothing in k3overlay imports ci/.
+    import ast
+    from pathlib import Path
+
+    import k3overlay
+
+    ci = {p.stem for p in (Path(k3overlay.__file__).parent.parent / "ci").iterdir()}
+    for path in Path(k3overlay.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            assert not {n.split(".")[0] for n in names} & (ci | {"ci"}), (path.name, names)

@@ -90,7 +90,7 @@ def test_json_as_documented(tmp_path):
     assert unverified.to_json()["verify"] == {"ok": False, "status": "not run", "errors": [],
                                               "not_run": "patch p conflicts"}
     unverified.patches, unverified.overlay = [], [FileResult("m.py", "drift")]
-    assert unverified.to_json()["verify"]["not_run"] == "overlay drift in m.py"
+    assert unverified.to_json()["verify"]["not_run"] == "overlay m.py drifts"
     unverified.overlay = []
     assert unverified.to_json()["verify"]["not_run"] == "stopped before verification"
     stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
@@ -139,31 +139,28 @@ def test_markdown_first_screen_answers_the_maintainer():
     first = text.split("\n---\n")[0]
     assert first == (
         "## vllm-k3-overlay rebase report\n\n"
-        "Overlay 1.0.0 (base v1) onto v2: **ok**, v3: **exit 3**.\n\n"
+        "Overlay 1.0.0 (base v1) onto v2: **clean**, v3: **needs a maintainer** (exit 3).\n\n"
         f"### v2 `{'a' * 10}`: clean: applies, verifies and passes; rebase and export to record "
         "what moved\n\n"
-        "- patches applied: 0001; landed-upstream: 0002\n"
-        "- overlay replaced: 1\n"
+        "- went in: patches applied: 0001; patches landed-upstream: 0002; overlay replaced: 1\n"
         "- verify: ok\n\n"
-        "Next:\n\n```bash\npython apply.py --rebase-to v2\npython apply.py --export\n```\n\n"
+        "```bash\npython apply.py --rebase-to v2\npython apply.py --export\n```\n\n"
         f"### v3 `{'b' * 10}`: needs a maintainer: 1 patch and 1 overlay file conflict (exit 3)\n\n"
         "- patch `0002-b.patch` **conflicts**: `x.py:4-8`\n"
         "- overlay `m.py` drifted: upstream blob 1234abcd differs\n"
         "- overlay `n.py` **conflicts**: 3-way merge: 1 conflicting region(s)\n"
-        "- patches applied-3way: 0001\n"
+        "- went in: patches applied-3way: 0001\n"
         "- verify: failed: 1 error(s)\n"
         "  - x.py:1: does not compile: invalid syntax\n"
         "- cpu tests: 2 passed, 1 failed, 3 skipped, 4 errors\n"
         "  - `tests/t.py::test_a`: AssertionError: 1 != 2\n\n"
-        "Next:\n\n```bash\n"
+        "```bash\n"
         "python apply.py --rebase-to v3\n"
-        "#   stops at 0002-b.patch: resolve x.py, then\n"
-        "git -C work/vllm am --continue\n"
-        "python apply.py --rebase-to v3\n"
-        "#   resolve the conflict markers in n.py\n"
-        "git -C work/vllm commit -a\n"
-        "#   fix what verify found (above) on the work branch, commit it\n"
-        "python apply.py --export\n```\n")
+        "# stops at 0002-b.patch: resolve x.py, then\n"
+        "git -C work/vllm am --continue && python apply.py --rebase-to v3\n"
+        "# resolve the conflict markers in n.py\n"
+        "# fix what verify found (above) on the work branch\n"
+        "git -C work/vllm commit -a && python apply.py --export\n```\n")
     assert "<details><summary>v3: upstream's diff of <code>n.py</code> since v1 (conflict)" in text
     stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
     assert markdown([stopped]).splitlines()[-1] == \
