@@ -161,7 +161,7 @@ def run_cpu_tier(
             run.errors = 1  # interrupted, usage error or crash before any test ran
             run.problems.append(Problem("pytest", f"exited {returncode} before any test ran: "
                                                   f"{last or 'no output'}", "error"))
-    run.not_run = [f"{f}: not run, the tree lacks our overlay ({lacks_overlay})"
+    run.not_run = [f"{f}: the tree lacks our overlay ({lacks_overlay})"
                    for f in OUR_FILES] if lacks_overlay else []
     return run
 

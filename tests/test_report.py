@@ -208,7 +208,7 @@ def test_terminal_summary():
 
 def test_a_test_run_in_every_rendering():
     report = clean()
-    report.runs = [TestRun(passed=1, not_run=["tests/ours.py: not run, the tree lacks our overlay "
+    report.runs = [TestRun(passed=1, not_run=["tests/ours.py: the tree lacks our overlay "
                                               "(patch 0002 conflicts)"])]
     report.published = False
     out = io.StringIO()
@@ -216,10 +216,10 @@ def test_a_test_run_in_every_rendering():
     line = "1 passed, 0 failed, 0 skipped, 0 errors; 1 file(s) not run"
     assert out.getvalue().rstrip().splitlines()[-3:] == [
         f"cpu tests: {line}",
-        "  not run: tests/ours.py: not run, the tree lacks our overlay (patch 0002 conflicts)",
+        "  not run: tests/ours.py: the tree lacks our overlay (patch 0002 conflicts)",
         "ok"]  # not published: no branch named
     assert f"- cpu tests: {line}" in markdown([report])
-    assert ("  - not run: `ours.py`: not run, the tree lacks our overlay (patch 0002 conflicts)"
+    assert ("  - not run: `ours.py`: the tree lacks our overlay (patch 0002 conflicts)"
             in markdown([report]))
     [suite] = ET.fromstring(junit_xml([report]))
     assert suite[-1].findtext("system-out") == line

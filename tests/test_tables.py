@@ -436,7 +436,7 @@ def test_cpu_tier_runs_our_tests_only_on_a_tree_that_holds_our_overlay(tmp_path)
                                  "def test_ours():\n    pass\n")
     run = cpu_tier.run_cpu_tier(tree, sys.executable, lacks_overlay="overlay vllm/llg.py conflicts")
     assert (run.passed, run.failed, run.errors) == (1, 0, 0)
-    assert run.not_run == [f"{name}: not run, the tree lacks our overlay (overlay vllm/llg.py "
+    assert run.not_run == [f"{name}: the tree lacks our overlay (overlay vllm/llg.py "
                            f"conflicts)" for name in cpu_tier.OUR_FILES]
     whole = cpu_tier.run_cpu_tier(tree, sys.executable)  # a tree said to hold it all: run all
     assert whole.errors == len(cpu_tier.OUR_FILES) and not whole.not_run
