@@ -14,6 +14,8 @@ low-latency GEMM tables (``ci/table_diff.py``) and the CPU test tier (vLLM's
 skinny-GEMM test file and ours, see ``ci/cpu_tier.py``) on what applied. With
 ``--wheels DIR``, each ref that applied also gets its internal wheel built
 into DIR (``apply.py --build-wheel``'s repack), reported as ``wheel``.
+Everything past patching is ``JobStages``, called by ``k3overlay.rebase.run_rebase``
+once per ref through the tool's one typed interface (``k3overlay/stages.py``).
 
 GPU stage (``ci/gpu_stage/``): ``--gpu`` runs it on this machine's GPU for each
 target; ``--gpu-results DIR`` attaches what an air-gapped GPU runner measured on

@@ -25,7 +25,8 @@ class Target:
     ``released``: the tree of ``ref_sha`` as upstream released it (nothing applied).
     ``built``: the tree the job built there (every patch and overlay file that went in;
     committed, so ``git rev-parse HEAD`` there names it). ``missing``: what of ours did
-    not go in, each as ``"patch NAME conflicts"`` or ``"overlay PATH conflicts"``.
+    not go in, by kind (``"patches 0002, 0003 conflict"``, ``"overlay PATH conflicts"``);
+    empty when ``built`` holds the whole series and overlay.
     ``overlay_conflicts``: overlay paths where ``built`` holds upstream's file, not ours.
     """
 
@@ -35,11 +36,6 @@ class Target:
     built: Path
     missing: tuple[str, ...] = ()
     overlay_conflicts: tuple[str, ...] = ()
-
-    @property
-    def holds_overlay(self) -> bool:
-        """Whether ``built`` holds the whole series and overlay (tests of ours mean something)."""
-        return not self.missing
 
 
 @dataclass(frozen=True)
