@@ -118,6 +118,12 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
                                     "work branch)")
+        if args.rebase_to and (args.vllm_ref or args.allow_drift):
+            # Both name the ref to build on (and --rebase-to 3-way merges drift): one of the
+            # two would be dropped without a word.
+            given = "--vllm-ref" if args.vllm_ref else "--allow-drift"
+            raise errors.UsageError(f"--rebase-to REF takes no {given}: REF is the ref the work "
+                                    f"branch is rebuilt on, and drifted files are 3-way merged")
         _refuse_workdir_holding_project(project, args.workdir)
         wheel_opts = _wheel_options(args, project)
         if args.json:

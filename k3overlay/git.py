@@ -740,6 +740,28 @@ def range_diff(repo: Repo, old: str, new: str) -> str:
     return run(repo, "range-diff", "--no-color", old, new)
 
 
+def patch_ids(repo: Repo, *, patch: Path | None = None, rev_range: str = "",
+              paths: list[str] | None = None) -> dict[str, str]:
+    """``{patch-id: commit}`` by ``git patch-id --stable`` (whitespace and line numbers
+    ignored): of one mailbox ``patch`` file (commit all zeros), or of each non-merge
+    commit in ``rev_range`` that touches ``paths`` (its whole diff counts, as for
+    ``git cherry``). Empty when ``rev_range`` does not resolve."""
+    if patch is not None:
+        text = patch.read_bytes()
+    else:
+        status, text, _ = _execute(["log", "--no-merges", "--no-color", "-p", "--full-diff",
+                                    rev_range, "--", *literal(paths or [])], cwd=_cwd(repo))
+        if status != 0:
+            return {}
+    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo), stdin=text)[1])
+    return {pid: commit for pid, commit in (line.split() for line in out.splitlines())}
+
+
+def is_ancestor(repo: Repo, old: str, new: str) -> bool:
+    """True if commit ``old`` is in ``new``'s history."""
+    return _execute(["merge-base", "--is-ancestor", old, new], cwd=_cwd(repo))[0] == 0
+
+
 def environ(**extra: str) -> dict[str, str]:
     """Variables for one git call (identity, dates), set on top of the tool's own
     environment for git (see ``_environment``); not a whole environment."""

@@ -158,15 +158,18 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
     With ``best_effort`` (the rebase job), conflicting patches and files are
     left out and the rest is still committed and verified, so tests can run.
     """
-    report.patches = apply_patches(tree, patches, report.ref_sha)
+    report.patches = apply_patches(tree, patches, report.ref_sha,
+                                   git.resolve(tree, manifest.base))
     report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=merge)
     blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
     if blocked and not best_effort:
         return None
     laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
     sha = commit_overlay(tree, project, report, laid)
+    if blocked:  # what applied is built for the tests, never verified (``VerifyResult``)
+        return None
     report.verify = verify_change(tree, report.ref_sha, sha)
-    return None if blocked or not report.verify.ok else sha
+    return sha if report.verify.ok else None
 
 
 def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:
@@ -176,12 +179,13 @@ def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:
     return verify(Path(repo.working_tree_dir), touched, before)
 
 
-def apply_patches(tree: git.Repo, patches: list[series_mod.Patch],
-                  ref_sha: str) -> list[series_mod.PatchResult]:
-    """Apply the series onto ``tree`` (see ``series.apply``), committer = the tool."""
+def apply_patches(tree: git.Repo, patches: list[series_mod.Patch], ref_sha: str,
+                  base_sha: str | None = None) -> list[series_mod.PatchResult]:
+    """Apply the series onto ``tree`` (see ``series.apply``: ``base_sha`` lets it find
+    patches upstream took by patch-id), committer = the tool."""
     env = git.environ(**COMMITTER)
     with step(f"applying {len(patches)} patch(es) with git am --3way"):
-        return series_mod.apply(tree, patches, env=env, ref_sha=ref_sha)
+        return series_mod.apply(tree, patches, env=env, ref_sha=ref_sha, base_sha=base_sha)
 
 
 def classify_overlay(tree: git.Repo, project: Project, manifest: manifest_mod.Manifest,

@@ -92,10 +92,11 @@ def test_human_report_prints_values_that_together_look_like_markup():
     from rich.console import Console
 
     from k3overlay import report
+    from k3overlay.stages import TestRun
     from k3overlay.verify import VerifyResult
 
     r = report.Report("0.1.0", "v1.0.0", "[/", ref_sha="]", error="[/red] x [bold]", error_code=2,
-                      tests={"passed": 1, "failed": 0, "skipped": 0, "errors": 0},
+                      runs=[TestRun(passed=1)],
                       notes=["[/ (]"])
     r.verify = VerifyResult(ok=False, errors=["pkg/[x].py:1: does not compile"])
     out = StringIO()

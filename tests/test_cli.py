@@ -115,6 +115,22 @@ def test_wheel_options_alone_are_bad_usage(project, monkeypatch, capsys, args, m
     assert capsys.readouterr().err == f"apply.py: error: {message}\n"
 
 
+@pytest.mark.parametrize("extra, given", [(["--vllm-ref", "v1.2.0"], "--vllm-ref"),
+                                           (["--allow-drift"], "--allow-drift")])
+def test_rebase_to_refuses_what_it_would_drop(project, upstream, monkeypatch, capsys, tmp_path,
+                                              extra, given):
+    # --vllm-ref X --rebase-to Y used to rebuild on Y and drop X without a word.
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(wd),
+                     "--rebase-to", "v1.1.0", *extra])
+    assert code == errors.USAGE
+    assert capsys.readouterr().err == (
+        f"apply.py: error: --rebase-to REF takes no {given}: REF is the ref the work branch is "
+        f"rebuilt on, and drifted files are 3-way merged\n")
+    assert not wd.exists()  # refused before anything was cloned
+
+
 def test_json_that_cannot_be_written_is_named(project, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "Project", lambda: project)
     assert cli.main(["--json", str(tmp_path)]) == errors.USAGE

@@ -26,6 +26,7 @@ from k3overlay.report import Report, markdown
 
 sys.path.insert(0, str(ROOT / "ci"))
 
+from gpu_report import ab_section  # noqa: E402
 from gpu_stage import ab, compile_shards, pytest_record, run, stage, summary  # noqa: E402
 
 CI = str(ROOT / "ci")
@@ -196,7 +197,7 @@ def test_markdown_and_summary_show_a_partial_ab_and_a_cut_suite():
     section = {"arch": "SM90", "rows": rows, "summary": ab.summarize(rows),
                "partial": "1 of 3 rows; the stage stopped before the rest"}
     r = Report("0.1.0", "v0.28.0", "v0.29.0")
-    r.ab = section
+    r.sections = [ab_section(section)]
     text = markdown([r])
     assert "| 64x128 | 1 | not run: deadline |" in text and "partial: 1 of 3 rows" in text
     cut = {"passed": 5, "errors": 1, "ran": 5, "collected": 9, "note": "cut at its deadline"}

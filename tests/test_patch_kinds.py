@@ -27,6 +27,7 @@ from k3overlay.export import export
 from k3overlay.job import Options, run_apply
 from k3overlay.project import Project
 from k3overlay.rebase import rebase_to, run_rebase
+from k3overlay.stages import StageResults
 
 from .conftest import IDENT, g, make_patch, model
 
@@ -306,18 +307,19 @@ def test_conflict_in_the_middle_and_later_patches_still_tried(kinds, tmp_path, m
 
     seen = {}
 
-    def look(tree):  # the rebase job still builds what applied, and runs tests on it
+    def look(target):  # the rebase job still builds what applied, and runs tests on it
+        tree = target.built
         seen["mode"] = mode(tree, "HEAD", "pkg/tool.sh")
         seen["committers"] = set(run_git(tree, "log", "--format=%cn <%ce>", "v3..HEAD").splitlines())
         seen["old"] = (tree / "pkg/old.txt").exists()
         seen["overlay"] = (tree / "pkg/extra.py").exists()
-        return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+        return StageResults()
 
-    [report] = run_rebase(project, ["v3"], vllm_repo=str(up), tests=look)
+    [report] = run_rebase(project, ["v3"], vllm_repo=str(up), stages=look)
     assert statuses(report) == ["applied", "conflict", "applied"]
     assert seen == {"mode": "100755", "old": False, "overlay": True,  # the patch after the
                     "committers": {"vllm-k3-overlay <k3-overlay@users.noreply.localhost>"}}  # conflict too
-    assert report.verify.ok and report.exit_code == errors.CONFLICT
+    assert report.verification.status == "not run" and report.exit_code == errors.CONFLICT
 
 
 def test_rebase_to_never_calls_our_own_bracketed_patch_landed(kinds, tmp_path, monkeypatch, capsys):

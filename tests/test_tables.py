@@ -13,16 +13,19 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from k3overlay import errors
 from k3overlay.project import ROOT
 from k3overlay.report import Report, junit_xml, markdown
+from k3overlay.stages import Problem, TestRun
 
 sys.path.insert(0, str(ROOT / "ci"))
 
 import cpu_tier  # noqa: E402
+import gpu_report  # noqa: E402
 import table_diff  # noqa: E402
 import target_env  # noqa: E402
 from gpu_stage import ab, stage  # noqa: E402
@@ -210,41 +213,49 @@ def test_a_missing_third_party_module_is_an_environment_error_not_a_failure(tmp_
     (tmp_path / "vllm").mkdir()
     xml = tmp_path / "j.xml"
     xml.write_text(JUNIT)
-    counts = cpu_tier.count_junit(xml, tmp_path)
-    assert counts == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1, "env_errors": 1,
-                      "env_causes": ["no module named 'cuda'"]}
-    assert cpu_tier.count_junit(xml)["failed"] == 2  # without the tree, nothing is excused
+    run = cpu_tier.count_junit(xml, tmp_path)
+    assert (run.passed, run.failed, run.skipped, run.errors, run.env_errors) == (1, 1, 1, 1, 1)
+    assert run.problems == [  # every count explained, by its first line
+        Problem("tests/kernels/test_x.py::test_cuda", "no module named 'cuda'", "environment"),
+        Problem("tests/kernels/test_x.py::test_tree",
+                "ModuleNotFoundError: No module named 'vllm.gone'", "failed"),
+        Problem("tests/kernels/test_y.py", "AssertionError: 1 != 2", "error")]
+    assert cpu_tier.count_junit(xml).failed == 2  # without the tree, nothing is excused
+
+
+TABLES = {"upstream": {"module": "vllm/x.py", "accessor": "_low_latency_table"},
+          "ours": {"module": "overlay/x.py", "accessor": "device_table"},
+          "archs": {"SM90": {"upstream_only": [{"N": 64, "K": 128, "M": 2, "residual": False,
+                                                "upstream": {"backend": "dsv3_fused_a",
+                                                             "config": None},
+                                                "ours": None}],
+                             "ours_only": [], "different": [], "same": 3}}}
 
 
 def report_with_sections() -> Report:
     r = Report("0.1.0", "v0.28.0", "v0.29.0", ref_sha="a" * 40)
-    r.tests = {"passed": 5, "failed": 0, "skipped": 1, "errors": 0, "env_errors": 2,
-               "env_causes": ["no module named 'cuda'"]}
-    r.tables = {"upstream": {"module": "tree/x.py", "accessor": "_low_latency_table"},
-                "ours": {"module": "overlay/x.py", "accessor": "device_table"},
-                "archs": {"SM90": {"upstream_only": [{"N": 64, "K": 128, "M": 2, "residual": False,
-                                                      "upstream": {"backend": "dsv3_fused_a",
-                                                                   "config": None},
-                                                      "ours": None}],
-                                   "ours_only": [], "different": [], "same": 3}}}
+    r.runs = [TestRun(passed=5, skipped=1, env_errors=2, problems=[
+        Problem("tests/t.py::test_a", "no module named 'cuda'", "environment")] * 2)]
+    r.sections = [table_diff.as_section(TABLES, "v0.29.0")]
     return r
 
 
 def test_environment_errors_get_their_own_exit_code_below_test_failures():
     r = report_with_sections()
     assert r.exit_code == errors.ENVIRONMENT
-    r.gpu = {"passed": 1, "failed": 1, "skipped": 0, "errors": 0}
+    r.runs.append(gpu_report.gpu_run({"passed": 1, "failed": 1, "skipped": 0, "errors": 0}))
     assert r.exit_code == errors.VERIFY
 
 
 def test_junit_has_a_case_per_section_written_by_junit_xml():
     r = report_with_sections()
-    r.gpu = {"passed": 3, "failed": 1, "skipped": 0, "errors": 0}
-    r.ab = {"error": "no CUDA"}
+    r.runs.append(gpu_report.gpu_run({"passed": 3, "failed": 1, "skipped": 0, "errors": 0}))
+    r.sections.append(gpu_report.ab_section({"error": "no CUDA"}))
     suite = ET.fromstring(junit_xml([r]))[0]
     cases = {c.get("name"): c for c in suite.iter("testcase")}
-    assert cases["table diff SM90"].find("failure") is None
-    assert "1 upstream only" in cases["table diff SM90"].find("system-out").text
+    assert cases["table diff"].find("failure") is None
+    assert cases["table diff"].find("system-out").text == \
+        "SM90 1 upstream only, 0 ours only, 0 different, 3 same"
     assert cases["gpu tests"].find("failure") is not None
     assert cases["gpu a/b ours vs upstream vs cuBLAS"].find("error") is not None
     assert cases["cpu tests"].find("error") is not None  # environment, not the tree
@@ -253,9 +264,31 @@ def test_junit_has_a_case_per_section_written_by_junit_xml():
 
 def test_markdown_shows_the_table_diff_and_its_rows():
     text = markdown([report_with_sections()])
-    assert "| SM90 | 1 | 0 | 0 | 3 |" in text
-    assert "| SM90 | upstream only | 64x128 M2 | dsv3_fused_a | cuBLAS |" in text
-    assert "2 environment errors" in text
+    first, details = text.split("\n---\n")
+    assert "- table diff: SM90 1 upstream only, 0 ours only, 0 different, 3 same" in first
+    assert "2 environment errors" in first
+    assert "| SM90 | upstream only | 64x128 M2 | dsv3_fused_a | cuBLAS |" in details
+    assert ("Upstream's `vllm/x.py` as v0.29.0 released it vs ours, `overlay/x.py`."
+            in details)  # no "released tree/..." path that exists nowhere
+
+
+def test_the_table_diff_names_modules_as_a_maintainer_finds_them(tmp_path):
+    released, built, ours = tmp_path / "released", tmp_path / "built", tmp_path / "ov"
+    up = {"module": str(released / PKG / "low_latency_gemm.py"), "accessor": "a", "archs": {}}
+    us = {"module": str(ours / "low_latency_gemm.py"), "accessor": "b", "archs": {}}
+    section = table_diff.section(up, us, released, built, ours)
+    assert section["upstream"]["module"] == f"{PKG}/low_latency_gemm.py"
+    assert section["ours"]["module"] == f"overlay/{PKG}/low_latency_gemm.py"
+
+
+def test_table_rows_past_the_limit_are_counted_not_listed():
+    rows = [{"N": 64, "K": 128, "M": m, "residual": False, "upstream": None,
+             "ours": {"backend": "cute", "config": None}} for m in range(1, 100)]
+    tables = {**TABLES, "archs": {"SM90": {"upstream_only": [], "ours_only": rows,
+                                           "different": [], "same": 0}}}
+    details = table_diff.as_section(tables, "v0.29.0").details.splitlines()
+    assert len([line for line in details if line.startswith("| SM90 |")]) == table_diff.DETAIL_ROWS
+    assert f"{99 - table_diff.DETAIL_ROWS} more rows in the JSON report's `tables`." in details
 
 
 def row(n, k, m, up_us, our_us, cublas=10.0):
@@ -293,11 +326,12 @@ def test_ab_winner_and_geomeans():
 
 
 def test_gpu_results_of_another_tree_are_refused():
-    r = Report("0.1.0", "v0.28.0", "v0.29.0")
-    stage.attach(r, {"tree_sha": "b" * 40, "gpu": {"passed": 1}}, "c" * 40)
-    assert "env_error" in r.gpu and r.ab is None and r.exit_code == errors.ENVIRONMENT
-    stage.attach(r, {"tree_sha": "c" * 40, "gpu": {"passed": 1}, "ab": {"rows": []}}, "c" * 40)
-    assert r.gpu == {"passed": 1} and r.ab == {"rows": []}
+    got = SimpleNamespace(gpu=None, ab=None)  # what the job hands ``stage.attach``
+    stage.attach(got, {"tree_sha": "b" * 40, "gpu": {"passed": 1}}, "c" * 40)
+    assert "env_error" in got.gpu and got.ab is None
+    assert gpu_report.gpu_run(got.gpu).exit_code == errors.ENVIRONMENT
+    stage.attach(got, {"tree_sha": "c" * 40, "gpu": {"passed": 1}, "ab": {"rows": []}}, "c" * 40)
+    assert got.gpu == {"passed": 1} and got.ab == {"rows": []}
 
 
 def test_only_the_first_sites_cute_dsl_goes_on_the_path(tmp_path):
@@ -345,3 +379,67 @@ def test_other_backends_configs_come_out_as_their_fields():
     with pytest.raises(LookupError, match="no handle for backend other"):
         ab._kernel_fn({"backend": "other", "config": None},
                       {"N": 1, "K": 8, "M": 1, "residual": False}, kernels=None)
+
+
+CUTE = {"backend": "cute", "config": {"block_size": 32, "outputs_per_block": 2, "k_unroll": 1,
+                                      "vector_width": 8, "static_k": None}}
+AB = {"arch": "SM90", "method": "CUDA graphs, median of 50",
+      "summary": {"measured": 2, "rows": 3, "geomean_ours": 1.31, "geomean_upstream": 1.12,
+                  "geomean_ours_over_upstream": 1.17, "errors": 0,
+                  "wins": {"ours": 2, "upstream": 0, "tie": 1}},
+      "provenance": {"gpu": "NVIDIA H200", "date": "2026-11-30", "torch": "2.13.0",
+                     "cutlass_dsl": "4.3.0"},
+      "rows": [{"N": 64, "K": 256, "M": 1, "cublas_us": 6.5, "upstream": None,
+                "ours": {**CUTE, "us": 4.25}, "winner": "ours"},
+               {"N": 64, "K": 256, "M": 2, "cublas_us": 7.0, "winner": "cuBLAS",
+                "upstream": {"backend": "dsv3_fused_a", "config": None, "status": "failed"},
+                "ours": {"backend": "dsv3_fused_a", "config": None}}]}
+
+
+def test_the_gpu_stage_as_the_report_gets_it():
+    gpu = {"passed": 5, "failed": 0, "skipped": 1, "errors": 0, "ours_from": "overlay",
+           "env": {"gpu": "NVIDIA H200", "torch": "2.13.0", "count": 1},
+           "suites": {"kernels": {"passed": 5, "skipped": 1, "ran": 6, "note": "cut"}}}
+    run = gpu_report.gpu_run(gpu)
+    assert (run.key, run.name, run.line()) == ("gpu", "gpu tests",
+                                               "5 passed, 0 failed, 1 skipped, 0 errors")
+    assert run.env == {"gpu": "NVIDIA H200", "torch": "2.13.0"}
+    assert run.suites["kernels"].line() == "5 passed, 0 failed, 1 skipped, 0 errors; cut"
+    assert run.to_json()["ours_from"] == "overlay"  # what else the stage said, kept
+    assert run.to_json()["suites"]["kernels"]["ran"] == 6
+    section = gpu_report.ab_section(AB)
+    assert section.lines == [
+        "SM90 2/3 rows measured; geo-mean x cuBLAS ours 1.31 upstream 1.12 (ours/upstream 1.17); "
+        "wins ours 2, upstream 0, tie 1"] and not section.error and section.data is AB
+    assert section.details.splitlines() == [
+        "Measured on NVIDIA H200 2026-11-30, torch 2.13.0, nvidia-cutlass-dsl 4.3.0; "
+        "CUDA graphs, median of 50", "",
+        "| N x K | M | cuBLAS µs | upstream | µs | ours | µs | faster |",
+        "|---|--:|--:|---|--:|---|--:|---|",
+        "| 64x256 | 1 | 6.5 | cuBLAS | = | cute 32,2,1,8,- | 4.25 | ours |",
+        "| 64x256 | 2 | 7.0 | dsv3_fused_a | failed | dsv3_fused_a | n/a | cuBLAS |"]
+    assert gpu_report.ab_section({**AB, "arch": None} | {"arch": "?"}).lines[0].startswith("? 2/3")
+    assert gpu_report.ab_section({"error": "no CUDA"}).error == "not run: no CUDA"
+
+
+def test_cpu_tier_runs_our_tests_only_on_a_tree_that_holds_our_overlay(tmp_path):
+    # A tree where our module conflicted holds upstream's: our test files, imported against
+    # it, error at collection. The tier leaves them out, says why, and still runs upstream's.
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm/__init__.py").write_text("")
+    (tree / "vllm/llg.py").write_text("TABLE = {}\n")  # upstream's module: no BACKENDS
+    (tree / "tests/kernels").mkdir(parents=True)
+    (tree / cpu_tier.UPSTREAM_FILES[0]).write_text("def test_upstream():\n    pass\n")
+    for name in cpu_tier.OUR_FILES:
+        (tree / name).write_text("from vllm import llg\nBACKENDS = llg.BACKENDS\n\n"
+                                 "def test_ours():\n    pass\n")
+    run = cpu_tier.run_cpu_tier(tree, sys.executable, lacks_overlay="overlay vllm/llg.py conflicts")
+    assert (run.passed, run.failed, run.errors) == (1, 0, 0)
+    assert run.not_run == [f"{name}: the tree lacks our overlay (overlay vllm/llg.py "
+                           f"conflicts)" for name in cpu_tier.OUR_FILES]
+    whole = cpu_tier.run_cpu_tier(tree, sys.executable)  # a tree said to hold it all: run all
+    assert whole.errors == len(cpu_tier.OUR_FILES) and not whole.not_run
+    assert {p.first_line for p in whole.problems} == {
+        "AttributeError: module 'vllm.llg' has no attribute 'BACKENDS'"}
+    assert sorted(p.test for p in whole.problems) == sorted(cpu_tier.OUR_FILES)
