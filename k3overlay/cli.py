@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
     args = None
     try:
+        line_by_line()
         stop_like_ctrl_c()
         project = Project()
         args = parser(project).parse_args(argv)
@@ -239,8 +240,15 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
     if "error" in result:
         print(f"apply.py: error: {result['error']}", file=sys.stderr)
     else:
-        report.notes.append(f"its provenance record, where it is installed: {PRINT_RECORD}")
+        report.wheel_hint = f"its provenance record, where it is installed: {PRINT_RECORD}"
     return result
+
+
+def line_by_line() -> None:
+    """stdout written line by line even into a pipe, as stderr is: with both going into one
+    log (``2>&1 | tee``), lines come in the order they were printed."""
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def stop_like_ctrl_c() -> None:
@@ -258,8 +266,15 @@ def job_done() -> None:
 
 
 def report_console() -> Console:
-    """stdout for reports: wide when piped, so CI logs keep one line per patch or file."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    """stdout for reports. Piped (a CI log, ``| grep``), no line is ever wrapped: a sha256, a
+    path or a command stays whole on its line, and the status table has one line per patch
+    or file, as wide as its longest entry."""
+    if sys.stdout.isatty():
+        return Console(highlight=False)
+    return Console(highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+
+
+PIPE_WIDTH = 100_000  # columns when piped: wider than any line the reports make
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

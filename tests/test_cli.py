@@ -47,7 +47,8 @@ def test_export_takes_only_workdir(project, monkeypatch, capsys):
 
 def test_reports_are_wide_when_piped(monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
-    assert cli.report_console().width == 160  # one line per patch or file in a CI log
+    console = cli.report_console()  # one line per patch or file in a CI log, never wrapped
+    assert console.width == cli.PIPE_WIDTH and console.soft_wrap
 
 
 def test_cache_lives_under_xdg_cache_home_or_home(monkeypatch, tmp_path):
