@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,29 @@ def progress_said(monkeypatch):
     """Progress messages on, as apply.py says them without -q: a test that ran apply.py's
     main with -q must not silence the ones after it (``progress.quiet`` is module state)."""
     monkeypatch.setattr(progress, "quiet", False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Life in a CI log: an e2e test (one can take minutes, and -q prints nothing until it
+    ends) says when it starts and how long it took, on lines of its own. Off with -qq, and
+    with -v (pytest names every test itself)."""
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    verbosity = item.config.get_verbosity()
+    if reporter is None or verbosity > 0 or verbosity < -1 or item.get_closest_marker("e2e") is None:
+        yield
+        return
+    _own_line(reporter, f"{item.nodeid} …")
+    start = time.monotonic()
+    yield
+    _own_line(reporter, f"{item.nodeid}: done in {time.monotonic() - start:.0f} s")
+
+
+def _own_line(reporter, text: str) -> None:
+    """``text`` on a line of its own, after -q's dots (which ``write_line`` does not end)."""
+    if reporter._tw.width_of_current_line:
+        reporter.write("\n")
+    reporter.write_line(text)
 
 
 def snapshot(repo: Path) -> dict:
