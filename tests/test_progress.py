@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+
 import pytest
 from packaging.version import Version
 from rich.console import Console
@@ -42,7 +43,8 @@ def test_a_long_transfer_in_a_ci_log_says_how_far_it_got(log, monkeypatch, quiet
         bar.update(1_000_000)
         bar.update(2_000_000)
     lines = log.getvalue().splitlines()
-    assert lines == ([] if quiet else ["  packing x.whl: 1.0 MB of 3.0 MB", "  packing x.whl: 3.0 MB of 3.0 MB"])
+    said = ["  packing x.whl: 1.0 MB of 3.0 MB", "  packing x.whl: 3.0 MB of 3.0 MB"]
+    assert lines == ([] if quiet else said)
 
 
 FAKE_PYTHON = r'''#!/usr/bin/env bash
@@ -108,5 +110,6 @@ def test_an_e2e_test_says_when_it_starts_and_how_long_it_took(tmp_path):
     lines = proc.stdout.splitlines()
     start = lines.index("test_slow.py::test_slow …")
     assert lines[start + 1] == "."  # pytest's own outcome, between the two
-    assert lines[start + 2].startswith("test_slow.py::test_slow: done in ") and lines[start + 2].endswith(" s")
+    done = lines[start + 2]
+    assert done.startswith("test_slow.py::test_slow: done in ") and done.endswith(" s")
     assert not [line for line in lines if "test_fast" in line]  # a fast test stays a dot

@@ -64,7 +64,8 @@ def test_the_committed_releases_file_is_consistent():
     assert [r.tag for r in found][:2] == ["v0.28.0", "v0.29.0"]
     for r in found:
         assert re.fullmatch(r"v\d+\.\d+\.\d+", r.tag) and re.fullmatch(r"[0-9a-f]{9}", r.recorded)
-        assert r.commit is None or (re.fullmatch(r"[0-9a-f]{40}", r.commit) and r.commit.startswith(r.recorded))
+        assert r.commit is None or (re.fullmatch(r"[0-9a-f]{40}", r.commit)
+                                    and r.commit.startswith(r.recorded))
         assert "sdist" in r.source  # where it was read
     assert found[0].commit == "2cf0a6915ce544dc493a0990f2ea38d81601128a"
 
@@ -109,8 +110,9 @@ def test_full_upstream_sha_fetches_that_release_from_an_empty_cache(released, pr
     code = cli.main(["--vllm-ref", FULL["v1.1.0"], "--check"])
     out = capsys.readouterr().out
     assert code == errors.OK, out
-    assert f"on v1.1.0 (" in out
-    assert f"--vllm-ref {FULL['v1.1.0']}: upstream's commit of vLLM v1.1.0 (its sdist records g2222222bb, checked)" in out
+    assert "on v1.1.0 (" in out
+    assert (f"--vllm-ref {FULL['v1.1.0']}: upstream's commit of vLLM v1.1.0 (its sdist records "
+            f"g2222222bb, checked)") in out
     assert released.downloads["vllm-1.1.0.tar.gz"] == 1
 
 
@@ -161,4 +163,5 @@ def test_list_releases_names_upstream_ids_and_mirror_shas(released, monkeypatch,
 
 def test_list_releases_takes_no_other_option(capsys):
     assert cli.main(["--list-releases", "--vllm-ref", "v1.0.0"]) == errors.USAGE
-    assert capsys.readouterr().err == "apply.py: error: --list-releases takes no other option (got --vllm-ref)\n"
+    assert capsys.readouterr().err == ("apply.py: error: --list-releases takes no other option "
+                                       "(got --vllm-ref)\n")
