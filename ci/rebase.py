@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
 
-    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
-        [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests] [--wheels DIR]
+    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json reports/rebase.json \\
+        [--junit reports/rebase.xml] [--markdown reports/rebase.md] [--vllm-repo URL]
+        [--no-tests] [--wheels DIR]
         [--gpu | --gpu-results DIR] [--gpu-export DIR]
 
 For each ref, in a throwaway clone (the user's checkout is never touched):

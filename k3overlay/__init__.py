@@ -10,6 +10,7 @@ Modules, one concept each:
   project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
   downloads vLLM's release files (sdists, wheels), cached, checked against the index on every use
   mirror    a local git mirror of vLLM release sdists, one tagged root commit per release
+  releases  upstream vLLM's commit id of each release (releases.json): --vllm-ref <upstream sha>
   source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)
   series    the patch series: read, check headers, apply with a 3-way fallback, classify
   manifest  the overlay manifest: drift against recorded upstream blobs, laying files, 3-way merge

@@ -57,6 +57,7 @@ class Report:
     error: str = ""
     error_code: int = errors.OK
     notes: list[str] = field(default_factory=list)
+    wheel_hint: str = ""  # said right after the wheel line (how to read its record where installed)
     published: bool = False  # the work branch in ``workdir`` holds the result
 
     def run(self, key: str) -> TestRun | None:
@@ -251,12 +252,14 @@ def write_human(report: Report, console: Console) -> None:
     for section in report.sections:
         for line in section.lines:
             console.print(Text(f"{section.title}: {line}"))
+    for note in report.notes:  # (before the wheel: each says what happened before it was built)
+        console.print(Text(note))
     if report.wheel is not None:
         w = report.wheel
         console.print(Text.assemble("wheel: ", ("not built", "red"), f": {w['error']}") if "error" in w
                       else Text(f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})"))
-    for note in report.notes:
-        console.print(Text(note))
+        if "error" not in w and report.wheel_hint:
+            console.print(Text(report.wheel_hint))
     if report.ok:
         where = f" -> branch {report.branch} in {report.workdir}" if report.published else ""
         console.print(Text.assemble(("ok", "green"), where))

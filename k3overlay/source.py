@@ -20,6 +20,7 @@ from .interrupts import deferred
 from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
+from .releases import unknown_ref_hint
 
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 # What git says when the remote answered but has no such ref (bad input, not a network fault).
@@ -154,6 +155,8 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
         return git.resolve(repo, fetched)
     if local:
         return local
+    if Path(source) == default_mirror().path:  # the user's sha is likely upstream's: say what works
+        raise _classify(output, what=unknown_ref_hint(ref))
     raise _classify(output, what=f"ref {ref!r} not found in {source}")
 
 

@@ -43,7 +43,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 from wheel.wheelfile import WheelError, WheelFile
 
-from . import git, source, wheelcheck
+from . import git, releases, source, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
 from .errors import BuildError, OverlayError, SourceError, UsageError
 from .files import write_in_tree
@@ -172,7 +172,12 @@ def plan(project: Project, repo: git.Repo, report: Report, result_sha: str, opts
     release_wheel = _release_wheel(opts.release_wheel, files, release)
     check_release(repo, report.ref_sha, release_wheel, release)
     record = provenance(project, repo, report, result_sha, version, opts.method, release_wheel)
-    stamp = {VERSION_PY: versioned(_member(release_wheel, VERSION_PY).decode(), version).encode(),
+    release_py = _member(release_wheel, VERSION_PY).decode()
+    # _version.py names what the wheel is built from (the patched commit); the release's own
+    # upstream commit id stays in the provenance record.
+    recorded = releases.recorded_commit(release_py)
+    record["target"]["commit_id"] = recorded and f"g{recorded}"  # as the release's file says it
+    stamp = {VERSION_PY: releases.with_commit(versioned(release_py, version), result_sha).encode(),
              RECORD_PATH: record_bytes(record)}
     put = {p: data for p, data in changes.items() if p.startswith(PACKAGE)} | stamp
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or git.commit_time(repo, result_sha))

@@ -47,7 +47,8 @@ def test_export_takes_only_workdir(project, monkeypatch, capsys):
 
 def test_reports_are_wide_when_piped(monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
-    assert cli.report_console().width == 160  # one line per patch or file in a CI log
+    console = cli.report_console()  # one line per patch or file in a CI log, never wrapped
+    assert console.width == cli.PIPE_WIDTH and console.soft_wrap
 
 
 def test_cache_lives_under_xdg_cache_home_or_home(monkeypatch, tmp_path):
@@ -76,8 +77,11 @@ def test_every_option_is_explained(project, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for line in ("--vllm-ref REF vLLM tag, branch or sha to patch (default: the pinned base in "
-                 "overlay.json)",
+    for line in ("--vllm-ref REF vLLM ref to patch: a release tag, upstream's commit id of a release "
+                 "(full or abbreviated; see --list-releases), or a tag, branch or sha of --vllm-repo "
+                 "(default: the pinned base in overlay.json)",
+                 "--list-releases list the vLLM releases --vllm-ref knows, with upstream's commit id "
+                 "of each and the release mirror's sha (offline)",
                  "--vllm-repo PATH_OR_URL vLLM git repository (default: $VLLM_REPO, else a local "
                  "mirror of release sdists under ~/.cache/vllm-k3-overlay)",
                  "--json FILE also write the report as JSON",

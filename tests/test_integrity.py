@@ -402,6 +402,8 @@ def _hostile_git(tmp_path: Path, monkeypatch, wd: Path | None = None) -> None:
             f.write(config.replace("\tname = Alice Example\n", "")
                     .replace("\temail = alice@example.invalid\n", ""))
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    for key in ("GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):  # the identity is the config's
+        monkeypatch.delenv(key, raising=False)
     for key, value in HOSTILE_ENV.items():
         monkeypatch.setenv(key, value)
 
