@@ -6,7 +6,9 @@ would clone into the same folder. So every job holds an exclusive ``flock``
 keyed by the work directory's absolute path (the folder need not exist yet),
 and a second run waits, saying for whom. The lock files live in the cache
 directory, never in the user's checkout; the kernel drops a lock when its
-holder dies, so a killed run never leaves a stale lock behind.
+holder dies, so a killed run never leaves a stale lock behind; but not before the
+killed run's git children are gone: a copy of each lock is held by its watchdog
+(``reaper``) until then, so the next run waits for them instead of racing them.
 
 ``held`` is the same exclusive lock for the cache's own files (downloads, the
 release mirror, test environments). Every lock file is opened without following
@@ -23,6 +25,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import reaper
 from .errors import UsageError
 from .files import open_regular
 from .project import cache_dir
@@ -35,9 +38,7 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
     If another run holds it, ``say`` is told once and the call waits (Ctrl-C
     stops the wait). Raises UsageError if the lock file cannot be made.
     """
-    workdir = workdir.resolve()  # one folder, one lock, however it was named
-    key = hashlib.sha256(os.fsencode(workdir)).hexdigest()[:32]
-    path = cache_dir() / "locks" / f"{key}.lock"
+    path = workdir_lock_path(workdir)
     fd = lock_file(path)
     try:
         try:
@@ -48,9 +49,17 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
             flock(fd, path, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
-        yield
+        with _watched(fd, path):
+            yield
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)
+
+
+def workdir_lock_path(workdir: Path) -> Path:
+    """The lock file of ``workdir`` (one folder, one lock, however it was named); its
+    journal (``journal``) is the same path ending in ``.journal``."""
+    key = hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:32]
+    return cache_dir() / "locks" / f"{key}.lock"
 
 
 @contextlib.contextmanager
@@ -60,9 +69,22 @@ def held(path: Path) -> Iterator[None]:
     fd = lock_file(path)
     try:
         flock(fd, path, fcntl.LOCK_EX)
+        with _watched(fd, path):
+            yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _watched(fd: int, path: Path) -> Iterator[None]:
+    """The lock on ``fd`` held for the block, a copy of it with the watchdog (``reaper``):
+    if the tool is killed, the lock is free only once its git children are gone."""
+    reaper.hold(str(path), fd)
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        fcntl.flock(fd, fcntl.LOCK_UN)  # every copy: the watchdog's too
+        reaper.drop(str(path))
 
 
 def flock(fd: int, path: Path, operation: int, *, moved_by: str = "XDG_CACHE_HOME") -> None:
