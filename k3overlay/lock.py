@@ -47,8 +47,9 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
             say(f"waiting for {holder} to finish with {workdir}")
             flock(fd, path, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
+        with contextlib.suppress(OSError):  # who holds it, for a run that waits: not on a full disk
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
         with _watched(fd, path):
             yield
     finally:

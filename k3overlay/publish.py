@@ -49,12 +49,15 @@ def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
             journal.point("publish.switched")
             record(repo, branch, ref)
         except (git.GitError, OSError) as err:
+            hint = _space_hint(top)  # before the undo frees it
             try:
                 _undo(repo, top, branch, before)
             except (git.GitError, OSError) as undo_err:
                 raise UsageError(f"{_reason(err)}; putting {top} back failed too ({_reason(undo_err)}): "
                                  f"free the space, then run apply.py again, which finishes it") from err
             finished.append(True)
+            if hint and isinstance(err, git.GitError):  # git says only "unable to write file X"
+                raise git.GitError(f"{err} ({hint}); {top} was left as it was") from err
             raise  # git's own words: the checkout is as it was
         finished.append(True)
 
@@ -73,6 +76,16 @@ def _recorded(repo: git.Repo, branch: str, sha: str, ref: str, before: dict):
     finally:
         if entry is not None and finished:
             current.done(entry)
+
+
+def _space_hint(top: Path) -> str:
+    """"the disk holding TOP has N KiB free" when it is (nearly) full, else ""."""
+    try:
+        info = os.statvfs(top)
+    except OSError:
+        return ""
+    free = info.f_bavail * info.f_frsize
+    return f"the disk holding {top} has {free // 1024} KiB free" if free < (1 << 20) else ""
 
 
 def _reason(err: BaseException) -> str:
@@ -112,23 +125,25 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
                 break
             with contextlib.suppress(OSError):
                 os.rmdir(top / parent)  # only if empty: ours
-    if before["symbolic"]:
-        git.run(repo, "symbolic-ref", "HEAD", f"refs/heads/{before['symbolic']}")
-    elif before["head"]:
-        git.run(repo, "update-ref", "--no-deref", "HEAD", before["head"])
-    if before["symbolic"] != branch:
+    # Each write only where git changed something: on a read-only file system nothing did.
+    if git.current_branch(repo) != before["symbolic"] or git.resolve(repo, "HEAD") != before["head"]:
+        if before["symbolic"]:
+            git.run(repo, "symbolic-ref", "HEAD", f"refs/heads/{before['symbolic']}")
+        elif before["head"]:
+            git.run(repo, "update-ref", "--no-deref", "HEAD", before["head"])
+    if git.branch_tip(repo, branch) != before["tip"]:
         if before["tip"]:
             git.run(repo, "update-ref", f"refs/heads/{branch}", before["tip"])
-        elif git.branch_tip(repo, branch):
+        else:
             git.run(repo, "update-ref", "-d", f"refs/heads/{branch}")
-    elif before["tip"]:
-        git.run(repo, "update-ref", f"refs/heads/{branch}", before["tip"])
-    if before["head"]:
-        git.run(repo, "reset", "--hard", "--quiet", "HEAD")  # was clean: only git's writes go
+    if before["head"] and git.is_dirty(repo):
+        git.run(repo, "reset", "--hard", "--quiet", "HEAD")  # it was clean: only git's writes go
     for key, value in zip((TIP_KEY, BASE_KEY), before["record"]):
+        if git.config_get(repo, key.format(branch)) == value:
+            continue
         if value is not None:
             git.config_set(repo, key.format(branch), value)
-        elif git.config_get(repo, key.format(branch)) is not None:
+        else:
             git.run(repo, "config", "--local", "--unset", key.format(branch))
 
 
