@@ -22,12 +22,16 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import reaper
 from .errors import UsageError
 from .files import open_regular
+from .interrupts import deferred
 from .project import cache_dir
 
 
@@ -112,3 +116,54 @@ def lock_file(path: Path) -> int:
         return open_regular(path, os.O_RDWR | os.O_CREAT)
     except OSError as err:
         raise UsageError(f"cannot make the lock file {path}: {err.strerror}") from err
+
+
+STALE_AFTER_S = 60  # a folder younger than this may belong to a run that has not locked it yet
+
+
+@contextlib.contextmanager
+def owned_scratch(parent: Path, prefix: str) -> Iterator[Path]:
+    """A fresh folder ``parent/<prefix>XXXX`` for the block, removed after (not cut short by
+    Ctrl-C). It holds ``owner.lock``, locked while the block runs: a folder a killed run
+    left (its lock free, the kernel dropped it) is removed by the next call for the same
+    ``parent`` and ``prefix``; a live run's is left alone. Raises OSError as ``mkdtemp``."""
+    remove_stale(parent, prefix)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            flock(fd, folder / "owner.lock", fcntl.LOCK_EX, moved_by="--wheel-dir")
+            yield folder
+        finally:
+            os.close(fd)
+    finally:
+        with deferred():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale(parent: Path, prefix: str) -> list[Path]:
+    """Remove each ``parent/<prefix>*`` folder whose ``owner.lock`` nobody holds and that is
+    older than ``STALE_AFTER_S``; a folder without one is not ours and is left. Returns them."""
+    removed = []
+    for folder in sorted(parent.glob(glob_escape(prefix) + "*")):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or \
+                    time.time() - folder.stat().st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live run's
+        finally:
+            os.close(fd)
+        with deferred():
+            shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)

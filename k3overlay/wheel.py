@@ -31,7 +31,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import tomllib
 import zipfile
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from .wheelrelease import opened as _opened
 from .wheelrelease import release_wheel as _release_wheel
 from .errors import BuildError, OverlayError, SourceError, UsageError
 from .files import write_in_tree
+from .lock import owned_scratch
 from .mirror import release_of
 from .progress import ByteBar, step
 from .project import Project
@@ -131,9 +131,9 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
         opts.wheel_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"wheel folder {opts.wheel_dir}: cannot create it ({err.strerror})") from err
-    with _writing_in(opts.wheel_dir):
-        scratch = tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir)
-    with scratch as tmp:
+    with contextlib.ExitStack() as stack:
+        with _writing_in(opts.wheel_dir):  # (a killed build's scratch folder is removed first)
+            tmp = stack.enter_context(owned_scratch(opts.wheel_dir, ".k3-wheel-"))
         with _writing_in(opts.wheel_dir):
             if opts.method == VLLM:
                 built = _vllm_build(repo, result_sha, p, Path(tmp))

@@ -192,3 +192,35 @@ def test_no_git_child_outlives_a_killed_tool_and_its_lock_waits_for_them(tmp_pat
     tool.wait()
     with workdir_lock(work, say=lambda _: None):  # the next run: its lock waits for them
         assert not _alive(grandchild)
+
+
+def test_a_killed_wheel_builds_scratch_folder_is_removed_by_the_next_build(tmp_path):
+    """A SIGKILL'd --build-wheel left its half-written wheel (hundreds of MB) in a
+    ``.k3-wheel-*`` folder in the wheel folder for good; a live build's is left alone."""
+    from k3overlay.lock import STALE_AFTER_S, owned_scratch
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    proc = subprocess.run([sys.executable, "-c",
+                           "import os, signal, sys; from pathlib import Path\n"
+                           "from k3overlay.lock import owned_scratch\n"
+                           "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
+                           "    (tmp / 'vllm-half.whl').write_bytes(b'PK' * 1000)\n"
+                           "    os.kill(os.getpid(), signal.SIGKILL)\n", str(wheels)], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    [left] = list(wheels.iterdir())
+    old = time.time() - STALE_AFTER_S - 1
+    os.utime(left, (old, old))
+    live = subprocess.Popen([sys.executable, "-c",
+                             "import sys; from pathlib import Path; from k3overlay.lock import owned_scratch\n"
+                             "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
+                             "    print(tmp, flush=True); sys.stdin.read()\n", str(wheels)],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    theirs = Path(live.stdout.readline().strip())
+    os.utime(theirs, (old, old))
+    try:
+        with owned_scratch(wheels, ".k3-wheel-") as ours:
+            assert sorted(wheels.iterdir()) == sorted([ours, theirs])  # the killed one's is gone
+    finally:
+        live.communicate("")
+    assert list(wheels.iterdir()) == []
