@@ -6,8 +6,9 @@ starts: one JSON line appended to the work directory's journal (beside its lock 
 the cache, never in the checkout) and flushed to disk; the step is marked done
 after its own cleanup. The next run on that work directory, once it holds the lock
 (and so once the killed run's git children are gone, see ``reaper``), takes the
-steps begun and not done, newest first, and finishes or undoes each (``recover``),
-one line each on stderr; then the journal is removed. A line cut short by the kill
+steps begun and not done, newest first (scratch trees first of all), and finishes or
+undoes each (``recover``), saying what it did in one line on stderr; then the journal
+is removed. A line cut short by the kill
 is no step: its step had not begun.
 
 Steps (``STEPS``; the facts each records):
@@ -18,6 +19,9 @@ Steps (``STEPS``; the facts each records):
   publish    ``repo``, ``branch``, ``sha``, ``ref``, ``since``: the checkout being switched to
              the work branch -> finished (``publish.finish``), or left for the user if files
              changed since that the switch did not write
+  write      ``root``, ``folders``: files laid into a tree, all or none (``files``: the overlay
+             into a checkout, an export into patches/) -> the temporary files, not yet renamed
+             into place, removed
 
 Tests stop a run at each ``POINTS`` entry with SIGKILL (``point``): only with
 ``K3OVERLAY_TEST_KILL_AT`` naming it *and* pytest's ``PYTEST_CURRENT_TEST`` set, so a
@@ -38,12 +42,13 @@ from pathlib import Path
 from .errors import UsageError
 from .files import open_regular
 
-STEPS = ("clone", "check", "worktree", "fetch", "publish")
+STEPS = ("clone", "check", "worktree", "fetch", "publish", "write")
 # Where a test may kill a run: each step just recorded, publishing after the switch
 # and before the branch record, and each step's end just recorded.
-POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched",
+POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged",
           *(f"{s}.done" for s in STEPS))
 KILL_AT = "K3OVERLAY_TEST_KILL_AT"
+SCRATCH = ("clone", "check", "worktree")  # steps whose recovery removes a whole tree
 
 _current: Journal | None = None
 
@@ -130,10 +135,11 @@ def recover(journal: Journal, say: Callable[[str], None]) -> None:
     the journal. Raises what a recovery raises (UsageError: the user must decide)."""
     from .recovery import HANDLERS  # (it needs git, which records its steps here)
 
-    for entry in journal.unfinished():
-        note = HANDLERS[entry["step"]](entry)
-        if note:
-            say(f"note: the last run was killed; {note}")
+    # Scratch trees go first: what was written inside one then needs nothing more.
+    entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in SCRATCH)
+    notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    if notes:
+        say(f"note: the last run was killed; {'; '.join(notes)}")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(journal.path)
 

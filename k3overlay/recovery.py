@@ -7,10 +7,12 @@ their names are the tool's own (a journal is no licence to delete anything else)
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from . import git, publish
+from .files import TEMPORARY
 
 
 def _scratch(facts: dict, prefix: str, what: str) -> str | None:
@@ -60,5 +62,20 @@ def fetch(facts: dict) -> str | None:
     return f"it was fetching into {facts['repo']}: removed {', '.join(removed)}" if removed else None
 
 
+def write(facts: dict) -> str | None:
+    """Files laid into a tree: the temporary files staged beside their destinations go (a
+    rename is whole: each destination is the old file or the new one)."""
+    root, removed = Path(facts["root"]), 0
+    for folder in facts["folders"]:
+        where = root / folder if folder else root
+        if where.is_symlink() or not where.is_dir():
+            continue
+        for entry in os.scandir(where):
+            if TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed += 1
+    return f"removed {removed} half-written file(s) it left in {root}" if removed else None
+
+
 HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
-            "publish": publish.finish}
+            "publish": publish.finish, "write": write}

@@ -31,7 +31,7 @@ SCENARIO = {"clone": "fresh", "clone.cloned": "fresh", "clone.done": "fresh",
             "check": "check", "check.done": "check"}
 # Points at which the killed run leaves something the next run must finish or remove.
 LEAVES_WORK = {"clone", "clone.cloned", "check", "worktree", "worktree.added", "publish",
-               "publish.switched"}
+               "publish.switched", "write", "write.staged", "write.done"}  # (write: in a worktree)
 
 
 def run_tool(project, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -63,7 +63,8 @@ def env(tmp_path) -> dict[str, str]:
 
 def test_every_point_is_passed_by_one_of_the_scenarios():
     assert set(SCENARIO) | {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done",
-                            "publish", "publish.switched", "publish.done"} == set(journal.POINTS)
+                            "publish", "publish.switched", "publish.done", "write",
+                            "write.staged", "write.done"} == set(journal.POINTS)
 
 
 @pytest.mark.parametrize("point", journal.POINTS)
@@ -114,6 +115,24 @@ def test_killed_between_the_switch_and_the_branch_record_is_not_locked_out(proje
     assert [line for line in again.stderr.splitlines() if NOTE in line] == [
         f"{NOTE}it was switching {wd} to k3-overlay/9.9.9 "
         f"({g(wd, 'rev-parse', 'HEAD').strip()[:12]}): finished"]
+
+
+def test_rebase_to_killed_while_laying_the_overlay_leaves_no_half_written_file(project, upstream,
+                                                                              tmp_path, env):
+    """The overlay is staged beside its destinations, then renamed: a kill in between left
+    ``.mod.py.1a2b3c4d.k3-tmp`` files in the checkout, and every later run said "has
+    uncommitted changes"."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--rebase-to", "v1.1.0"]
+    killed = run_tool(project, {**env, journal.KILL_AT: "write.staged"}, *args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sorted(p.name for p in (wd / "pkg").glob(".*.k3-tmp")) != []
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}removed 2 half-written file(s) it left in {wd}"]
+    assert list(wd.rglob("*.k3-tmp")) == [] and g(wd, "status", "--porcelain") == ""
 
 
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
