@@ -20,6 +20,9 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
   other than METADATA, WHEEL, RECORD, top_level.txt, entry_points.txt, licenses/;
 - entry points (console scripts, plugins) other than those the tree's own
   ``pyproject.toml`` declares;
+- a dependency (``Requires-Dist``) the tree does not ask for: one a CUDA build installs
+  that ``requirements/cuda.txt`` (with its ``-r`` files) does not list as written, an
+  extra's on a project the tree never names, a URL the tree does not hold;
 - a RECORD that lists a file the zip lacks, lists one twice, or misses one (its hashes
   are checked as each entry is read: ``wheel``'s WheelFile);
 - in a release wheel, a file under ``vllm/`` that the tree at the ref lacks, unless it
@@ -33,8 +36,11 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
 from __future__ import annotations
 
 import configparser
+import contextlib
 import csv
+import email
 import io
+import re
 import stat
 import struct
 import tomllib
@@ -44,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pathspec
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 INFO_FILES = {"METADATA", "WHEEL", "RECORD", "top_level.txt", "entry_points.txt"}
 INFO_FOLDERS = ("licenses/",)
@@ -65,6 +73,10 @@ class Expected:
     entry_points: dict[str, dict[str, str]] | None  # None: the tree does not say (dynamic)
     tree: frozenset[str] | None = None
     build_outputs: list[tuple[str, pathspec.GitIgnoreSpec]] = field(default_factory=list)
+    # the tree's text naming dependencies (requirements/*.txt, setup.py, pyproject.toml), and
+    # the requirements a CUDA build installs (requirements/cuda.txt with its -r files)
+    named_by_tree: str | None = None
+    installs: frozenset[str] | None = None
 
 
 def check(wheel: Path, expected: Expected, error: type[Exception]) -> None:
@@ -88,6 +100,7 @@ def problems(wheel: Path, expected: Expected) -> list[str]:
             names = {i.filename for i in infos}
             found += _record(archive, names, expected.dist_info)
             found += _entry_points(archive, names, expected)
+            found += _requirements(archive, names, expected)
     except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError) as err:
         return [f"cannot be read as a zip file: {err}"]
     return found
@@ -248,6 +261,54 @@ def _entry_points(archive: zipfile.ZipFile, names: set[str], expected: Expected)
                    if expected.entry_points.get(g, {}).get(n) != items[n])
     return [f"entry_points.txt declares {extra[0] if extra else 'fewer entry points'} "
             f"(not as the tree's pyproject.toml declares)"]
+
+
+def _requirements(archive: zipfile.ZipFile, names: set[str], expected: Expected) -> list[str]:
+    """Every ``Requires-Dist`` of METADATA is the tree's: one a CUDA build installs, as the
+    tree's requirements files write it; or (an extra's) a project the tree names."""
+    path = f"{expected.dist_info}/METADATA"
+    if expected.named_by_tree is None or path not in names:
+        return []
+    message = email.message_from_bytes(archive.read(path))
+    found = []
+    for text in message.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            found.append(f"METADATA requires {text!r}, which is no requirement")
+            continue
+        extra = req.marker is not None and "extra" in str(req.marker)
+        plain = str(Requirement(str(req).split(";")[0]))
+        if req.url and req.url not in expected.named_by_tree:
+            found.append(f"METADATA requires {text!r}: a URL the tree does not name")
+        elif not extra and expected.installs is not None and plain not in expected.installs:
+            found.append(f"METADATA requires {plain!r}, which the tree's requirements do not")
+        elif not _named(req.name, expected.named_by_tree):
+            found.append(f"METADATA requires {req.name!r}, a project the tree never names")
+    return found
+
+
+def _named(name: str, text: str) -> bool:
+    words = {canonicalize_name(w) for w in re.findall(r"[A-Za-z0-9][A-Za-z0-9._-]*", text)}
+    return canonicalize_name(name) in words
+
+
+def requirement_lines(files: dict[str, bytes], path: str, seen: set[str] | None = None) -> set[str]:
+    """The requirements ``path`` (``requirements/cuda.txt``) installs, with its ``-r`` files,
+    normalised by ``packaging``; options and comments left out."""
+    seen = seen if seen is not None else set()
+    if path in seen or path not in files:
+        return set()
+    seen.add(path)
+    found = set()
+    for line in files[path].decode(errors="replace").splitlines():
+        line = line.split(" #")[0].strip()
+        if line.startswith("-r "):
+            found |= requirement_lines(files, f"{path.rpartition('/')[0]}/{line[3:].strip()}", seen)
+        elif line and not line.startswith(("#", "-")):
+            with contextlib.suppress(InvalidRequirement):
+                found.add(str(Requirement(line.split(";")[0])))
+    return found
 
 
 def parse_entry_points(text: str) -> dict[str, dict[str, str]]:

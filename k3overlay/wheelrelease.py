@@ -73,14 +73,19 @@ def expected_entries(repo: git.Repo, ref_sha: str, release: Version,
                      tree: dict[str, str]) -> wheelentries.Expected:
     """What vLLM ``release``'s wheel may hold, from the tree at ``ref_sha``: its files under
     ``vllm/`` (``tree``), the build outputs its ``.gitignore`` files name, the entry points
-    its ``pyproject.toml`` declares."""
+    its ``pyproject.toml`` declares, the dependencies its requirements files and setup.py name."""
     ignores = [".gitignore", *(p for p in tree if p.endswith("/.gitignore"))]
-    files = git.read_files(repo, ref_sha, ["pyproject.toml", *ignores])
+    requirements = [p for p in git.tree_files(repo, ref_sha, "requirements/") if p.endswith(".txt")]
+    files = git.read_files(repo, ref_sha, ["pyproject.toml", "setup.py", *ignores, *requirements])
+    naming = b"\n".join(files.get(p, b"") for p in ["pyproject.toml", "setup.py", *requirements])
+    cuda = "requirements/cuda.txt"
     return wheelentries.Expected(
         package=PACKAGE.rstrip("/"), dist_info=f"vllm-{release}.dist-info",
         entry_points=wheelentries.declared_entry_points(files.get("pyproject.toml")),
         tree=frozenset(tree),
-        build_outputs=wheelentries.ignore_specs({p: files[p] for p in ignores if p in files}))
+        build_outputs=wheelentries.ignore_specs({p: files[p] for p in ignores if p in files}),
+        named_by_tree=naming.decode(errors="replace"),
+        installs=frozenset(wheelentries.requirement_lines(files, cuda)) if cuda in files else None)
 
 
 def readable(path: Path) -> Path:

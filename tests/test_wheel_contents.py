@@ -148,6 +148,11 @@ HOSTILE = {
                          r"'evil-1.0.dist-info/METADATA' is a second dist-info folder"),
     "console script added": (lambda d: craft(d, info={"entry_points.txt": b"[console_scripts]\nls = vllm.a:A\n"}),
                              r"entry_points.txt declares console_scripts:ls"),
+    "dependency added": (lambda d: craft(d, info={"METADATA": _metadata_with("Requires-Dist: evil-pkg")}),
+                         r"METADATA requires 'evil-pkg', a project the tree never names"),
+    "dependency from a URL": (lambda d: craft(d, info={"METADATA": _metadata_with(
+        "Requires-Dist: numpy @ https://evil.example/numpy-9-py3-none-any.whl")}),
+        r"a URL the tree does not name"),
     "stray dist-info file": (lambda d: craft(d, info={"direct_url.json": b"{}"}),
                              r"'vllm-0.1.0.dist-info/direct_url.json': not a file a dist-info folder holds"),
     "RECORD lists a file not in it": (
@@ -168,6 +173,10 @@ HOSTILE = {
         r"'vllm/zz1.py': its local header names"),
     "encrypted": (lambda d: _encrypted(craft(d), "vllm/a.py"), r"'vllm/a.py' is encrypted|cannot be read"),
 }
+
+
+def _metadata_with(line: str) -> bytes:
+    return METADATA.format(version="0.1.0").replace("Requires-Dist: numpy\n", f"{line}\n").encode()
 
 
 def _around(path: Path, before: bytes, after: bytes) -> Path:
@@ -237,6 +246,20 @@ def test_the_issues_three_wheels_are_one_line_exit_2_from_the_command_line(setup
         errs = capsys.readouterr().err.splitlines()
         assert code == errors.USAGE and len(errs) == 1 and errs[0].startswith("apply.py: error: "), errs
         assert list(wheels.iterdir()) == []
+
+
+def test_requirements_of_a_cuda_build_are_those_its_requirements_files_list(tmp_path):
+    files = {"requirements/cuda.txt": b"-r common.txt\ntorch == 2.13.0  # pinned\n",
+             "requirements/common.txt": b"numpy\n# a comment\n--extra-index-url x\n"}
+    installs = frozenset(wheelentries.requirement_lines(files, "requirements/cuda.txt"))
+    assert installs == {"numpy", "torch==2.13.0"}
+    expected = wheelentries.Expected("vllm", INFO, None, named_by_tree="numpy torch", installs=installs)
+    for line, ok in [("torch==2.13.0", True), ("torch==2.99.0", False), ("numpy", True),
+                     ("torch==2.99.0; extra == 'x'", True)]:
+        wheel = craft(tmp_path / line.replace(" ", "_").replace(";", "").replace("'", ""),
+                      info={"METADATA": _metadata_with(f"Requires-Dist: {line}")})
+        found = [p for p in wheelentries.problems(wheel, expected) if "METADATA" in p]
+        assert (found == []) == ok, (line, found)
 
 
 def test_declared_entry_points_are_read_from_the_trees_pyproject():
