@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import OverlayError, UsageError
 from .files import open_regular
 
 STEPS = ("clone", "check", "worktree", "fetch", "publish", "write")
@@ -137,7 +137,12 @@ def recover(journal: Journal, say: Callable[[str], None]) -> None:
 
     # Scratch trees go first: what was written inside one then needs nothing more.
     entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in SCRATCH)
-    notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    try:
+        notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    except UsageError:
+        raise  # the user must decide (it says so); the journal is kept
+    except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
+        raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
     if notes:
         say(f"note: the last run was killed; {'; '.join(notes)}")
     with contextlib.suppress(FileNotFoundError):

@@ -231,7 +231,8 @@ def test_a_killed_wheel_builds_scratch_folder_is_removed_by_the_next_build(tmp_p
     old = time.time() - STALE_AFTER_S - 1
     os.utime(left, (old, old))
     live = subprocess.Popen([sys.executable, "-c",
-                             "import sys; from pathlib import Path; from k3overlay.lock import owned_scratch\n"
+                             "import sys; from pathlib import Path\n"
+                             "from k3overlay.lock import owned_scratch\n"
                              "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
                              "    print(tmp, flush=True); sys.stdin.read()\n", str(wheels)],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -122,7 +122,8 @@ HOSTILE = {
                             r"entry 'evil/__init__.py' is outside vllm/ and vllm-0.1.0.dist-info/"),
     "dot-dot": (lambda d: craft(d, [("vllm/../evil.py", b"", REG)]), r"'vllm/../evil.py': a '\.\.'"),
     "dot part": (lambda d: craft(d, [("vllm/./a2.py", b"", REG)]), r"'vllm/./a2.py': a '\.\.', '\.'"),
-    "empty part": (lambda d: craft(d, [("vllm//a2.py", b"", REG)]), r"'vllm//a2.py': a '\.\.', '\.' or empty"),
+    "empty part": (lambda d: craft(d, [("vllm//a2.py", b"", REG)]),
+                   r"'vllm//a2.py': a '\.\.', '\.' or empty"),
     "absolute": (lambda d: craft(d, [("/etc/evil.py", b"", REG)]), r"'/etc/evil.py': an absolute path"),
     "drive letter": (lambda d: craft(d, [("C:/evil.py", b"", REG)]), r"'C:/evil.py': a ':' in its name"),
     "ntfs stream": (lambda d: craft(d, [("vllm/a.py:evil", b"", REG)]), r"'vllm/a.py:evil': a ':'"),
@@ -139,14 +140,17 @@ HOSTILE = {
     "unicode collision": (lambda d: craft(d, [("vllm/\uff41.py", b"A = 666\n", REG)]),
                           r"entry 'vllm/\uff41.py' and 'vllm/a.py'"),
     "setuid": (lambda d: craft(d, modes={"vllm/a.py": 0o104755}), r"'vllm/a.py' has setuid"),
-    "sticky": (lambda d: craft(d, modes={"vllm/a.py": 0o101644}), r"'vllm/a.py' has setuid, setgid or sticky"),
+    "sticky": (lambda d: craft(d, modes={"vllm/a.py": 0o101644}),
+               r"'vllm/a.py' has setuid, setgid or sticky"),
     "world-writable": (lambda d: craft(d, modes={"vllm/a.py": 0o100666}), r"'vllm/a.py' is world-writable"),
     "fifo": (lambda d: craft(d, modes={"vllm/a.py": 0o010644}), r"'vllm/a.py' is a FIFO"),
     "device": (lambda d: craft(d, modes={"vllm/a.py": 0o020644}), r"'vllm/a.py' is a device"),
-    "folder entry": (lambda d: craft(d, [("vllm/newdir/", b"", 0o040755)]), r"'vllm/newdir/' is a folder entry"),
+    "folder entry": (lambda d: craft(d, [("vllm/newdir/", b"", 0o040755)]),
+                     r"'vllm/newdir/' is a folder entry"),
     "second dist-info": (lambda d: craft(d, [("evil-1.0.dist-info/METADATA", b"Name: evil\n", REG)]),
                          r"'evil-1.0.dist-info/METADATA' is a second dist-info folder"),
-    "console script added": (lambda d: craft(d, info={"entry_points.txt": b"[console_scripts]\nls = vllm.a:A\n"}),
+    "console script added": (lambda d: craft(d, info={
+        "entry_points.txt": b"[console_scripts]\nls = vllm.a:A\n"}),
                              r"entry_points.txt declares console_scripts:ls"),
     "dependency added": (lambda d: craft(d, info={"METADATA": _metadata_with("Requires-Dist: evil-pkg")}),
                          r"METADATA requires 'evil-pkg', a project the tree never names"),
@@ -266,7 +270,8 @@ def test_declared_entry_points_are_read_from_the_trees_pyproject():
     text = (b'[project]\nname = "vllm"\n[project.scripts]\nvllm = "vllm.cli:main"\n'
             b'[project.entry-points."vllm.general_plugins"]\nlora = "vllm.plugins:register"\n')
     assert wheelentries.declared_entry_points(text) == {
-        "console_scripts": {"vllm": "vllm.cli:main"}, "vllm.general_plugins": {"lora": "vllm.plugins:register"}}
+        "console_scripts": {"vllm": "vllm.cli:main"},
+        "vllm.general_plugins": {"lora": "vllm.plugins:register"}}
     assert wheelentries.declared_entry_points(b'[project]\ndynamic = ["scripts"]\n') is None
     assert wheelentries.declared_entry_points(b"[build-system]\n") == {}
     assert wheelentries.parse_entry_points("[console_scripts]\nvllm = vllm.cli:main\n") == {
@@ -276,7 +281,8 @@ def test_declared_entry_points_are_read_from_the_trees_pyproject():
 # -- the built wheel: the same faults fail its checks (exit 5) ------------------------------------
 
 
-def _with(good_path: Path, dest: Path, add: list[tuple[str, bytes, int]], info: dict[str, bytes] = ()) -> Path:
+def _with(good_path: Path, dest: Path, add: list[tuple[str, bytes, int]],
+          info: dict[str, bytes] | None = None) -> Path:
     """``good_path`` rewritten with ``add`` entries and dist-info files ``info`` replaced,
     RECORD recomputed (so only the named fault is there)."""
     dest.mkdir()
@@ -285,10 +291,10 @@ def _with(good_path: Path, dest: Path, add: list[tuple[str, bytes, int]], info: 
     with zipfile.ZipFile(good_path) as src:
         entries = [(i.filename, src.read(i), i.external_attr >> 16) for i in src.infolist()
                    if not i.filename.endswith("/RECORD")]
-    entries = [(n, d, m) for n, d, m in entries if n.split("/", 1)[1] not in dict(info)] + add
-    entries += [(f"{built_info}/{n}", d, REG) for n, d in dict(info).items()]
-    rows = [f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
-            for n, d, _ in entries]
+    info = info or {}
+    entries = [(n, d, m) for n, d, m in entries if n.split("/", 1)[1] not in info] + add
+    entries += [(f"{built_info}/{n}", d, REG) for n, d in info.items()]
+    rows = record_of([(n, d) for n, d, _ in entries]).decode().splitlines()[:-1]
     with zipfile.ZipFile(out, "w") as archive:
         for name, data, mode in [*entries, (f"{built_info}/RECORD",
                                             ("\n".join(rows + [f"{built_info}/RECORD,,"]) + "\n").encode(),
@@ -305,7 +311,8 @@ def _with(good_path: Path, dest: Path, add: list[tuple[str, bytes, int]], info: 
     ("entry point", [], {"entry_points.txt": b"[console_scripts]\nls = vllm.a:A\n"},
      "vllm-0.1.0+k3ov.9.9.9.dist-info/entry_points.txt is not the release's"),
 ])
-def test_the_built_wheels_checks_catch_a_hostile_entry(good, tmp_path, fault, add, info, expect):  # noqa: F811
+def test_the_built_wheels_checks_catch_a_hostile_entry(good, tmp_path, fault, add, info,  # noqa: F811
+                                                      expect):
     path, release, put = good
     bad = _with(path, tmp_path / "bad", add, info)
     with pytest.raises(errors.BuildError, match=re.escape(expect)) as err:
