@@ -17,7 +17,7 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
 - a ``.pth`` file anywhere (``site`` runs its import lines at every Python start);
 - anything outside ``vllm/`` and the one dist-info folder ``vllm-<version>.dist-info``
   (a ``.data`` folder: scripts, headers; a second dist-info); in the dist-info, a file
-  other than METADATA, WHEEL, RECORD, top_level.txt, entry_points.txt, licenses/;
+  other than METADATA, WHEEL, RECORD, top_level.txt, entry_points.txt, licenses/, sboms/;
 - entry points (console scripts, plugins) other than those the tree's own
   ``pyproject.toml`` declares;
 - a dependency (``Requires-Dist``) the tree does not ask for: one a CUDA build installs
@@ -54,7 +54,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 INFO_FILES = {"METADATA", "WHEEL", "RECORD", "top_level.txt", "entry_points.txt"}
-INFO_FOLDERS = ("licenses/",)
+INFO_FOLDERS = ("licenses/", "sboms/")  # PEP 639 licence files, PEP 770 SBOMs
 COMPILED = (".so", ".pyd")  # extension modules: what reusing the release's build is for
 _LOCAL = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
 _END = struct.Struct("<4s4H2LH")  # end of central directory record (22 bytes)
