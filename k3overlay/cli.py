@@ -258,10 +258,12 @@ def line_by_line() -> None:
 
 
 def stop_like_ctrl_c() -> None:
-    """A cancelled CI job (SIGTERM) and a reader gone mid-run (SIGPIPE: ``apply.py 2>&1 |
-    head -1``, progress then written to a closed pipe) clean up like Ctrl-C: no scratch
-    clone, worktree or half-packed wheel is left behind. See ``job_done`` for after."""
+    """A cancelled CI job (SIGTERM), a closed terminal (SIGHUP) and a reader gone mid-run
+    (SIGPIPE: ``apply.py 2>&1 | head -1``, progress then written to a closed pipe) clean
+    up like Ctrl-C: no scratch clone, worktree or half-packed wheel is left behind. See
+    ``job_done`` for after."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)  # the terminal or ssh session closed mid-run
     signal.signal(signal.SIGPIPE, _interrupt)
 
 

@@ -21,7 +21,7 @@ still opens repositories. Each git runs in a session of its own (no terminal:
 nothing prompts; a private repository needs an ssh agent or a credential
 helper). On an interrupt the child's whole process group is terminated and
 waited for before the interrupt goes on, so no git keeps writing after the tool
-has cleaned up.
+has cleaned up; if the tool is killed outright, its watchdog (``reaper``) stops them.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 import git as gitpython
 from git.exc import InvalidGitRepositoryError, NoSuchPathError
 
+from . import journal, reaper
 from .errors import OverlayError
 from .files import read_regular
 from .interrupts import deferred
@@ -182,11 +183,14 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
                 stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as err:
             raise GitError(f"cannot run git {args[0]} in {cwd}: {err.strerror}") from err
+        reaper.watch(proc.pid)  # if the tool is killed, its watchdog stops this group
         try:
             out, err = proc.communicate()
         except BaseException:
             _stop(proc)
             raise
+        finally:
+            reaper.forget(proc.pid)
     return proc.returncode, out, err
 
 
@@ -361,11 +365,18 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
     owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
-        run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
-        yield Repo(parent / "tree")
+        with journal.step("worktree", repo=_cwd(repo), parent=str(parent)):  # for a killed run's
+            try:
+                run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
+                journal.point("worktree.added")
+                yield Repo(parent / "tree")
+            finally:
+                with deferred():
+                    _remove_worktree(repo, parent)
     finally:
         with deferred():
-            _remove_worktree(repo, parent)
+            if parent.exists():  # the journal could not be written
+                _remove_worktree(repo, parent)
             os.close(owner)
 
 

@@ -26,7 +26,9 @@ from .job import (
     build,
     classify_overlay,
     commit_overlay,
+    fetched,
     locked,
+    publish,
     record,
     refuse_merge_attributes,
     refuse_unsafe,
@@ -115,8 +117,8 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
                                 f"or abort it, then run --rebase-to again")
-    report.ref_sha = source.ensure_ref(repo, origin, opts.ref)
-    source.ensure_ref(repo, origin, manifest.base)  # drift merges read upstream's base blobs
+    report.ref_sha = fetched(repo, origin, opts.ref)
+    fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
     continuing = (git.current_branch(repo) == branch
                   and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
     if not continuing:
@@ -126,8 +128,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     _refuse_untracked_in_the_way(repo, patches, manifest)
     if not continuing:
         with deferred():  # switched but not recorded, the branch would be refused as not ours
-            git.set_branch(repo, branch, report.ref_sha)
-            record(repo, branch, opts.ref)
+            publish(repo, branch, report.ref_sha, opts.ref)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
     # landed-upstream is proven against REF's tree, or by an upstream commit's patch-id.

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import git
+from . import git, journal
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
 from .interrupts import deferred
@@ -110,18 +110,25 @@ def clone(origin: str, workdir: Path) -> git.Repo:
     except OSError as err:
         raise UsageError(f"cannot create --workdir {workdir}: {err.strerror}") from err
     try:
-        with step(f"cloning {origin} into {workdir}"):
+        with journal.step("clone", scratch=str(scratch), prefix=f".{workdir.name}.k3-clone-"):
             try:
-                git.clone(origin, scratch / "vllm")
-            except git.GitError as err:
-                raise _classify(str(err)) from err
-        try:
-            os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
-        except OSError as err:
-            raise UsageError(f"cannot put the clone at --workdir {workdir}: {err.strerror}") from err
+                with step(f"cloning {origin} into {workdir}"):
+                    try:
+                        git.clone(origin, scratch / "vllm")
+                    except git.GitError as err:
+                        raise _classify(str(err)) from err
+                journal.point("clone.cloned")
+                try:
+                    os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
+                except OSError as err:
+                    raise UsageError(f"cannot put the clone at --workdir {workdir}: "
+                                     f"{err.strerror}") from err
+            finally:
+                with deferred():
+                    shutil.rmtree(scratch, ignore_errors=True)
     finally:
         with deferred():
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)  # (the journal could not be written)
     return git.open_repo(workdir)
 
 
