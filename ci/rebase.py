@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
 
-    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
+    python -m ci.rebase --onto v0.29.0 --onto v0.33.0 --json out.json \\
         [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests] [--wheels DIR]
         [--gpu | --gpu-results DIR] [--gpu-export DIR]
 
@@ -33,10 +33,6 @@ INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
     import sys
     from pathlib import Path
-
-    HERE = Path(__file__).resolve().parent
-    sys.path.insert(0, str(HERE.parent))
-    sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
     from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c
@@ -75,8 +71,8 @@ class TargetRun:
         self.env = self.env_error = self.upstream = None
 
     def pristine(self, tree: Path, report) -> None:
-        import target_env
-        from table_diff import TableReadError, read_tables
+        from ci import target_env
+        from ci.table_diff import TableReadError, read_tables
 
         self.env = self.env_error = self.upstream = None
         try:
@@ -91,7 +87,7 @@ class TargetRun:
                 report.tables = {"error": f"upstream's tables: {err}"}
 
     def tests(self, tree: Path) -> dict:
-        from cpu_tier import run_cpu_tier
+        from ci.cpu_tier import run_cpu_tier
 
         if self.env is None:
             return {"passed": 0, "failed": 0, "skipped": 0, "errors": 0,
@@ -101,8 +97,8 @@ class TargetRun:
     def patched(self, tree: Path, report) -> None:
         if self.upstream is None:
             return
-        from gpu_stage import stage
-        from table_diff import TableReadError, read_tables, section
+        from ci.gpu_stage import stage
+        from ci.table_diff import TableReadError, read_tables, section
 
         prefer = self._prefer(report)
         try:
@@ -179,7 +175,7 @@ def _main(argv: list[str] | None) -> int:
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
         results = None
         if args.gpu_results:
-            from gpu_stage.stage import load_results
+            from ci.gpu_stage.stage import load_results
 
             results = load_results(args.gpu_results)
         target = TargetRun(Project(), gpu=args.gpu, gpu_results=results,

@@ -6,11 +6,13 @@ again in pass 2, with the smallest mean normalised time ``us / cublas_us`` over
 the two passes. ``best_tried`` is the fastest pass-1 measurement of anything
 (so ``winner_vs_best`` checks the ">= 0.98x of the best tried" target).
 
-``tune.py`` calls :func:`build` at the end of a run. Where a run's JSON was lost but its
-cache came back, rebuild it on any machine (the provenance is another JSON of the same
-run, e.g. the benchmark's; the read bandwidth is the tuner's logged figure)::
+``tune.py`` calls :func:`build` at the end of a run and writes the whole JSON, every
+timing included (the raw run). What git keeps of it (``results/sm90/tune_*.json``) is
+:func:`summary_of` that JSON, which this command re-creates from the run's cache on any
+machine (the provenance is another JSON of the same run, e.g. the benchmark's; the read
+bandwidth is the tuner's logged figure; ``--measurements`` keeps the timings)::
 
-    python ci/gpu/aggregate.py CACHE_DIR --provenance-of SAME_RUN.json --bw-tbps 4.21 \
+    python -m k3lab.aggregate CACHE_DIR --provenance-of SAME_RUN.json --bw-tbps 4.21 \
         --shape 6144x7168 --shape 144x7168 --out results.json
 """
 
@@ -22,7 +24,8 @@ import math
 import sys
 from collections import defaultdict
 
-import shapes as shp
+from k3lab import tune_cache
+from k3lab import shapes as shp
 
 WIN = 1.05
 TAGS = ("cublas", "done", "done2", "skip")
@@ -125,6 +128,12 @@ def build(records: list[dict], prov: dict, bw_Bps: float, sel, ms) -> dict:
     }
 
 
+def summary_of(res: dict) -> dict:
+    """``res`` without its ``measurements``: what git keeps of a tuner run (its rows,
+    summary, criteria and provenance); the timings stay in the run's cache."""
+    return {k: v for k, v in res.items() if k not in ("measurements", "measurements_columns")}
+
+
 def _round(x):
     return None if x is None else round(x, 4)
 
@@ -138,25 +147,26 @@ def _cfg(c):
 
 
 def main(argv=None) -> int:
-    import tune
-    import tune_cache
-
     ap = argparse.ArgumentParser(description="Rebuild a tuner run's results JSON from its cache.")
     ap.add_argument("cache", help="the run's cache folder (tune.py --cache)")
     ap.add_argument("--provenance-of", required=True,
                     help="a JSON of the same run whose 'provenance' to take (GPU, date, versions)")
     ap.add_argument("--bw-tbps", type=float, required=True, help="the run's read bandwidth, TB/s")
-    ap.add_argument("--shape", action="append", required=True, type=tune._shape, help="NxK")
+    ap.add_argument("--shape", action="append", required=True, type=shp.parse, help="NxK")
     ap.add_argument("--m", default="1-16")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--measurements", action="store_true",
+                    help="keep every timing (the raw run); without it, the summary git keeps")
     args = ap.parse_args(argv)
     lo, hi = map(int, args.m.split("-"))
     with open(args.provenance_of) as f:
         prov = dict(json.load(f)["provenance"])
-    prov["rebuilt"] = (f"results JSON rebuilt from the run's cache by ci/gpu/aggregate.py "
+    prov["rebuilt"] = (f"results JSON rebuilt from the run's cache by python -m k3lab.aggregate "
                        f"(read bandwidth {args.bw_tbps} TB/s as the tuner logged it)")
     records = list(tune_cache.read_all(args.cache, prov["gpu"]))
     res = build(records, prov, args.bw_tbps * 1e12, args.shape, list(range(lo, hi + 1)))
+    if not args.measurements:
+        res = summary_of(res)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     print(f"wrote {args.out}: {res['summary']}")

@@ -9,26 +9,19 @@ most ``--part-mib`` MiB, default 60, each folder also holding ``BUNDLE.json``):
 * ``vllm_tree.tar.xz``: the patched ``vllm/`` Python tree (a checkout made by
   ``apply.py``) plus a ``vllm-<ver>.dist-info`` so vLLM's platform detection finds
   the package;
-* ``k3/``: our GPU tools (``ci/gpu/*.py``), the overlay's GPU tests, the upstream
-  tables as data (``priors.json``, for seeds and the v0.29.0 comparison), and the
-  few v0.28.0 ``csrc`` files ``dsv3_build.py`` compiles.
+* ``k3/``: the lab package (``k3/k3lab/``, its tests left out), the overlay's GPU tests,
+  the upstream tables as data (``priors.json``, for seeds and the v0.29.0 comparison),
+  and the few v0.28.0 ``csrc`` files ``device/dsv3_build.py`` compiles.
 
-* ``targets/<ref>/``, with ``--target-trees DIR`` (what ``ci/rebase.py --gpu-export DIR``
-  wrote): each rebase target's tree as the job built it (``tree.tar.xz``, with its
-  dist-info), ``meta.json`` (the GPU stage's inputs, ``ci/gpu_stage/``) and ``wheels/``:
-  what ``ci/gpu_stage/requirements/<ref>.txt`` lists (the CuTe DSL release the target pins
-  when it is not the base's, and imports the base bundle lacks).
+The rebase job's targets add-on (each target's tree and wheels) is built from the same
+parts by ``python -m ci.gpu_stage.addon`` (``ci/gpu_stage/build_addon.sh``).
 
 ``install.sh`` reassembles the parts, checks sha256s, installs the wheels with
 ``pip --no-index --no-deps --target`` and prints the ``export`` lines.
 
 Usage::
 
-    python ci/gpu/bundle.py --out ci/gpu/_stage [--tree work/vllm] [--compare-ref v0.29.0]
-    python ci/gpu/bundle.py --out ci/gpu/_stage_targets --target-trees DIR --only-targets
-
-``--only-targets`` leaves the base out (an add-on for a runner that installed the base
-bundle already; its BUNDLE.json says ``"kind": "targets"``).
+    python -m k3lab.bundle --out k3lab/_stage [--tree work/vllm] [--compare-ref v0.29.0]
 
 Without ``--tree`` the overlay is applied to the pinned base now (``apply.py``'s job,
 into a temporary folder). Upstream tables come from the release mirror.
@@ -50,21 +43,21 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from k3lab import paths, upstream_tables
+from k3overlay import git, source
+from k3overlay import manifest as overlay_manifest
+from k3overlay.downloads import file_sha256
+from k3overlay.job import Options, run_apply
+from k3overlay.mirror import release_of
+from k3overlay.project import Project
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = str(paths.REPO)
 PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 DSV3_SRC = "csrc/libtorch_stable/dsv3_fused_a_gemm.cu"
 UPSTREAM_MODULE = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
-
-sys.path.insert(0, REPO)
-from k3overlay import git, source  # noqa: E402
-from k3overlay import manifest as overlay_manifest  # noqa: E402
-from k3overlay.downloads import file_sha256  # noqa: E402
-from k3overlay.job import Options, run_apply  # noqa: E402
-from k3overlay.mirror import release_of  # noqa: E402
-from k3overlay.project import Project  # noqa: E402
 
 
 def download_wheels(dest: str, python_version: str, req: str) -> None:
@@ -132,51 +125,6 @@ def add_tree(tar: tarfile.TarFile, src: str, arc: str) -> None:
     tar.add(src, arcname=arc, filter=lambda ti: None if "__pycache__" in ti.name else ti)
 
 
-def target_wheel_requirements(ref: str) -> str | None:
-    """``ci/gpu_stage/requirements/<ref>.txt`` if that target needs wheels of its own."""
-    path = os.path.join(REPO, "ci", "gpu_stage", "requirements", f"{ref}.txt")
-    return path if os.path.isfile(path) else None
-
-
-def cute_dsl_pin(lines: list[str]) -> str | None:
-    """``4.8.0`` out of ``["nvidia-cutlass-dsl[cu13]==4.8.0"]``."""
-    for line in lines:
-        match = re.search(r"==\s*([0-9][0-9.]*)", line)
-        if match:
-            return match.group(1)
-    return None
-
-
-def add_targets(tar: tarfile.TarFile, trees: str, work: str, python_version: str,
-                base_pin: str | None) -> list[str]:
-    """Add ``targets/<ref>/`` for each exported tree; returns the refs.
-
-    Raises SystemExit if a target pins a CuTe DSL release that neither the base bundle
-    (``base_pin``; None when it is left out) nor the target's requirements file carries.
-    """
-    refs = sorted(d for d in os.listdir(trees) if os.path.isfile(os.path.join(trees, d, "meta.json")))
-    if not refs:
-        raise SystemExit(f"--target-trees {trees}: no <ref>/meta.json (ci/rebase.py --gpu-export)")
-    for ref in refs:
-        src = os.path.join(trees, ref)
-        pin = cute_dsl_pin(json.load(open(os.path.join(src, "meta.json")))["cute_dsl"])
-        req = target_wheel_requirements(ref)
-        if req:
-            if pin and f"nvidia-cutlass-dsl=={pin}" not in open(req).read():
-                raise SystemExit(f"{ref} pins CuTe DSL {pin}; {req} does not carry it")
-            wheels = os.path.join(work, "target-wheels", ref)
-            os.makedirs(wheels)
-            download_wheels(wheels, python_version, req)
-            for f in sorted(os.listdir(wheels)):
-                tar.add(os.path.join(wheels, f), arcname=f"targets/{ref}/wheels/{f}")
-        elif pin and base_pin not in (pin, None):
-            raise SystemExit(f"{ref} pins CuTe DSL {pin}, the base bundle carries {base_pin}: "
-                             f"list its wheels in ci/gpu_stage/requirements/{ref}.txt")
-        for f in ("tree.tar.xz", "meta.json"):
-            tar.add(os.path.join(src, f), arcname=f"targets/{ref}/{f}")
-    return refs
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Build the offline GPU bundle in parts.")
     ap.add_argument("--out", default=os.path.join(HERE, "_stage"))
@@ -187,31 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", help="a checkout made by apply.py (default: apply now, to a temp folder)")
     ap.add_argument("--compare-ref", default="v0.29.0",
                     help="upstream release whose SM90 table the benchmark measures against ours")
-    ap.add_argument("--target-trees", help="trees written by ci/rebase.py --gpu-export DIR")
-    ap.add_argument("--only-targets", action="store_true",
-                    help="only --target-trees and their wheels (an add-on to a base bundle)")
     args = ap.parse_args(argv)
-    if args.only_targets and not args.target_trees:
-        raise SystemExit("--only-targets needs --target-trees")
-
-    if args.part_mib <= 0:
-        raise SystemExit("--part-mib must be > 0")
-    if os.path.exists(args.out):
-        earlier = {name: _part_files(args.out, name) for name in sorted(os.listdir(args.out))}
-        foreign = [name for name, files in earlier.items() if files is None]
-        if foreign:  # never delete what is not an earlier bundle's part
-            raise SystemExit(f"--out {args.out} holds other files ({foreign[0]}); pick an empty folder")
-        for name, files in earlier.items():
-            for file in files:
-                os.unlink(os.path.join(args.out, name, file))
-            os.rmdir(os.path.join(args.out, name))
-    os.makedirs(args.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="k3bundle-")
-    payload = os.path.join(work, "payload.tar")
-    if args.only_targets:
-        with tarfile.open(payload, "w") as t:
-            refs = add_targets(t, args.target_trees, work, args.python_version, None)
-        return write_parts(args, work, payload, {"kind": "targets", "targets": refs})
+    work, payload = start_parts(args)
     wheels = args.wheels_dir or os.path.join(work, "wheels")
     if not args.wheels_dir:
         os.makedirs(wheels)
@@ -223,8 +148,6 @@ def main(argv=None) -> int:
     with tarfile.open(tree_xz, "w:xz", preset=6) as t:
         add_tree(t, os.path.join(tree, "vllm"), "vllm")
         add_tree(t, os.path.join(work, f"vllm-{version}.dist-info"), f"vllm-{version}.dist-info")
-    sys.path.insert(0, HERE)
-    import upstream_tables
 
     base = overlay_manifest.load(Project().manifest_path, Project().overlay_dir).base
     priors = {ref: upstream_tables.extract(upstream_file(ref, UPSTREAM_MODULE, os.path.join(work, ref)))
@@ -238,9 +161,7 @@ def main(argv=None) -> int:
         for f in wheel_files:
             t.add(os.path.join(wheels, f), arcname=f"wheels/{f}")
         t.add(tree_xz, arcname="vllm_tree.tar.xz")
-        for f in sorted(os.listdir(HERE)):
-            if f.endswith((".py", ".sh", ".cpp", ".txt", ".md")):
-                t.add(os.path.join(HERE, f), arcname=f"k3/ci_gpu/{f}")
+        t.add(HERE, arcname="k3/k3lab", filter=_lab_file)
         test_dir = os.path.join(REPO, "overlay", "tests")
         if os.path.isdir(test_dir):
             add_tree(t, test_dir, "k3/tests")
@@ -250,14 +171,36 @@ def main(argv=None) -> int:
         t.addfile(ti, io.BytesIO(data))
         for rel in csrc_files:
             t.add(os.path.join(csrc, rel), arcname=f"k3/csrc/{rel}")
-        refs = []
-        if args.target_trees:
-            base_pin = next((w.split("-")[1] for w in wheel_files
-                             if w.startswith("nvidia_cutlass_dsl-")), None)
-            refs = add_targets(t, args.target_trees, work, args.python_version, base_pin)
     return write_parts(args, work, payload, {
         "kind": "base", "vllm_version": version, "wheels": wheel_files, "csrc": csrc_files,
-        "targets": refs})
+        "targets": []})
+
+
+def _lab_file(ti: tarfile.TarInfo):
+    """The lab's code and data as the runner needs them: no tests, caches or earlier bundles."""
+    parts = ti.name.split("/")
+    if any(p in ("tests", "__pycache__") or p.startswith("_stage") for p in parts):
+        return None
+    return ti if ti.isdir() or ti.name.endswith((".py", ".sh", ".cpp", ".txt", ".md", ".json")) else None
+
+
+def start_parts(args) -> tuple[str, str]:
+    """Empty ``args.out`` of an earlier bundle's parts (refusing any other file) and make
+    a scratch folder; returns ``(work, payload path)``. Raises SystemExit on bad input."""
+    if args.part_mib <= 0:
+        raise SystemExit("--part-mib must be > 0")
+    if os.path.exists(args.out):
+        earlier = {name: _part_files(args.out, name) for name in sorted(os.listdir(args.out))}
+        foreign = [name for name, files in earlier.items() if files is None]
+        if foreign:  # never delete what is not an earlier bundle's part
+            raise SystemExit(f"--out {args.out} holds other files ({foreign[0]}); pick an empty folder")
+        for name, files in earlier.items():
+            for file in files:
+                os.unlink(os.path.join(args.out, name, file))
+            os.rmdir(os.path.join(args.out, name))
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="k3bundle-")
+    return work, os.path.join(work, "payload.tar")
 
 
 def _part_files(out: str, name: str) -> list[str] | None:

@@ -22,10 +22,9 @@ from typing import Callable
 
 import torch
 
-OVERLAY_DIR = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
-    "overlay", "vllm", "models", "kimi_k3", "nvidia",
-)
+from k3lab import paths
+
+OVERLAY_DIR = str(paths.OVERLAY_NVIDIA)
 SWAP_AB_MODULE = "vllm.models.kimi_k3.nvidia.swap_ab_gemm"
 LLG_MODULE = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
 _cache: dict[str, object] = {}

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Mutation testing with mutmut on the fast tier, and the score it gives.
 
-    python ci/mutation.py [--sample N] [--jobs 2] [--json FILE]            # k3overlay/
-    python ci/mutation.py --overlay [--sample N] [--jobs 2] [--json FILE]  # the overlay module
+    python -m k3lab.mutation [--sample N] [--jobs 2] [--json FILE]            # k3overlay/
+    python -m k3lab.mutation --overlay [--sample N] [--jobs 2] [--json FILE]  # the overlay module
 
 ``k3overlay/`` is mutated as ``[tool.mutmut]`` in pyproject.toml says and each
 mutant run against ``tests/`` without the e2e tier. ``--overlay`` mutates
@@ -15,7 +15,7 @@ tests were added to kill them). Prints the score and lists the survivors.
 
 A mutant that no test can kill because it changes nothing a user sees (a
 temporary folder's prefix, a help text) is listed with the reason in
-``ci/mutation_equivalent.json``, each with a line it changes: a listed
+``k3lab/mutation_equivalent.json``, each with a line it changes: a listed
 mutant counts as equivalent only while it survives and mutmut still shows that
 line for it (numbers shift when a function changes; a stale entry is said and
 counts as a survivor). Score: killed / (tried - equivalent); the raw score,
@@ -50,7 +50,7 @@ pytest_add_cli_args_test_selection=tests/kernels/test_kimi_k3_low_latency_gemm.p
 process_isolation=forkserver
 """
 KILLED = {"killed", "timeout", "caught by type check"}
-EQUIVALENT = ROOT / "ci" / "mutation_equivalent.json"
+EQUIVALENT = ROOT / "k3lab" / "mutation_equivalent.json"
 
 
 def mutmut(where: Path, *args: str, capture: bool = False, quiet: bool = False) -> str:
@@ -120,7 +120,7 @@ def forget(where: Path, names: list[str]) -> None:
 
 
 def equivalents(where: Path, what: str, survivors: list[str]) -> tuple[dict[str, str], list[str]]:
-    """({survivor: why it is equivalent}, [stale entries]) from ``ci/mutation_equivalent.json``:
+    """({survivor: why it is equivalent}, [stale entries]) from ``k3lab/mutation_equivalent.json``:
     an entry holds while mutmut's diff of that mutant still has its ``change`` line (``+``
     and the line it adds, or ``-`` and the line it removes, stripped)."""
     listed = {e["mutant"]: e for e in json.loads(EQUIVALENT.read_text()).get(what, [])}

@@ -72,3 +72,9 @@ def min_bytes_moved(n: int, k: int, m: int) -> int:
 def roof_us(n: int, k: int, m: int, read_Bps: float) -> float:
     """The read roof of one call (µs): :func:`min_bytes_moved` over a read bandwidth (bytes/s)."""
     return min_bytes_moved(n, k, m) / read_Bps * 1e6
+
+
+def parse(text: str) -> tuple[int, int]:
+    """``"NxK"`` -> ``(N, K)`` (an argparse type: a ValueError is reported as a bad value)."""
+    n, k = text.lower().split("x")
+    return int(n), int(k)

@@ -27,10 +27,10 @@ under a deadline the small M, which decide the larger ones, finish first.
 
 Usage (on the GPU machine, after ``install.sh``)::
 
-    python ci/gpu/tune.py --cache DIR --priors priors.json --out results.json \
+    python -m k3lab.tune --cache DIR --priors priors.json --out results.json \
         --deadline-s 480 --workers 4 --run-id ID
-    # a few shapes, seeded from an earlier run's cache (ci/gpu/kda/device.sh):
-    python ci/gpu/tune.py --cache NEW_DIR --seed-cache ci/gpu/results/tune_cache \
+    # a few shapes, seeded from an earlier run's cache (k3lab/device/kda.sh):
+    python -m k3lab.tune --cache NEW_DIR --seed-cache results/tune_cache \
         --shape 6144x7168 --donor 6144x7168=6288x7168 --refine-rounds 1 --wait-s 0 ...
 """
 
@@ -39,18 +39,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
-import datetime
 import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shapes as shp  # noqa: E402
-import space  # noqa: E402
-import tune_cache  # noqa: E402
+from k3lab import aggregate, space, tune_cache
+from k3lab import shapes as shp
+from k3lab.provenance import provenance
 
 WIN = 1.05  # keep a backend only if cuBLAS_us / us >= WIN in both passes
 REFINE_GATE = 0.95  # hill-climb only shapes whose best seed reaches this speedup
@@ -105,9 +103,9 @@ def _init_worker(lock, opts):
 def _worker_setup(m: int):
     if _state:
         return _state
-    import kernels
-    import timing
     import torch
+
+    from k3lab import kernels, timing
 
     torch.cuda.init()
     max_w = max(shp.weight_bytes(n, k) for n, k in shp.SHAPES)
@@ -339,41 +337,10 @@ def _gpu_name() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def provenance(run_id: str) -> dict:
-    """GPU name, capability, date, torch / CuTe DSL versions, run id."""
-    import importlib.metadata as md
-
-    import torch
-
-    def ver(dist):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return "absent"
-
-    cap = torch.cuda.get_device_capability(0)
-    return {
-        "gpu": torch.cuda.get_device_name(0),
-        "capability": f"{cap[0]}.{cap[1]}",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "cutlass_dsl": ver("nvidia-cutlass-dsl"),
-        "cuda": torch.version.cuda,
-        "run_id": run_id,
-        "kernel": "vLLM v0.28.0 ShapeDynamicSkinnyGemm (CuTe DSL)",
-    }
-
-
-def _shape(text: str) -> tuple[int, int]:
-    """``"NxK"`` -> ``(N, K)`` (an argparse type: a ValueError is reported as a bad value)."""
-    n, k = text.lower().split("x")
-    return int(n), int(k)
-
-
 def _donor(text: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """``"NxK=DxK"`` -> ``((N, K), (D, K))``."""
     view, donor = text.split("=")
-    return _shape(view), _shape(donor)
+    return shp.parse(view), shp.parse(donor)
 
 
 def main(argv=None) -> int:
@@ -385,7 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--run-id", default=os.environ.get("K3_RUN_ID", "local"))
     ap.add_argument("--m", default="1-16", help="M values, e.g. 1-8 or 1,2,4")
-    ap.add_argument("--shape", action="append", default=[], type=_shape, help="NxK; repeatable")
+    ap.add_argument("--shape", action="append", default=[], type=shp.parse, help="NxK; repeatable")
     ap.add_argument("--seed-cache", help="an earlier run's cache (read only): seeds from its "
                     "fastest configs instead of the priors and the coarse grid")
     ap.add_argument("--donor", action="append", default=[], type=_donor,
@@ -410,7 +377,7 @@ def main(argv=None) -> int:
             "seed_cache": args.seed_cache, "donors": donors}
     priors = json.load(open(args.priors))
 
-    import timing  # main process: bandwidth once, before workers exist
+    from k3lab import timing
 
     prov = provenance(args.run_id)
     gpu = prov["gpu"]
@@ -433,9 +400,9 @@ def main(argv=None) -> int:
                     print(f"[tune] M={futs[fut]} failed: {exc!r}", flush=True)
                     failed.append(futs[fut])
         todo = sorted(failed)
-    import aggregate
-
-    res = aggregate.build(list(tune_cache.read_all(args.cache, gpu)), prov, bw, sel, ms)
+    # The run's summary (what git keeps); every timing stays in the cache.
+    res = aggregate.summary_of(aggregate.build(list(tune_cache.read_all(args.cache, gpu)), prov, bw,
+                                               sel, ms))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, sort_keys=True)
     s = res["summary"]

@@ -7,8 +7,8 @@ base: "raw" is a fresh worktree plus one ``git am --3way`` of the series;
 "apply" is the whole job in ``--check`` mode (read the series, worktree, am
 with verdicts, overlay, verify, cleanup), with the time of each phase.
 
-    python ci/bench_apply.py [--repeats 5]                 # our real series
-    python ci/bench_apply.py --synthetic 300 [--json F]    # 300 one-line patches
+    python -m k3lab.bench.apply [--repeats 5]                 # our real series
+    python -m k3lab.bench.apply --synthetic 300 [--json F]    # 300 one-line patches
 
 ``--synthetic N`` makes N one-line patches on the pinned base, each appending a
 comment to a different ``.py`` file of vLLM (so every one applies as is), and
@@ -34,11 +34,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from k3overlay import git, job, manifest, progress, series, source  # noqa: E402
-from k3overlay.job import Options, run_apply  # noqa: E402
-from k3overlay.project import COMMITTER, Project  # noqa: E402
+from k3overlay import git, job, manifest, progress, series, source
+from k3overlay.job import Options, run_apply
+from k3overlay.project import COMMITTER, Project
 
 # Phases of the job, timed by wrapping the function that does each.
 PHASES = {"read series (git mailinfo)": (job.series_mod, "load"),

@@ -13,7 +13,7 @@ routed rows, and over the union of rows (a table that falls back to cuBLAS on a
 row scores 1.0 there). Rows a table routes to dsv3 without a built op are
 listed as unmeasured and left out of both geo-means.
 
-Usage: ``python ci/gpu/bench.py --ours TABLE.py --v029 priors.json [--tune RESULTS.json]
+Usage: ``python -m k3lab.bench.gemm --ours TABLE.py --v029 priors.json [--tune RESULTS.json]
 --json OUT.json --md OUT.md``
 """
 
@@ -26,9 +26,9 @@ import os
 import runpy
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shapes as shp  # noqa: E402
+from k3lab import shapes as shp
+from k3lab.provenance import provenance
 
 
 def load_ours(path: str) -> tuple[dict, dict]:
@@ -66,10 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replays", type=int, default=15)
     args = ap.parse_args(argv)
 
-    import kernels
-    import timing
+    from k3lab import kernels, timing
     import torch
-    from tune import provenance
 
     ours, ours_prov = load_ours(args.ours)
     v029 = load_v029(args.v029)

@@ -24,7 +24,7 @@ what it measured.
 
 Usage (GPU machine, bundle installed, overlay copied into the tree)::
 
-    python ci/gpu/kda/benchmark.py --json OUT.json --md OUT.md [--m 1-16] [--deadline-s 240]
+    python -m k3lab.bench.kda --json OUT.json --md OUT.md [--m 1-16] [--deadline-s 240]
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # kda_report; timing and tune from ci/gpu
-
-import kda_report as rp  # noqa: E402
+from k3lab.bench import kda_report as rp
+from k3lab.provenance import provenance
 
 DEVICE = "cuda"  # a CPU dry run of this script swaps in "cpu" with stand-in timers
 F_A_ROWS = slice(rp.QKVG_N, rp.QKVG_N + rp.HEAD_DIM)
@@ -70,9 +68,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_end = time.time() + args.deadline_s
 
-    import timing
+    from k3lab import timing
     import torch
-    from tune import provenance
 
     from vllm.models.kimi_k3.nvidia import kda_projection as kp
     from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg

@@ -13,7 +13,7 @@ timed once on the real v0.28.0 tree (applied into a temporary checkout):
 - check: ``wheelcheck`` (both wheels read against RECORD, file set, contents,
   ``pip install --no-deps --target``).
 
-    python ci/bench_wheel.py [--no-download] [--json ci/results/bench_wheel.json]
+    python -m k3lab.bench.wheel [--no-download] [--json results/tool/bench_wheel.json]
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import time
 from importlib.metadata import version as installed
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from k3overlay import git, progress, source, wheel, wheelcheck  # noqa: E402
-from k3overlay.downloads import ReleaseFiles, file_sha256  # noqa: E402
-from k3overlay.job import Options, run_apply  # noqa: E402
-from k3overlay.project import Project  # noqa: E402
+from k3overlay import git, progress, source, wheel, wheelcheck
+from k3overlay.downloads import ReleaseFiles, file_sha256
+from k3overlay.job import Options, run_apply
+from k3overlay.project import Project
 
 
 def timed(figures: dict, name: str, work):

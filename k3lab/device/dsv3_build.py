@@ -7,7 +7,7 @@ checks it on one supported shape (7168 -> 1536, M=4) against a float64
 reference. Prints ``DSV3_LIB=<path>`` on success; on failure prints why and
 exits 1 (the tuner then simply has no dsv3 candidate). Log: stdout.
 
-Usage: ``python ci/gpu/dsv3_build.py --csrc $K3_TOOLS/k3/csrc --out /root/dsv3``
+Usage: ``python -m k3lab.device.dsv3_build --csrc $K3_TOOLS/k3/csrc --out /root/dsv3``
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reassemble the offline GPU bundle and install it into a target folder.
 #
-#   bash ci/gpu/install.sh --target DIR PART_DIR [PART_DIR ...]
+#   bash k3lab/device/install.sh --target DIR PART_DIR [PART_DIR ...]
 #
 # PART_DIRs hold bundle.partNNN files (any split across folders) and BUNDLE.json.
 # Checks every part's and the payload's sha256, installs the wheels with
@@ -50,7 +50,7 @@ PY
 tar -xf "$payload" -C "$target/.k3"
 rm -f "$payload"
 if [ "$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("kind", "base"))' "$manifest")" = targets ]; then
-  shim="$target/.k3/k3/ci_gpu/no_compiled_vllm_shim.py"  # from the base bundle
+  shim="$target/.k3/k3/k3lab/device/no_compiled_vllm_shim.py"  # from the base bundle
   for t in "$target"/.k3/targets/*/; do
     mkdir -p "$t/tree" && tar -xJf "$t/tree.tar.xz" -C "$t/tree" && rm -f "$t/tree.tar.xz"
     ls "$t"/tree/vllm/_C_stable_libtorch*.so >/dev/null 2>&1 || cp "$shim" "$t/tree/vllm/_C_stable_libtorch.py"
@@ -67,7 +67,7 @@ fi
 tar -xJf "$target/.k3/vllm_tree.tar.xz" -C "$target"
 # The tree carries no compiled vLLM; its CUDA platform imports one at import time.
 ls "$target"/vllm/_C_stable_libtorch*.so >/dev/null 2>&1 ||
-  cp "$target/.k3/k3/ci_gpu/no_compiled_vllm_shim.py" "$target/vllm/_C_stable_libtorch.py"
+  cp "$target/.k3/k3/k3lab/device/no_compiled_vllm_shim.py" "$target/vllm/_C_stable_libtorch.py"
 # Under --target the cutlass wheel's .pth is not processed: add its path by hand.
 echo "export PYTHONPATH=$target:$target/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}"
 echo "export K3_VLLM_ROOT=$target K3_TOOLS=$target/.k3"

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Steps of the GPU tier on a machine reached only through file transfers (our H200).
-# Each step is one call; see ci/gpu/README.md. All outputs go to $OUT (or ./out).
+# Each step is one call, from the repository's root; see docs/gpu-lab.md. All outputs go
+# to $OUT (or ./out); the tuner's cache comes back as one file per GPU.
 #   stash PART_DIR       keep a bundle part in /root/stash for the next call
 #   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
-#   decode SECONDS       issue 12: every backend on every shape x M (decode_gemm/runner.py:
+#   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-SITE=/tmp/site CACHE=/root/k3cache HERE=$(cd "$(dirname "$0")" && pwd)
+SITE=/tmp/site CACHE=/root/k3cache HERE=$(cd "$(dirname "$0")" && pwd) ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+R=$ROOT/results/sm90  # the committed runs the steps start from
+# The lab's commands, as modules of this repository (searched after the bundle's site).
+lab() { PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" python3 -m "$@"; }
+# The tuner's cache as git keeps it: one file per GPU, for the next call or machine.
+pack() { for d in "$CACHE"/*/; do [ -d "$d" ] && lab k3lab.tune_cache pack "$CACHE" "$(basename "$d")" "$OUT/tune_cache/$(basename "$d").jsonl.gz"; done; }
 export PYTHONUNBUFFERED=1 K3_RUN_ID=${K3_RUN_ID:-h200-$(date +%Y%m%d)}
 envs() { [ -f $SITE/.k3/env.sh ] || { echo "no $SITE: fresh machine, re-send the bundle" >&2; exit 3; }
          . $SITE/.k3/env.sh; [ -f /root/dsv3/k3_dsv3_fused_a.so ] && export K3_DSV3_LIB=/root/dsv3/k3_dsv3_fused_a.so; true; }
@@ -38,15 +44,15 @@ PY
 tune)
   envs; shim; mkdir -p $CACHE
   # Resume from what the repo carries (a fresh machine) and what this machine kept.
-  [ -d "$HERE/results/tune_cache" ] && cp -rn "$HERE/results/tune_cache/." $CACHE/
+  cp -n "$ROOT"/results/tune_cache/*.jsonl.gz $CACHE/ 2>/dev/null
   if [ ! -f /root/dsv3/.tried ] && [ -n "${K3_TRY_DSV3:-}" ]; then
     mkdir -p /root/dsv3 && touch /root/dsv3/.tried
     (python3 "$HERE/dsv3_build.py" --csrc $K3_TOOLS/k3/csrc --out /root/dsv3 > /root/dsv3/build.log 2>&1 &)
   fi
   left=$(( $1 - ($(date +%s) - START) ))
-  python3 "$HERE/tune.py" --cache $CACHE --priors $K3_TOOLS/k3/priors.json \
+  lab k3lab.tune --cache $CACHE --priors $K3_TOOLS/k3/priors.json \
      --out "$OUT/tune_sm90.json" --deadline-s $left --run-id "$K3_RUN_ID" 2>&1 | tee "$OUT/tune.log" | grep -v "^\[kernels\]"
-  tar -czf "$OUT/tune_cache.tgz" -C $CACHE .
+  pack
   cp /root/dsv3/build.log "$OUT/dsv3_build.log" 2>/dev/null; true ;;
 dsv3)
   envs; shim; rm -rf /root/dsv3; mkdir -p /root/dsv3
@@ -65,8 +71,8 @@ except Exception:
   mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py /tmp/k3t/tests/kernels/
   (cd /tmp/k3t && timeout ${TEST_S:-300} python3 -m pytest -p no:cacheprovider -q -rs --tb=short \
      --junitxml="$OUT/pytest_gpu.xml" tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py 2>&1 | tail -n 40 | tee "$OUT/pytest_gpu.log")
-  [ -n "${SKIP_BENCH:-}" ] || python3 "$HERE/bench.py" --ours overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
-     --v029 $K3_TOOLS/k3/priors.json --tune "$HERE/results/tune_sm90.json" \
+  [ -n "${SKIP_BENCH:-}" ] || lab k3lab.bench.gemm --ours overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
+     --v029 $K3_TOOLS/k3/priors.json --tune "$R/tune_sm90.json" \
      --json "$OUT/bench_sm90.json" --md "$OUT/bench_sm90.md" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
 decode)
   envs; shim
@@ -80,12 +86,11 @@ decode)
       --target /tmp/fi "$FI"/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/fi PATH=$PATH:/tmp/fi/bin
   fi
   left=$(( ${1:-370} - ($(date +%s) - START) ))
-  R=$HERE/results
-  python3 "$HERE/decode_gemm/runner.py" --out-dir "$OUT" --deadline-s $left -- \
+  lab k3lab.bench.decode_gemm.runner --out-dir "$OUT" --deadline-s $left -- \
      --sweep $R/swap_ab_sweep_sm90.json --tune $R/tune_sm90.json --tune $R/tune_sm90_kda.json \
      --cute-budget-s ${K3_CUTE_BUDGET_S:-60} \
      --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
      | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
-  timeout 30 python3 "$HERE/decode_gemm/plot.py" "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
+  PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
 esac
 echo "[device_run] $step done in $(( $(date +%s) - START ))s"

@@ -13,7 +13,7 @@ For every shape, in one run, with ``timing.time_us`` (CUDA graph of >= 12 calls 
 
 Writes ``--out`` JSON after every shape (provenance, read bandwidth, trivial-launch
 floor, every timing). Usage:
-``python ci/gpu/decode_gemm/balance.py --sweep SWEEP.json --out OUT.json [--shape NxK]``.
+``python -m k3lab.experiments.balance --sweep SWEEP.json --out OUT.json [--shape NxK]``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-import candidates  # noqa: E402
-import shapes as shp  # noqa: E402
-import tiles  # noqa: E402
+from k3lab import candidates, tiles
+from k3lab import shapes as shp
 
 REL_TOL = 1e-2
 # (streams, elements per stream per step, warps): 16 KB per CTA per step at 4 warps.
@@ -103,7 +98,7 @@ def read_fn(ctas: int, streams: int, block: int, warps: int):
 
 def precompile(sel, workers: int) -> float:
     """``sweep.precompile`` of the shapes' K plus the ``PIPELINES`` tiles (ragged, PDL)."""
-    import sweep
+    from k3lab.bench.decode_gemm import sweep
 
     extra = set()
     for n, k in sel:
@@ -125,14 +120,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.time()
 
-    import sweep
-    import timing
+    from k3lab import timing
+    from k3lab.bench.decode_gemm import sweep
     import torch
 
     plain = {(s["N"], s["K"]): s["best"] for s in json.load(open(args.sweep))["shapes"]}
     sel = [tuple(map(int, s.lower().split("x"))) for s in args.shape] or list(shp.SHAPES)
-    res = {"provenance": {**sweep.provenance(args.run_id), "tool": "ci/gpu/decode_gemm/balance.py"},
-           "method": {"timing": "ci/gpu/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB "
+    res = {"provenance": {**sweep.provenance(args.run_id), "tool": "k3lab/experiments/balance.py"},
+           "method": {"timing": "k3lab/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB "
                                 "rotating weights, median; pass 1 7 replays (M=16), pass 2 15",
                       "read_tiles": READ_TILES, "read_waves": READ_WAVES}}
     res["compile_s"] = round(precompile(sel, args.workers), 1)

@@ -21,8 +21,8 @@ Any exception of one config is recorded under that config and the run goes on; p
 ``--deadline-s`` the remaining work is listed as skipped. Usage (after the bundle's
 ``env.sh``)::
 
-    python ci/gpu/decode_gemm/cute_cluster_bench.py --phase check --out check.json --deadline-s 50
-    python ci/gpu/decode_gemm/cute_cluster_bench.py --phase time --checked check.json \\
+    python -m k3lab.experiments.cute_cluster_bench --phase check --out check.json --deadline-s 50
+    python -m k3lab.experiments.cute_cluster_bench --phase time --checked check.json \\
         --out bench.json --deadline-s 80
 """
 
@@ -37,16 +37,9 @@ import sys
 import time
 from typing import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+from k3lab import paths, shapes, tiles
 
-import shapes  # noqa: E402
-import tiles  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-SM90_TABLE = os.path.join(ROOT, "overlay", "vllm", "models", "kimi_k3", "nvidia",
-                          "low_latency_gemm_sm90.py")
+SM90_TABLE = str(paths.SM90_TABLE)
 
 SHAPES = ((1536, 7168), (3072, 7168), (2112, 7168), (768, 7168))
 TOKENS = (1, 8, 16)
@@ -145,21 +138,21 @@ def run_units(units: list, work: Callable, res: dict, key: str, out: str,
 def _provenance(run_id: str) -> dict:
     import importlib.metadata as md
 
-    import sweep
+    from k3lab.bench.decode_gemm import sweep
 
     p = sweep.provenance(run_id)
     try:
         p["cutlass_dsl"] = md.version("nvidia-cutlass-dsl")
     except md.PackageNotFoundError:
         p["cutlass_dsl"] = "absent"
-    p["tool"] = "ci/gpu/decode_gemm/cute_cluster_bench.py"
+    p["tool"] = "k3lab/experiments/cute_cluster_bench.py"
     return p
 
 
 def _check_config(cfg: tuple[int, int, int, bool]) -> list[dict]:
     """Compile one CuTe config and run it once on every (shape, M) against float64."""
-    import cute_cluster as cc
-    import timing
+    from k3lab import timing
+    from k3lab.experiments import cute_cluster as cc
     import torch
 
     c, stages, tile_k, pdl = cfg
@@ -193,9 +186,8 @@ def _check_config(cfg: tuple[int, int, int, bool]) -> list[dict]:
 
 def _time_shape(shape, ok: set, rot, read_bw: float, sm90_rows: dict) -> list[dict]:
     """Every backend at every M of one shape; one printed line."""
-    import candidates
-    import cute_cluster as cc
-    import timing
+    from k3lab import candidates, timing
+    from k3lab.experiments import cute_cluster as cc
     import torch
 
     n, k = shape
@@ -258,7 +250,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     deadline = start + args.deadline_s
     res = {"provenance": _provenance(args.run_id), "phase": args.phase,
-           "method": {"rel_tol": REL_TOL, "timing": "ci/gpu/timing.py time_us: CUDA graph >= 12"
+           "method": {"rel_tol": REL_TOL, "timing": "k3lab/timing.py time_us: CUDA graph >= 12"
                       " calls, >= 256 MiB rotating weights, median of 15 replays"},
            "skipped": []}
     write_json(args.out, res)  # on disk before the first kernel runs
@@ -266,7 +258,7 @@ def main(argv=None) -> int:
         res["checks"] = []
         run_units(cute_configs(), _check_config, res, "checks", args.out, deadline)
     else:
-        import timing
+        from k3lab import timing
 
         try:
             with open(args.checked) as f:

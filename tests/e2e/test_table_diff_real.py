@@ -1,6 +1,6 @@
 """The rebase job's table diff and per-target environments on real releases (README command).
 
-Expectations come from elsewhere than the diff: upstream's tables as ``ci/gpu/upstream_tables.py``
+Expectations come from elsewhere than the diff: upstream's tables as ``k3lab/upstream_tables.py``
 reads them out of the release's source text (AST, no import), ours from the overlay's SM90
 data module, and FACTS about the releases (SM107 has a table upstream from v0.33.0 on, where
 it shares SM103's; v0.33.0 pins torch 2.14.0 and CuTe DSL 4.8.0).

@@ -1,11 +1,9 @@
 """Decode-GEMM comparison on the GPU: our swap-AB kernel against every other candidate.
 
-Issue 12's tooling, a package of its own (the CuTe tuner stays in ``ci/gpu/``):
+Issue 12's benchmark. It shares ``k3lab/tiles.py`` (swap-AB tile configs and K splits
+worth timing per shape) and ``k3lab/candidates.py`` (callables for every backend) with the
+rest of the lab and the rebase job's GPU stage:
 
-* ``tiles``: swap-AB tile configs and K splits worth timing per shape (pure).
-* ``candidates``: callables ``f(x, w) -> y`` for cuBLAS, vLLM's CuTe skinny GEMM,
-  vLLM's ``ll_bf16`` (+ cast), FlashInfer's ``tinygemm_bf16`` and ours (GPU; each
-  backend only where it is installed).
 * ``sweep``: times our configs over every SM90 shape, picks one per shape (GPU).
 * ``phases``: what each phase of a figures run times, in what order, and the merge of
   their part JSONs (pure).
@@ -18,6 +16,6 @@ Issue 12's tooling, a package of its own (the CuTe tuner stays in ``ci/gpu/``):
 * ``plot``: fraction of the read roof per (shape, M), before and after (matplotlib).
 * ``targets``: the run's figures against issue 12's targets as markdown (pure).
 
-Timing is ``ci/gpu/timing.py``'s (CUDA-graph replay over >= 256 MiB of rotating weights,
+Timing is ``k3lab/timing.py``'s (CUDA-graph replay over >= 256 MiB of rotating weights,
 median), so every figure here is comparable with the CuTe tuner's.
 """

@@ -23,7 +23,7 @@ budget (what was not compiled is listed under ``skipped`` with the reason).
 
 Usage (after ``install.sh``, normally through ``runner.py``)::
 
-    python ci/gpu/decode_gemm/figures.py --phase core --part P.json --progress P.progress \\
+    python -m k3lab.bench.decode_gemm.figures --phase core --part P.json --progress P.progress \\
         --sweep SWEEP.json --tune TUNE.json [--tune MORE.json] --table TABLE.py
 """
 
@@ -38,14 +38,9 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-import phases  # noqa: E402
-import shapes as shp  # noqa: E402
-import tiles  # noqa: E402
-import winners  # noqa: E402
+from k3lab import tiles
+from k3lab import shapes as shp
+from k3lab.bench.decode_gemm import phases, winners
 
 REL_TOL = 1e-2
 SHAPE_LIMIT_S = 45.0  # one shape, every M: ~1-3 s measured; the rest is slack for a lazy compile
@@ -62,11 +57,11 @@ def _ver(dist: str) -> str:
 
 
 def provenance(run_id: str) -> dict:
-    import sweep
+    from k3lab.bench.decode_gemm import sweep
 
     p = sweep.provenance(run_id)
     p.update(cutlass_dsl=_ver("nvidia-cutlass-dsl"), flashinfer=_ver("flashinfer-python"),
-             vllm=_ver("vllm"), tool="ci/gpu/decode_gemm/figures.py")
+             vllm=_ver("vllm"), tool="k3lab/bench/decode_gemm/figures.py")
     return p
 
 
@@ -136,7 +131,7 @@ def measure(timing, fn, xs, ws, ref, replays):
 
 def time_row(ctx, n: int, k: int, m: int, plan: list, ws, gen) -> dict:
     """cuBLAS and every ``(backend, cfg)`` of ``plan`` on one (shape, M), both passes."""
-    import candidates
+    from k3lab import candidates
     import torch
 
     timing = ctx["timing"]
@@ -165,10 +160,8 @@ def time_row(ctx, n: int, k: int, m: int, plan: list, ws, gen) -> dict:
 
 def setup_core(args, part: Part, ctx: dict) -> None:
     """Compile ours (parallel processes) while CuTe compiles here; then roof and floor."""
-    import candidates
-    import kernels
-    import sweep
-    import timing
+    from k3lab import candidates, kernels, timing
+    from k3lab.bench.decode_gemm import sweep
     import torch
 
     sw = json.load(open(args.sweep))
@@ -227,7 +220,7 @@ def setup_core(args, part: Part, ctx: dict) -> None:
 
 def setup_compiled(args, part: Part, ctx: dict, backend: str) -> None:
     """Compile every ll_bf16 / tinygemm variant the phase will time, within the budget."""
-    import candidates
+    from k3lab import candidates
 
     keys = []
     for n, k in ctx["shapes"]:
@@ -321,8 +314,7 @@ def main(argv=None) -> int:
     part = Part(args.part, args.progress, args.phase, args.skip)
     part.start("startup", phases.STARTUP_LIMIT_S)
 
-    import candidates
-    import timing
+    from k3lab import candidates, timing
     import torch
 
     sel = [tuple(map(int, s.lower().split("x"))) for s in args.shape] or list(shp.SHAPES)
@@ -334,7 +326,7 @@ def main(argv=None) -> int:
         part.data["criteria"] = {"win_both_passes": winners.WIN, "pass1_replays": 7,
                                  "pass2_replays": 15}
         part.data["method"] = {
-            "timing": "ci/gpu/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB rotating "
+            "timing": "k3lab/timing.py time_us: CUDA graph >= 12 calls, >= 256 MiB rotating "
                       "weights, median; pass 1 7 replays, pass 2 15 (fresh x); each phase "
                       "times cuBLAS next to its own candidates", "win_both_passes": winners.WIN,
             "sweep": os.path.basename(args.sweep)}
@@ -349,7 +341,7 @@ def main(argv=None) -> int:
             if backend == "swap_ab":
                 fns[key] = candidates.swap_ab(cfg)
             elif backend == "cute":
-                import kernels
+                from k3lab import kernels
 
                 fns[key] = kernels.cute_fn(m, tuple(cfg))
             else:

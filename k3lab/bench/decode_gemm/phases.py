@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import shapes as shp
+from k3lab import shapes as shp
 
 
 class Phase(NamedTuple):

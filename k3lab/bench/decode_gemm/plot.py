@@ -14,7 +14,7 @@ than the reduction that defines the roof). Panels come from the JSON given:
   that run; ``x`` where one was not) and the table rendered from that run, its routed
   backend marked per cell by a letter.
 
-Usage: ``python ci/gpu/decode_gemm/plot.py RUN.json OUT.png [--today TODAY.json]``.
+Usage: ``python -m k3lab.bench.decode_gemm.plot RUN.json OUT.png [--today TODAY.json]``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import sys
 
 import matplotlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import winners  # noqa: E402
+from k3lab.bench.decode_gemm import winners
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

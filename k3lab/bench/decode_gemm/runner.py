@@ -17,7 +17,7 @@ important first) and this parent, which never touches the GPU, watches them:
 
 Usage (after ``install.sh``; ``device_run.sh decode`` runs it)::
 
-    python ci/gpu/decode_gemm/runner.py --out-dir OUT --deadline-s 370 -- \\
+    python -m k3lab.bench.decode_gemm.runner --out-dir OUT --deadline-s 370 -- \\
         --sweep SWEEP.json --tune TUNE.json --table TABLE.py   # passed on to figures.py
 """
 
@@ -33,13 +33,10 @@ import tempfile
 import time
 from typing import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+from k3lab import paths
+from k3lab.bench.decode_gemm import phases, winners
 
-import phases  # noqa: E402
-import winners  # noqa: E402
-
+WORKER = "k3lab.bench.decode_gemm.figures"  # one child process per phase
 MAX_ATTEMPTS = 3
 MARGIN_S = 5.0  # a child's own deadline ends this much before the parent's kill
 OUT_JSON = "decode_gemm_sm90.json"
@@ -74,7 +71,7 @@ def watch(argv: list, progress: str, cap_s: float, poll_s: float = 0.25) -> tupl
     if os.path.exists(progress):
         os.remove(progress)
     start = time.time()
-    proc = subprocess.Popen(argv, start_new_session=True)
+    proc = subprocess.Popen(argv, start_new_session=True, cwd=paths.REPO)  # finds k3lab
     while True:
         rc = proc.poll()
         prog = _read(progress)
@@ -160,10 +157,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(own)
     os.makedirs(args.out_dir, exist_ok=True)
     chosen = [p for p in phases.PHASES if not args.phase or p.name in args.phase]
-    worker = os.path.join(HERE, "figures.py")
-
     def argv_for(ph, part, progress, skip, deadline):
-        cmd = [sys.executable, worker, "--phase", ph.name, "--part", part,
+        cmd = [sys.executable, "-m", WORKER, "--phase", ph.name, "--part", part,
                "--progress", progress, "--deadline-s", f"{deadline:.0f}", *rest]
         for unit in skip:
             cmd += ["--skip", unit]

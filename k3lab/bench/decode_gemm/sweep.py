@@ -10,7 +10,7 @@ launches (one GEMM's output is the next one's input, under PDL, in a graph) chec
 that the kernel waits for its producer before reading ``x``.
 
 Writes ``--out`` JSON: provenance, read bandwidth, trivial-kernel floor, every
-timing. Usage: ``python ci/gpu/decode_gemm/sweep.py --out OUT.json [--shape NxK]``.
+timing. Usage: ``python -m k3lab.bench.decode_gemm.sweep --out OUT.json [--shape NxK]``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-import candidates  # noqa: E402
-import shapes as shp  # noqa: E402
-import tiles  # noqa: E402
+from k3lab import candidates, provenance, tiles
+from k3lab import shapes as shp
 
 REL_TOL = 1e-2
 
@@ -38,10 +33,9 @@ REL_TOL = 1e-2
 def provenance(run_id: str) -> dict:
     """The tuner's provenance (GPU, capability, date, versions) plus Triton's version."""
     import triton
-    import tune
 
-    return {**tune.provenance(run_id), "triton": triton.__version__,
-            "kernel": "swap_ab_gemm.py (Triton)"}
+    return {**provenance.provenance(run_id, kernel="swap_ab_gemm.py (Triton)"),
+            "triton": triton.__version__}
 
 
 def _compile_job(args):
@@ -86,12 +80,12 @@ def main(argv=None) -> int:
     ap.add_argument("--run-id", default=os.environ.get("K3_RUN_ID", "local"))
     args = ap.parse_args(argv)
 
-    import timing
+    from k3lab import timing
     import torch
 
     sel = [tuple(map(int, s.lower().split("x"))) for s in args.shape] or list(shp.SHAPES)
     res = {"provenance": provenance(args.run_id), "method": {
-        "timing": "ci/gpu/timing.py time_us: CUDA graph, >= 256 MiB rotating weights",
+        "timing": "k3lab/timing.py time_us: CUDA graph, >= 256 MiB rotating weights",
         "pass_replays": [7, 15]}}
     res["compile_s"] = round(precompile({k for _, k in sel}, args.workers), 1)
     print(f"[sweep] compiled in {res['compile_s']} s", flush=True)

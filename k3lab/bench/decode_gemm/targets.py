@@ -5,7 +5,7 @@ routed table against cuBLAS and today's table, both timed in the same run) and o
 per weight shape, every figure read from the JSON (``winners.summary`` and the rows),
 so the README's tables can be re-rendered from the committed JSON and checked.
 
-Usage: ``python ci/gpu/decode_gemm/targets.py RESULTS.json [OUT.md]``.
+Usage: ``python -m k3lab.bench.decode_gemm.targets RESULTS.json [OUT.md]``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import winners  # noqa: E402
+from k3lab.bench.decode_gemm import winners
 
 LETTER = {"swap_ab": "S", "cute": "C", "ll_bf16": "L", "tinygemm": "T", "dsv3_fused_a": "D"}
 
@@ -83,7 +82,7 @@ def render(res: dict, path: str) -> str:
 
 def main(argv: list[str]) -> int:
     res = json.load(open(argv[0]))
-    text = render(res, "ci/gpu/results/" + os.path.basename(argv[0]))
+    text = render(res, "results/sm90/" + os.path.basename(argv[0]))
     if len(argv) > 1:
         with open(argv[1], "w") as f:
             f.write(text)

@@ -4,7 +4,7 @@ A row's candidates are every backend timed in both passes of that run; a candida
 wins only if it beat cuBLAS (timed alongside, in the same pass and process: the row's
 ``cublas_us``, or the candidate's own where a later phase of the run timed it, see
 ``phases.merge``) by >= ``WIN`` in pass 1 *and* pass 2, and among those the smallest
-mean ``us / cublas_us`` wins, the same rule as the CuTe tuner (``ci/gpu/aggregate.py``).
+mean ``us / cublas_us`` wins, the same rule as the CuTe tuner (``k3lab/aggregate.py``).
 The output rows have the tuner's shape (``status``, ``winner.backend/cfg/us/speedup``),
 so ``render_table.py`` renders either.
 
