@@ -9,6 +9,7 @@ time. The last test runs ``offline.sh`` itself end to end on a synthetic add-on 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import subprocess
@@ -22,8 +23,9 @@ import pytest
 
 from ci.gpu_stage import ab, compile_shards, pytest_record, run, stage, summary
 from k3overlay import errors, files
-from k3overlay.project import ROOT
+from k3overlay.project import ROOT, cache_dir
 from k3overlay.report import Report, markdown
+from tests.test_downloads import WHAT, plant
 
 CI = str(ROOT / "ci")
 
@@ -334,3 +336,34 @@ def test_bundle_out_removes_only_an_earlier_bundles_part_files(tmp_path):
         f"--out {out} holds other files (part-001); pick an empty folder")
     assert (out / "part-001" / "notes.txt").read_text() == "the user's\n"
     assert sorted(os.listdir(out)) == first  # and no other part was removed either
+
+
+# -- Found after issue 8: the cache's own files (``~/.cache/vllm-k3-overlay``) were opened by
+# name, following links and waiting on FIFOs. A FIFO at the download lock hung the run for
+# good; a link at a partial download was written through. Every file the tool keeps there
+# (lock files, cached and partial downloads, the test environments' records, the CuTe DSL
+# mark) is now opened without following a link or waiting on a FIFO: anything but a regular
+# file is one line, exit 2, and left as it was.
+
+
+def test_cute_dsl_mark_is_not_written_through_a_link(tmp_path, monkeypatch):
+    lines = ("nvidia-cutlass-dsl==4.8.0",)
+    key = hashlib.sha256(b'["nvidia-cutlass-dsl==4.8.0"]').hexdigest()[:16]
+    outside = tmp_path / "outside" / "mark"
+    as_it_was = plant(cache_dir() / "cute-dsl" / key / ".complete", "dangling link", outside)
+    monkeypatch.setattr(stage.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))
+    with pytest.raises(RuntimeError, match=r"refusing to write \.complete: it is a symbolic link"):
+        stage.cute_dsl_site(lines)
+    assert as_it_was() and not outside.exists()
+
+
+@pytest.mark.parametrize("what", WHAT)
+def test_gpu_lock_in_the_shared_tmp_is_never_followed_or_waited_on(what, tmp_path):
+    with ab.GpuLock(str(tmp_path / "fine.lock")):  # a regular file, made on first use
+        assert (tmp_path / "fine.lock").is_file()
+    path = tmp_path / "k3-gpu.lock"
+    as_it_was = plant(path, what, tmp_path / "outside" / "target")
+    with pytest.raises(OSError):
+        with ab.GpuLock(str(path)):
+            pass
+    assert as_it_was()

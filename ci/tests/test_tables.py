@@ -9,6 +9,7 @@ the rebase job imports the real ones; expectations are the rows written into tho
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
@@ -16,14 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import errors
-from k3overlay.project import ROOT
 from ci import cpu_tier, table_diff, target_env, targets
 from ci.gpu_stage import ab, addon, stage
 from ci.gpu_stage.run import python_path
 from k3overlay import errors
 from k3overlay.project import ROOT
 from k3overlay.report import Report, junit_xml, markdown
+from tests.test_downloads import plant
 
 PKG = "vllm/models/kimi_k3/nvidia"
 SPEC = textwrap.dedent("""\
@@ -367,3 +367,38 @@ def test_other_backends_configs_come_out_as_their_fields():
     with pytest.raises(LookupError, match="no handle for backend other"):
         ab._kernel_fn({"backend": "other", "config": None},
                       {"N": 1, "K": 8, "M": 1, "residual": False}, kernels=None)
+
+
+# -- Found after issue 8: the cache's own files (``~/.cache/vllm-k3-overlay``) were opened by
+# name, following links and waiting on FIFOs. A FIFO at the download lock hung the run for
+# good; a link at a partial download was written through. Every file the tool keeps there
+# (lock files, cached and partial downloads, the test environments' records, the CuTe DSL
+# mark) is now opened without following a link or waiting on a FIFO: anything but a regular
+# file is one line, exit 2, and left as it was.
+
+
+def test_target_environment_lock_and_record_are_never_followed_or_waited_on(tmp_path, monkeypatch):
+    tree = tmp_path / "tree"
+    (tree / "requirements").mkdir(parents=True)
+    (tree / "requirements" / "common.txt").write_text("regex\n")
+    key = target_env.spec_of(tree).key
+    root = tmp_path / "envs"
+    lock_as_it_was = plant(root / f"{key}.lock", "FIFO", tmp_path / "unused")
+    with pytest.raises(errors.UsageError, match="is a FIFO, not a regular file"):
+        target_env.ensure(tree, root)
+    assert lock_as_it_was()
+    os.unlink(root / f"{key}.lock")
+
+    # a record that is a FIFO is not read (it would never end): the environment is built again
+    (root / key).mkdir(parents=True)
+    os.mkfifo(root / key / "env.json")
+    built = []
+
+    def build(spec, tree, home):
+        built.append(home)
+        (home / "env.json").unlink()  # the real build starts from an empty folder too
+        (home / "env.json").write_text('{"installed_torch": "2.13.0"}')
+
+    monkeypatch.setattr(target_env, "_build", build)
+    env = target_env.ensure(tree, root)
+    assert built == [root / key] and env.torch == "2.13.0"
