@@ -198,3 +198,24 @@ def test_results_are_small_and_hold_no_logs_tarballs_or_raw_caches():
                                        ("results/sm90/decode_gemm_sm90.png", False)])
 def test_the_results_rule_tells_logs_and_raw_runs_from_summaries(name, bad):
     assert bool(NOT_RESULTS.search(name)) is bad
+
+
+def pages() -> list[Path]:
+    return ([ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+            + sorted((ROOT / "results").rglob("*.md")))
+
+
+def test_the_front_door_and_every_page_stay_readable_and_their_links_resolve():
+    broken, long = [], {}
+    for page in pages():
+        text = page.read_text()
+        if text.count("\n") > 400:
+            long[str(page.relative_to(ROOT))] = text.count("\n")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.partition("#")[0]
+            if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert len(pages()) >= 5 and long == {} and broken == []
+    front = (ROOT / "README.md").read_text()
+    for wing_page in ("docs/apply.md", "docs/rebase-job.md", "docs/gpu-lab.md", "results/README.md"):
+        assert f"]({wing_page})" in front

@@ -15,7 +15,7 @@ important first) and this parent, which never touches the GPU, watches them:
 * after every phase the figures JSON is merged from the parts (``phases.merge``),
   decided (``winners.decide``) and written, so a run cut short keeps every phase done.
 
-Usage (after ``install.sh``; ``device_run.sh decode`` runs it)::
+Usage (after ``install.sh``; ``k3lab/device/run.sh decode`` runs it)::
 
     python -m k3lab.bench.decode_gemm.runner --out-dir OUT --deadline-s 370 -- \\
         --sweep SWEEP.json --tune TUNE.json --table TABLE.py   # passed on to figures.py
