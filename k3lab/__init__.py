@@ -2,7 +2,7 @@
 
 Nothing here ships. Commands run from the repository's root as ``python -m k3lab.<tool>``
 (docs/gpu-lab.md); what they measure is committed under ``results/`` (results/README.md),
-and raw runs, logs and tarballs go to ``~/.cache/vllm-k3-overlay/lab/`` (``paths``).
+and raw runs, logs and tarballs go to ``~/.cache/vllm-k3-overlay/lab/`` or CI artifacts.
 
 Shared by the lab and the rebase job's GPU stage (``ci/gpu_stage``):
   shapes       Kimi-K3 decode GEMM shapes, bytes and read roofs
@@ -11,7 +11,7 @@ Shared by the lab and the rebase job's GPU stage (``ci/gpu_stage``):
   candidates   handles to every backend the dispatch can route to, ours included
   tiles        swap-AB tile configs and K splits worth timing
   provenance   GPU, date, versions and run id for every results JSON
-  paths        this checkout, results/, the overlay, the lab's cache folder
+  paths        this checkout, results/ and the overlay
 
 The tuner and the tables:
   space, tune, tune_cache, aggregate    the resumable CuTe tuner and its cache

@@ -11,7 +11,7 @@
 # ran, the A/B keeps every row timed). Per target: OURS_WORKERS (5) pytest shards for our
 # files (one kernel config's tests in one shard), VLLM_WORKERS (2) for vLLM's file,
 # AB_WORKERS (4) A/B processes (they compile in parallel, time one at a time).
-# Results in $OUT: <ref>.json (ci/rebase.py --gpu-results $OUT attaches them), stage.log,
+# Results in $OUT: <ref>.json (python -m ci.rebase --gpu-results $OUT attaches them), stage.log,
 # logs.tgz (each target's pytest output and per-test records, <ref>.<suite>.jsonl).
 # FI_WHEELS: a folder of FlashInfer's wheels (tinygemm), installed into /tmp/fi, searched last.
 # SITE (/tmp/site), STASH (/root/stash-targets) and PYTHON (python3) can be set, e.g. to
