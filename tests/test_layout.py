@@ -156,6 +156,28 @@ def test_the_tool_knows_nothing_of_ci_or_the_lab_and_ci_nothing_of_experiments()
     assert {(m, d) for m, ds in edges.items() if wing(m) == "k3lab" for d in ds if wing(d) == "ci"} == set()
 
 
+# The lab's modules that need the tool: they build on the host (the bundle, from a patched
+# tree) or measure the tool itself. Every other one runs on a GPU machine that has only
+# k3lab/ and overlay/ (docs/gpu-lab.md).
+LAB_ON_THE_HOST = {"k3lab.bundle", "k3lab.bench.apply", "k3lab.bench.wheel"}
+
+
+def test_the_labs_gpu_side_needs_nothing_of_the_tool():
+    edges = graph()
+
+    def reach(module: str, seen: set[str]) -> set[str]:
+        for dep in edges.get(module, ()):
+            if dep not in seen:
+                seen.add(dep)
+                reach(dep, seen)
+        return seen
+
+    gpu_side = [m for m in edges if m.startswith("k3lab") and m not in LAB_ON_THE_HOST]
+    assert "k3lab.tune" in gpu_side and "k3lab.candidates" in gpu_side
+    assert {m: sorted(d for d in reach(m, set()) if d.startswith("k3overlay"))
+            for m in gpu_side} == dict.fromkeys(gpu_side, [])
+
+
 def test_no_python_file_is_over_600_lines_but_generated_tables_and_tests():
     long = {}
     for path in python_files() + sorted((ROOT / "tests").rglob("*.py")):
