@@ -31,8 +31,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 CI_DIR = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(CI_DIR.parent))
-from k3overlay.stages import Problem, TestRun  # noqa: E402
+from k3overlay.stages import Problem, TestRun
 
 PLUGIN = "pytest_no_accelerator"
 UPSTREAM_FILES = ("tests/kernels/test_bf16_skinny_gemm.py",)  # vLLM's, our patch 0002 updates it

@@ -7,12 +7,8 @@ Times are µs per call, measured by the stage on the GPU named in ``provenance``
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from k3overlay.stages import COUNTS, Section, TestRun  # noqa: E402
-from table_diff import choice  # noqa: E402
+from ci.table_diff import choice
+from k3overlay.stages import COUNTS, Section, TestRun
 
 DETAIL_ROWS = 40  # A/B rows listed in the report; the JSON report has them all
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
 
-    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json reports/rebase.json \\
+    python -m ci.rebase --onto v0.29.0 --onto v0.33.0 --json reports/rebase.json \\
         [--junit reports/rebase.xml] [--markdown reports/rebase.md] [--vllm-repo URL]
         [--no-tests] [--wheels DIR]
         [--gpu | --gpu-results DIR] [--gpu-export DIR]
@@ -37,10 +37,6 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     import sys
     from pathlib import Path
     from types import SimpleNamespace
-
-    HERE = Path(__file__).resolve().parent
-    sys.path.insert(0, str(HERE.parent))
-    sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
     from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c
@@ -80,8 +76,8 @@ class JobStages:
         self.gpu_results, self.gpu_export = gpu_results, gpu_export
 
     def __call__(self, target: Target) -> StageResults:
-        import target_env
-        from cpu_tier import run_cpu_tier
+        from ci import target_env
+        from ci.cpu_tier import run_cpu_tier
 
         results = StageResults()
         try:
@@ -99,9 +95,9 @@ class JobStages:
         return results
 
     def _tables_and_gpu(self, target: Target, env, results: StageResults) -> None:
-        from gpu_report import ab_section, gpu_run
-        from gpu_stage import stage
-        from table_diff import TableReadError, as_section, read_tables, section
+        from ci.gpu_report import ab_section, gpu_run
+        from ci.gpu_stage import stage
+        from ci.table_diff import TableReadError, as_section, read_tables, section
 
         # Our module where the job's merge of it conflicted: the built tree holds upstream's.
         prefer = (self.project.overlay_dir / LLG_PACKAGE
@@ -185,7 +181,7 @@ def _main(argv: list[str] | None) -> int:
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
         results = None
         if args.gpu_results:
-            from gpu_stage.stage import load_results
+            from ci.gpu_stage.stage import load_results
 
             results = load_results(args.gpu_results)
         stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,

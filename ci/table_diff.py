@@ -22,8 +22,7 @@ import tempfile
 from pathlib import Path
 
 CI_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(CI_DIR.parent))
-from k3overlay.stages import Section  # noqa: E402
+from k3overlay.stages import Section
 
 DUMP = CI_DIR / "table_dump.py"
 KINDS = ("upstream_only", "ours_only", "different")

@@ -18,8 +18,6 @@ from k3overlay.project import ROOT
 LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
 MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
 
-sys.path.insert(0, str(ROOT / "ci"))
-
 
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent

@@ -9,7 +9,7 @@ from .conftest import require_vllm_deps
 
 def test_vllm_and_our_kernel_tests_pass_on_patched_base(applied, tmp_path):
     require_vllm_deps()
-    from cpu_tier import run_cpu_tier
+    from ci.cpu_tier import run_cpu_tier
 
     wd, _ = applied
     xml = tmp_path / "tier.xml"
