@@ -1,0 +1,140 @@
+"""The state of a work tree (dirty, an operation in progress, untracked files in the way)
+and the temporary worktrees the tool builds in."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .gitproc import Repo, run, attempt, _z, literal
+from .files import read_regular
+from .interrupts import deferred
+from .lock import flock
+
+
+def operation_in_progress(repo: Repo) -> str | None:
+    """Name of an unfinished am/rebase/merge/cherry-pick/revert/bisect in ``repo``, or None."""
+    markers = {
+        "rebase-apply/applying": "git am",
+        "rebase-apply": "git rebase",
+        "rebase-merge": "git rebase",
+        "MERGE_HEAD": "git merge",
+        "CHERRY_PICK_HEAD": "git cherry-pick",
+        "REVERT_HEAD": "git revert",
+        "BISECT_LOG": "git bisect",
+        "sequencer": "git cherry-pick/revert sequence",
+    }
+    for marker, name in markers.items():
+        path = run(repo, "rev-parse", "--git-path", marker).strip()
+        if (Path(repo.working_tree_dir) / path).exists():
+            return name
+    return None
+
+
+def untracked_in_the_way(repo: Repo, paths: list[str]) -> list[str]:
+    """Those of ``paths`` where something git does not track sits in the work tree (a file,
+    link or folder; with a clean status, one git ignores): what a checkout, ``git am
+    --3way`` or laying a file there would destroy."""
+    top = Path(repo.working_tree_dir)
+    present = [path for path in paths if os.path.lexists(top / path)]
+    tracked = set(_z(run(repo, "ls-files", "-z", "--", *literal(present)))) if present else set()
+    return [path for path in present
+            if path not in tracked and not any(t.startswith(path + "/") for t in tracked)]
+
+
+def is_dirty(repo: Repo) -> bool:
+    """True if ``repo`` has staged, unstaged or untracked (not ignored) changes."""
+    return bool(run(repo, "status", "--porcelain", "--untracked-files=normal").strip())
+
+
+_WORKTREE_PREFIX = "k3-worktree-"
+
+
+@contextlib.contextmanager
+def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
+    """A detached linked worktree of ``repo`` at ``sha``, removed on exit.
+
+    The worktree lives in a fresh temporary folder holding ``owner.lock``, which
+    this process keeps locked while the worktree exists: a leftover of a run that
+    was killed (lock free) is removed first, one of a run still working (lock
+    held) is left alone. Only our own entries are ever removed: never ``git
+    worktree prune``, which would also drop a user's entries for moved folders.
+    Removal is not cut short by Ctrl-C (it is finished, then the interrupt goes on).
+    """
+    _remove_stale_worktrees(repo)
+    parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
+    owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
+        run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
+        yield Repo(parent / "tree")
+    finally:
+        with deferred():
+            _remove_worktree(repo, parent)
+            os.close(owner)
+
+
+def _remove_stale_worktrees(repo: Repo) -> None:
+    """Remove our temporary worktrees of ``repo`` whose owning process is gone."""
+    admin = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
+    for gitdir_file in sorted(admin.glob("worktrees/*/gitdir")):
+        with contextlib.suppress(OSError):
+            tree = _tree_of(gitdir_file)
+            parent = tree.parent
+            if tree.name != "tree" or not parent.name.startswith(_WORKTREE_PREFIX):
+                continue  # not ours
+            with _owner_gone(parent) as gone:
+                if gone:
+                    with deferred():
+                        _remove_worktree(repo, parent)
+
+
+def _tree_of(gitdir_file: Path) -> Path:
+    """The linked worktree a ``worktrees/NAME/gitdir`` file names; ``Path()`` if it is not a
+    regular file (a link is not followed, a FIFO not waited on)."""
+    data = read_regular(gitdir_file)
+    return Path(os.fsdecode(data.strip())).parent if data else Path()
+
+
+@contextlib.contextmanager
+def _owner_gone(parent: Path) -> Iterator[bool]:
+    """True (and the owner lock, held for the block) if no live process owns ``parent``.
+
+    A folder without ``owner.lock`` was never ours (a run makes the lock before the worktree):
+    a user's own worktree at ``…/k3-worktree-x/tree`` is left alone, files and all."""
+    try:
+        fd = os.open(parent / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield not os.path.lexists(parent)  # folder gone (a cleaned /tmp): only git's entry is left
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _remove_worktree(repo: Repo, parent: Path) -> None:
+    """Remove our worktree at ``parent/tree``: git's entry for it, and the folder.
+
+    If ``git worktree remove`` cannot (the folder is half made or already gone),
+    the entry is deleted from ``$GIT_COMMON_DIR/worktrees`` by hand, ours only.
+    """
+    tree = parent / "tree"
+    attempt(repo, "worktree", "remove", "--force", "--force", str(tree))
+    ok, admin = attempt(repo, "rev-parse", "--path-format=absolute", "--git-common-dir")
+    if ok:
+        for gitdir_file in Path(admin.strip()).glob("worktrees/*/gitdir"):
+            with contextlib.suppress(OSError):
+                if _tree_of(gitdir_file) == tree:
+                    shutil.rmtree(gitdir_file.parent)
+    shutil.rmtree(parent, ignore_errors=True)
