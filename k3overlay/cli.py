@@ -16,10 +16,12 @@ from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
+from .redact import Stream, redact
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
 from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
 
+INTERNAL = 1  # what Python exits with on a traceback; the JSON report of one says so too
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
 soundly), 3 patch conflict, 4 overlay drift, 5 verification failed (or the wheel's checks),
 6 vLLM source unreachable or not matching the index's sha256"""
@@ -84,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.quiet = args.quiet
         return _run(project, args)
     except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         return err.exit_code
     except KeyboardInterrupt:
         job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
-        print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)
+        tell(f"apply.py: interrupted; {_left_as_it_was(args)}")
         return 130
     finally:
         job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
@@ -131,19 +133,27 @@ def _run(project: Project, args: argparse.Namespace) -> int:
         else:
             report = run_apply(project, opts)
     except errors.OverlayError as err:
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         if json_to:
             report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
                             error=str(err), error_code=err.exit_code)
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, json_to)
         return err.exit_code
+    except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
+        if json_to:
+            report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
+                            error=f"internal error (a bug of apply.py): {type(err).__name__}: {err}",
+                            error_code=INTERNAL)
+            with contextlib.suppress(Exception):
+                write_json(report, json_to)
+        raise
     if wheel_opts and report.ok:
         try:
             report.wheel = _build_wheel(project, report, wheel_opts)
         except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-            print(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
-                  f"written", file=sys.stderr)
+            tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
+                 f"written")
             return 130
     job_done()
     # A report file is written before the text: a reader of stdout gone early (`| head -1`,
@@ -159,7 +169,7 @@ def _json_report(report: Report, path: Path) -> int:
     try:
         write_json(report, path)
     except errors.OverlayError as err:  # the disk filled up since the check, say
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         return report.exit_code or err.exit_code
     return report.exit_code
 
@@ -204,7 +214,7 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
     repo = git.open_repo(Path(report.workdir))
     result = build_for(project, repo, report, git.branch_tip(repo, report.branch), opts)
     if "error" in result:
-        print(f"apply.py: error: {result['error']}", file=sys.stderr)
+        tell(f"apply.py: error: {result['error']}")
     else:
         report.notes.append(f"its provenance record, where it is installed: {PRINT_RECORD}")
     return result
@@ -224,9 +234,16 @@ def job_done() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
+def tell(text: str, *, to=None) -> None:
+    """Print one message (stderr unless ``to``), through ``redact``: the one way the command
+    lines say anything outside a report (errors, notes, the export's summary)."""
+    print(redact(text), file=to or sys.stderr)
+
+
 def report_console() -> Console:
     """stdout for reports: wide when piped, so CI logs keep one line per patch or file."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    return Console(file=Stream(lambda: sys.stdout), highlight=False,
+                   width=None if sys.stdout.isatty() else 160)
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -235,13 +252,13 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def _export(project: Project, workdir: Path) -> int:
     result = export(project, workdir.resolve())
-    print(f"exported {len(result.patches)} patch(es) on base {result.base}:")
+    tell(f"exported {len(result.patches)} patch(es) on base {result.base}:", to=sys.stdout)
     for name in result.patches:
-        print(f"  {name}")
+        tell(f"  {name}", to=sys.stdout)
     for name in result.dropped:
-        print(f"  dropped {name} (no commit with its subject on the work branch: landed "
-              f"upstream, dropped or reworded)")
-    print("overlay.json re-recorded at " + result.base)
+        tell(f"  dropped {name} (no commit with its subject on the work branch: landed "
+              f"upstream, dropped or reworded)", to=sys.stdout)
+    tell("overlay.json re-recorded at " + result.base, to=sys.stdout)
     if result.range_diff:
-        print("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip())
+        tell("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip(), to=sys.stdout)
     return errors.OK

@@ -40,6 +40,7 @@ from .gitrefs import (  # noqa: F401
     tags,
     tag,
     is_branch_name,
+    is_ref_name,
     current_branch,
     branch_tip,
     object_type,

@@ -40,6 +40,7 @@ from git.exc import InvalidGitRepositoryError, NoSuchPathError
 
 from .errors import OverlayError
 from .interrupts import deferred
+from .redact import url_without_credentials
 
 Repo = gitpython.Repo
 
@@ -51,8 +52,12 @@ PINNED = {
     # the user's hooks, fsmonitor and signing never run (and would break reproducible shas)
     "core.hooksPath": "/dev/null", "core.fsmonitor": "false",
     "commit.gpgSign": "false", "tag.gpgSign": "false", "log.showSignature": "false",
-    "protocol.ext.allow": "never", "submodule.recurse": "false",
-    "fetch.recurseSubmodules": "false",
+    "submodule.recurse": "false", "fetch.recurseSubmodules": "false",
+    # transports: only what a vLLM source can be (``TRANSPORTS``; GIT_ALLOW_PROTOCOL in
+    # ``_environment`` says the same and beats any config); nothing prompts for a password
+    "protocol.allow": "never", **{f"protocol.{name}.allow": "always" for name in ("https", "ssh", "git", "file")},
+    **{f"protocol.{name}.allow": "never" for name in ("ext", "fd", "http", "ftp", "ftps")},
+    "core.askPass": "",
     # output we parse: no colour, plain a/ b/ prefixes, unquoted paths, English
     "color.ui": "never", "color.diff": "never", "color.status": "never", "color.branch": "never",
     "color.decorate": "never", "color.advice": "never", "color.remote": "never",
@@ -97,15 +102,22 @@ GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={
 # Carried over from the user's own (global/system) config: reaching a repository, who
 # they are, and what they ignore. Canonical key names, as ``git config --get-regexp`` prints them.
 _CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(insteadof|pushinsteadof)"
-                      r"|core\.(sshcommand|askpass|excludesfile)|safe\.directory)$")
+                      r"|core\.(sshcommand|excludesfile)|safe\.directory)$")
 
 
 # Inherited variables kept: identity (reflog lines in the user's checkout stay theirs)
 # and transport (ssh, proxies, certificates). Every other GIT_* variable is dropped:
 # GIT_DIR, GIT_INDEX_FILE, GIT_CONFIG_PARAMETERS, … would redirect or reconfigure us.
 _KEPT_VARIABLES = re.compile(r"^GIT_((AUTHOR|COMMITTER)_(NAME|EMAIL)|SSH|SSH_COMMAND|SSH_VARIANT"
-                             r"|ASKPASS|SSL_CAINFO|SSL_CAPATH|SSL_NO_VERIFY|PROXY_COMMAND"
-                             r"|PROXY_SSL_.+|HTTP_.+|TERMINAL_PROMPT|EXEC_PATH)$")
+                             r"|SSL_CAINFO|SSL_CAPATH|SSL_NO_VERIFY|PROXY_COMMAND"
+                             r"|PROXY_SSL_.+|HTTP_.+|EXEC_PATH)$")
+# The transports a vLLM source may use (git's names): https, ssh, git, and file for local
+# paths. Every other (http, ftp, ext::, fd::, any git-remote-<name> helper) is off.
+TRANSPORTS = ("https", "ssh", "git", "file")
+# Nothing may wait on a person: no terminal prompt, no askpass program (git's or ssh's),
+# no interactive credential manager. A private source needs a credential helper or an ssh agent.
+_NO_PROMPT = {"GIT_TERMINAL_PROMPT": "0", "SSH_ASKPASS_REQUIRE": "never", "GCM_INTERACTIVE": "never",
+              "GIT_PROTOCOL_FROM_USER": "0", "GIT_ALLOW_PROTOCOL": ":".join(TRANSPORTS)}
 
 
 _STOP_WAIT_S = 5  # a terminated git gets this long to remove its own half-made files
@@ -175,9 +187,12 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
     wait for it, and re-raise. Raises GitError if git cannot be started (no
     git, or ``cwd`` is gone: never silently run somewhere else).
     """
-    with tempfile.TemporaryFile() as given:  # a file, not a pipe: git may stop reading early
-        given.write(stdin or b"")
-        given.seek(0)
+    # stdin is /dev/null unless data is given, then a file, not a pipe (git may stop reading
+    # early): nothing git starts (a remote helper, ssh, a credential helper) can wait on it.
+    with open(os.devnull, "rb") if stdin is None else tempfile.TemporaryFile() as given:
+        if stdin is not None:
+            given.write(stdin)
+            given.seek(0)
         try:
             proc = subprocess.Popen(
                 [*GIT, *args], cwd=cwd, env=_environment(env), start_new_session=True,
@@ -210,12 +225,15 @@ def _stop(proc: subprocess.Popen) -> None:
 def _environment(extra: dict[str, str] | None) -> dict[str, str]:
     """The environment of every git child: the user's, less their git config and GIT_* state."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("GIT_") or _KEPT_VARIABLES.match(k)}
+           if (not k.startswith("GIT_") or _KEPT_VARIABLES.match(k)) and k != "SSH_ASKPASS"}
     env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_ATTR_NOSYSTEM="1",
                LC_ALL="C", LANGUAGE="C")
-    env.setdefault("GIT_TERMINAL_PROMPT", "0")  # nobody is there to answer a prompt
+    env.update(_NO_PROMPT)
     carried = _carried_config(*(os.environ.get(k, "") for k in (
         "HOME", "XDG_CONFIG_HOME", "GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")))
+    if not ({"GIT_SSH", "GIT_SSH_COMMAND"} & env.keys()
+            or any(key == "core.sshcommand" for key, _ in carried)):
+        env["GIT_SSH_COMMAND"] = "ssh -o BatchMode=yes"  # ssh asks nothing either
     env["GIT_CONFIG_COUNT"] = str(len(carried))  # not -c: a token in http.extraHeader stays off ps
     for i, (key, value) in enumerate(carried):
         env[f"GIT_CONFIG_KEY_{i}"], env[f"GIT_CONFIG_VALUE_{i}"] = key, value
@@ -278,6 +296,11 @@ def clone(source: str, dest: Path) -> Repo:
     status, _, err = _execute(["clone", "--quiet", "--", source, str(dest)], cwd=dest.parent)
     if status != 0:
         raise GitError(f"git clone {source} failed: {first_line(_text(err))}")
+    stored = url_without_credentials(source)
+    if stored != source:  # the clone's config keeps no password or token (git stores it as given)
+        status, _, err = _execute(["config", "--local", "remote.origin.url", stored], cwd=dest)
+        if status != 0:
+            raise GitError(f"git config failed: {first_line(_text(err))}")
     return Repo(dest)
 
 

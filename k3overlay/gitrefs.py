@@ -30,6 +30,12 @@ def is_branch_name(name: str) -> bool:
         return _execute(["check-ref-format", "--branch", name], cwd=tmp)[0] == 0
 
 
+def is_ref_name(name: str) -> bool:
+    """True if ``name`` is a well-formed ref name (``git check-ref-format --allow-onelevel``)."""
+    with tempfile.TemporaryDirectory(prefix="k3-refname-") as tmp:
+        return _execute(["check-ref-format", "--allow-onelevel", name], cwd=tmp)[0] == 0
+
+
 def current_branch(repo: Repo) -> str | None:
     """The checked-out branch's short name, or None when HEAD is detached or unborn."""
     ok, out = attempt(repo, "symbolic-ref", "--quiet", "--short", "HEAD")

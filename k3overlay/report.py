@@ -21,6 +21,7 @@ from . import errors
 from .files import stream_target, write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
+from .redact import redact, scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult
 from .verify import VerifyResult
@@ -138,7 +139,7 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
     Raises UsageError (one line) if the file cannot be written.
     """
     data = reports.to_json() if isinstance(reports, Report) else [r.to_json() for r in reports]
-    write_text(path, json.dumps(data, indent=2) + "\n")
+    write_text(path, json.dumps(scrub(data), indent=2) + "\n")
 
 
 def check_writable(path: Path, option: str) -> None:
@@ -167,8 +168,9 @@ def check_writable(path: Path, option: str) -> None:
 
 def write_text(path: Path, text: str) -> None:
     """Write a report file whole or not at all (temporary file, fsync, rename): a full disk
-    leaves the previous report as it was. Raises UsageError (one line) on failure."""
-    write_atomically(path, text.encode("utf-8", errors="replace"))
+    leaves the previous report as it was. Raises UsageError (one line) on failure.
+    The text passes through ``redact`` (no password or token reaches a report)."""
+    write_atomically(path, redact(text).encode("utf-8", errors="replace"))
 
 
 _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
@@ -184,6 +186,7 @@ def write_human(report: Report, console: Console) -> None:
     """
     # Lines are assembled as Text, never as markup built from escaped pieces: escaping
     # each value alone still lets two neighbours ("[/" then "]") form a tag.
+    report = scrub(report)  # before rich wraps a long line, which would cut a URL in two
     console.print(Text.assemble((f"vllm-k3-overlay {report.overlay_version}", "bold"),
                                 f" on {report.ref} ({report.ref_sha[:12] or '?'}), "
                                 f"base {report.base_ref}"))
@@ -271,7 +274,7 @@ def junit_xml(reports: list[Report]) -> str:
     file, verification, CPU test run, table-diff architecture, GPU test run and GPU A/B;
     a failure for each item that needs a human, an error for each that could not run."""
     suites = []
-    for report in reports:
+    for report in scrub(reports):
         ref = _xml_text(report.ref)
         classname = f"rebase.{ref.replace('.', '_')}"
         cases = []
@@ -339,6 +342,7 @@ def markdown(reports: list[Report]) -> str:
     lines = ["## vllm-k3-overlay rebase report", "",
              "| ref | verdict | patches | overlay | verify | tests |",
              "|---|---|---|---|---|---|"]
+    reports = scrub(reports)
     for r in reports:
         patches = ", ".join(f"{p.name.split('-')[0]} {p.status}" for p in r.patches) or "-"
         overlay = ", ".join(f"`{Path(f.path).name}` {f.status}" for f in r.overlay) or "-"
