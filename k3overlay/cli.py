@@ -16,6 +16,7 @@ from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
+from .source import check_ref
 from .redact import Stream, redact
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
@@ -32,7 +33,7 @@ class OneLineParser(argparse.ArgumentParser):
     block above it): ``PROG: error: MESSAGE``, exit 2 (``errors.USAGE``)."""
 
     def error(self, message: str):
-        self.exit(errors.USAGE, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(errors.USAGE, redact(f"{self.prog}: error: {message} (see --help)\n"))
 
 
 def parser(project: Project) -> argparse.ArgumentParser:
@@ -121,6 +122,9 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
                                     "work branch)")
         _refuse_workdir_holding_project(project, args.workdir)
+        for ref in (args.vllm_ref, args.rebase_to):
+            if ref is not None:  # before any work; an empty one is refused, never read as "no ref"
+                check_ref(ref)
         wheel_opts = _wheel_options(args, project)
         if args.json:
             check_writable(args.json, "--json")
@@ -128,7 +132,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             return _export(project, args.workdir or project.default_workdir)
         opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
                        branch=args.branch, check=args.check, allow_drift=args.allow_drift)
-        if args.rebase_to:
+        if args.rebase_to is not None:
             report = rebase_to(project, replace(opts, ref=args.rebase_to))
         else:
             report = run_apply(project, opts)

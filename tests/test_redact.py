@@ -147,3 +147,11 @@ def test_rebase_job_whose_source_is_unreachable_still_writes_every_report(projec
     assert [r["ref"] for r in reports] == ["v1.1.0", "v1.2.0"]
     assert all(r["error"].startswith("cannot reach the vLLM source") for r in reports)
     assert outs[1].read_text().count("<error") == 2 and "cannot reach" in outs[2].read_text()
+
+
+def test_a_usage_error_quoting_a_secret_is_masked(project, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    with pytest.raises(SystemExit):
+        cli.main(["--build-wheel", "--wheel-build", f"https://u:{SECRET}@h/x"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'https://***@h/x'" in err and SECRET not in err
