@@ -67,6 +67,8 @@ from .gitworktree import (  # noqa: F401
 from .gitpatch import (  # noqa: F401
     am,
     am_skip,
+    am_abort,
+    mail_starts,
     _am,
     mailinfo,
     patch_paths,

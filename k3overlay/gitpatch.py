@@ -5,11 +5,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .gitproc import Repo, run, attempt, _cwd, _text, _execute, _environment
+from .gitproc import GitError, Repo, _cwd, _execute, _text, attempt, first_line, run
 
 
 def am(repo: Repo, patches: list[Path], *, env: dict[str, str]) -> tuple[bool, str, str]:
-    """``git am --3way`` mailbox patches in order, one commit each; committer date = author date.
+    """``git am --3way`` mailbox patches in order, one commit per mail; committer date = author date.
 
     Subjects are kept as ``git mailinfo -b`` reads them (``--keep-non-patch``: a
     ``[PATCH ...]`` prefix goes, ``[Kernel]`` stays). Returns (every patch
@@ -25,6 +25,27 @@ def am(repo: Repo, patches: list[Path], *, env: dict[str, str]) -> tuple[bool, s
 def am_skip(repo: Repo, *, env: dict[str, str]) -> tuple[bool, str, str]:
     """Drop the failed patch of an in-progress ``git am`` and go on with the rest (as ``am``)."""
     return _am(repo, ["--skip"], env)
+
+
+def am_abort(repo: Repo) -> None:
+    """End an in-progress ``git am``, HEAD and work tree back where it started (nothing if none)."""
+    _execute(["am", "--abort"], cwd=_cwd(repo))
+
+
+def mail_starts(patch: Path) -> list[int]:
+    """The line (1-based) where each mail of mailbox ``patch`` begins, as ``git am`` splits it
+    (``git mailsplit -b --keep-cr``: a body line like ``From <sha> Mon Sep 17 00:00:00 2001``
+    starts a mail of its own). Raises GitError if mailsplit fails."""
+    with tempfile.TemporaryDirectory(prefix="k3-mailsplit-") as tmp:
+        status, out, err = _execute(["mailsplit", "-b", "--keep-cr", f"-o{tmp}", "--", str(patch)],
+                                    cwd=tmp)
+        if status != 0:
+            raise GitError(f"git mailsplit failed on {patch.name}: {first_line(_text(err))}")
+        starts, line = [], 1
+        for piece in sorted(Path(tmp).iterdir()):
+            starts.append(line)
+            line += piece.read_bytes().count(b"\n")
+        return starts
 
 
 def _am(repo: Repo, args: list[str], env: dict[str, str]) -> tuple[bool, str, str]:

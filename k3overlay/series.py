@@ -90,9 +90,9 @@ def read_patch(path: Path) -> Patch:
     """Read one mailbox patch file the way ``git am`` will (``git mailinfo -b``).
 
     Raises UsageError if it is missing, has CRLF line endings (its first line ends in CR:
-    a whole file converted on checkout, whose every hunk would fail), holds no diff, or
-    its commit message (what ``git am`` keeps: the text before a ``---`` line) lacks
-    Upstream-Status.
+    a whole file converted on checkout, whose every hunk would fail), holds more than one
+    mail (``_refuse_more_than_one_mail``), holds no diff, or its commit message (what
+    ``git am`` keeps: the text before a ``---`` line) lacks Upstream-Status.
     """
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
@@ -100,6 +100,7 @@ def read_patch(path: Path) -> Patch:
         if path.read_bytes().partition(b"\n")[0].endswith(b"\r"):
             raise UsageError(f"{path.name} has CRLF line endings (converted on checkout, e.g. by "
                              f"core.autocrlf=true?): check patches/ out again with LF endings")
+        _refuse_more_than_one_mail(path)
         headers, message, has_diff = git.mailinfo(path)
     except OSError as err:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
@@ -112,6 +113,30 @@ def read_patch(path: Path) -> Patch:
             f"|Inappropriate [reason]' line in its commit message"
         )
     return Patch(path.name, path, headers.get("Subject", ""), status.group(0).split(": ", 1)[1].strip())
+
+
+def _refuse_more_than_one_mail(path: Path) -> None:
+    """UsageError, naming the file and the line, if ``git am`` would make more than one commit
+    of ``path``: a second mail appended (another author, another change, never reported),
+    or a message line git takes for the start of a mail (``From <sha> Mon Sep 17 00:00:00
+    2001``: the mail is cut there and am fails with "Patch is empty")."""
+    extra = _second_mail(path)
+    if extra:
+        raise UsageError(extra)
+
+
+def _second_mail(path: Path) -> str | None:
+    """Why ``path`` is more than one mail to ``git am`` (file, count, line), or None."""
+    try:
+        starts = git.mail_starts(path)
+    except git.GitError as err:
+        raise UsageError(str(err)) from err
+    if len(starts) < 2:
+        return None
+    line = path.read_bytes().splitlines()[starts[1] - 1].decode(errors="replace")
+    return (f"{path.name} holds {len(starts)} mails: line {starts[1]} starts another "
+            f"({line[:60]!r}); one patch file must be one commit (split it, or write a message "
+            f"line like that as '>From ...')")
 
 
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
@@ -140,25 +165,47 @@ def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str], ref_sha: str
 
 def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,
          keep_conflict: bool) -> list[PatchResult]:
+    """One ``git am`` per patch file, so each result is charged to the file git am really
+    applied (never to a position in a longer run), and the commit it made is known by sha."""
+    unfinished = git.operation_in_progress(repo)
+    if unfinished:  # someone else's: never ours to skip or abort
+        raise git.GitError(f"{repo.working_tree_dir} has a {unfinished} in progress")
     start = git.resolve(repo, "HEAD")
     results: list[PatchResult] = []
-    ok, out, err = git.am(repo, [p.path for p in patches], env=env)
-    while True:
-        tried = _am_outcomes(out)
-        for patch, outcome in zip(patches[len(results):], tried if ok else tried[:-1]):
+    committed: list[tuple[PatchResult, Patch, str]] = []
+    for patch in patches:
+        before = git.resolve(repo, "HEAD")
+        ok, out, err = git.am(repo, [patch.path], env=env)
+        outcomes = _am_outcomes(out)
+        made = [sha for sha, _ in git.commit_trees(repo, f"{before}..HEAD")]
+        if len(outcomes) != 1 or len(made) > 1:  # am never reached the patch, or split it
+            git.am_abort(repo)
+            git.run(repo, "reset", "--quiet", "--hard", before)  # undo what am made of it, only
+            raise git.GitError(_am_refused(patch, outcomes, made, out + "\n" + err))
+        if ok:
+            outcome = outcomes[0]
             if outcome == _UNCHANGED:
                 outcome = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
             results.append(PatchResult(patch.name, outcome))
-        if ok:
-            break
-        if not tried:  # am refused to start (e.g. an am of someone else's in progress)
-            raise git.GitError(f"git am failed: {git.first_line(err)}")
-        results.append(_failed(repo, patches[len(results)], ref_sha, out + "\n" + err))
+            if made:
+                committed.append((results[-1], patch, made[0]))
+            continue
+        results.append(_failed(repo, patch, ref_sha, out + "\n" + err))
         if keep_conflict and results[-1].status == CONFLICT:
             return results
-        ok, out, err = git.am_skip(repo, env=env)
-    _drop_empty_commits(repo, start, patches, results, ref_sha)
+        ok, out, err = git.am_skip(repo, env=env)  # the last of this am: ends it
+        if not ok:
+            raise git.GitError(f"git am --skip failed after {patch.name}: {git.first_line(err or out)}")
+    _drop_empty_commits(repo, start, committed, ref_sha)
     return results
+
+
+def _am_refused(patch: Patch, outcomes: list[str], made: list[str], output: str) -> str:
+    """One line naming the patch and why git am did not apply it as one commit."""
+    why = _second_mail(patch.path)  # changed since the series was read
+    if why or len(made) > 1 or len(outcomes) > 1:
+        return f"git am could not apply {patch.name} as one commit: {why or 'it made several'}"
+    return f"git am could not apply {patch.name}: {git.first_line(output)}"
 
 
 def _am_outcomes(stdout: str) -> list[str]:
@@ -167,9 +214,9 @@ def _am_outcomes(stdout: str) -> list[str]:
     for line in stdout.splitlines():
         if line.startswith("Applying: "):
             outcomes.append(APPLIED)
-        elif line.startswith("Falling back to patching base and 3-way merge"):
+        elif line.startswith("Falling back to patching base and 3-way merge") and outcomes:
             outcomes[-1] = APPLIED_3WAY
-        elif line.startswith("No changes -- Patch already applied"):
+        elif line.startswith("No changes -- Patch already applied") and outcomes:
             outcomes[-1] = _UNCHANGED
     return outcomes
 
@@ -188,19 +235,19 @@ def _failed(repo: git.Repo, patch: Patch, ref_sha: str, output: str) -> PatchRes
                        _failed_hunks(output + "\n" + git.apply_errors(repo, patch.path)))
 
 
-def _drop_empty_commits(repo: git.Repo, start: str, patches: list[Patch],
-                        results: list[PatchResult], ref_sha: str) -> None:
+def _drop_empty_commits(repo: git.Repo, start: str,
+                        committed: list[tuple[PatchResult, Patch, str]], ref_sha: str) -> None:
     """git am commits a patch that applies directly yet changes nothing (a ``chmod +x``
-    the file already has): classify such a patch like an unchanged one and drop its commit."""
-    committed = [(r, p) for r, p in zip(results, patches) if r.status in (APPLIED, APPLIED_3WAY)]
-    parent_tree = git.tree_of(repo, start)
-    kept = []
-    for (result, patch), (sha, tree) in zip(committed, git.commit_trees(repo, f"{start}..HEAD")):
-        if tree == parent_tree:
+    the file already has): classify such a patch like an unchanged one and drop its commit.
+    ``committed`` is (result, patch, the commit am made of it), oldest first."""
+    trees = dict(git.commit_trees(repo, f"{start}..HEAD"))
+    parent_tree, kept = git.tree_of(repo, start), []
+    for result, patch, sha in committed:
+        if trees[sha] == parent_tree:
             result.status = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
         else:
             kept.append(sha)
-        parent_tree = tree
+        parent_tree = trees[sha]
     if len(kept) < len(committed):
         git.reparent(repo, start, kept)
 
