@@ -58,6 +58,7 @@ from .gitworktree import (  # noqa: F401
     untracked_in_the_way,
     is_dirty,
     _WORKTREE_PREFIX,
+    NEUTRAL_ATTRIBUTES,
     temporary_worktree,
     _remove_stale_worktrees,
     _tree_of,
@@ -97,4 +98,5 @@ from .gitobjects import (  # noqa: F401
     commit_staged,
     merge_file,
     snapshot,
+    attributes_at,
 )

@@ -180,3 +180,21 @@ def snapshot(repo: Repo, directory: Path, message: str, *, env: dict[str, str]) 
         run(repo, "add", "--all", "--force", ".", env=env)
         tree = run(repo, "write-tree", env=env).strip()
         return run(repo, "commit-tree", tree, "-m", message, env=env).strip()
+
+
+def attributes_at(repo: Repo, sha: str, paths: list[str], names: list[str]) -> dict[str, dict[str, str]]:
+    """``{path: {attribute: value}}`` of ``names`` that the ``.gitattributes`` files of commit
+    ``sha`` (and ``repo``'s info/attributes) give each of ``paths``, read from a throwaway
+    index (``git check-attr --cached``); attributes git leaves unspecified are left out.
+    Values as git prints them: ``set``, ``unset`` or the value."""
+    if not paths:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="k3-attr-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run(repo, "read-tree", sha, env=env)
+        fields = run(repo, "check-attr", "--cached", "-z", *names, "--", *paths, env=env).split("\0")
+    found: dict[str, dict[str, str]] = {}
+    for path, name, value in zip(fields[0::3], fields[1::3], fields[2::3]):
+        if value != "unspecified":
+            found.setdefault(path, {})[name] = value
+    return found

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .gitproc import Repo, run, attempt, _z, literal
+from .gitproc import GitError, Repo, _execute, _text, _z, attempt, first_line, literal, run
 from .files import read_regular
 from .interrupts import deferred
 from .lock import flock
@@ -55,28 +55,70 @@ def is_dirty(repo: Repo) -> bool:
 _WORKTREE_PREFIX = "k3-worktree-"
 
 
+# Written as the scratch repository's own info/attributes, which beats every .gitattributes
+# of the tree: REF's attributes never choose how the series or the overlay is merged
+# (merge=union would take both sides of a conflict), filtered, converted (text, eol, ident,
+# working-tree-encoding) or diffed in the tool's own work. "!" is "unspecified", git's
+# default, also for an attribute a macro of REF's sets.
+NEUTRAL_ATTRIBUTES = ("* !merge !filter !diff !text !eol !crlf !ident !working-tree-encoding "
+                      "!export-ignore !export-subst !delta !whitespace\n")
+
+
 @contextlib.contextmanager
 def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
-    """A detached linked worktree of ``repo`` at ``sha``, removed on exit.
+    """A scratch repository with ``sha`` checked out (detached), removed on exit.
 
-    The worktree lives in a fresh temporary folder holding ``owner.lock``, which
-    this process keeps locked while the worktree exists: a leftover of a run that
-    was killed (lock free) is removed first, one of a run still working (lock
-    held) is left alone. Only our own entries are ever removed: never ``git
-    worktree prune``, which would also drop a user's entries for moved folders.
-    Removal is not cut short by Ctrl-C (it is finished, then the interrupt goes on).
+    It shares ``repo``'s object store (its ``objects`` is a link to it, as
+    git-new-workdir makes one), so the commits made there are ``repo``'s to publish,
+    but has git folder, index and info/attributes of its own (``NEUTRAL_ATTRIBUTES``):
+    nothing of ``repo``'s (refs, config, worktree list) is touched, and no attribute
+    of the tree decides a merge or a conversion.
+
+    It lives in a fresh temporary folder holding ``owner.lock``, which this process
+    keeps locked while it exists: a leftover of a run that was killed (lock free) is
+    removed first, one of a run still working (lock held) is left alone, and so is a
+    folder without the lock (never ours). Removal is not cut short by Ctrl-C (it is
+    finished, then the interrupt goes on).
     """
     _remove_stale_worktrees(repo)
+    _remove_stale_scratch(Path(tempfile.gettempdir()))
     parent = Path(tempfile.mkdtemp(prefix=_WORKTREE_PREFIX))
     owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
-        run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
-        yield Repo(parent / "tree")
+        yield _scratch(repo, parent / "tree", sha)
     finally:
         with deferred():
-            _remove_worktree(repo, parent)
+            shutil.rmtree(parent, ignore_errors=True)  # the objects link is unlinked, never followed
             os.close(owner)
+
+
+def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
+    """``tree``: a new repository on ``repo``'s objects (and its shallow list), ``sha`` checked out."""
+    common = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
+    commit = run(repo, "rev-parse", "--verify", "--end-of-options", f"{sha}^{{commit}}").strip()
+    status, _, err = _execute(["init", "--quiet", "--", str(tree)], cwd=tree.parent)
+    if status != 0:
+        raise GitError(f"git init failed: {first_line(_text(err))}")
+    git_dir = tree / ".git"
+    shutil.rmtree(git_dir / "objects")
+    os.symlink(common / "objects", git_dir / "objects", target_is_directory=True)
+    if (common / "shallow").is_file():
+        shutil.copyfile(common / "shallow", git_dir / "shallow")
+    (git_dir / "info").mkdir(exist_ok=True)
+    (git_dir / "info" / "attributes").write_text(NEUTRAL_ATTRIBUTES)
+    scratch = Repo(tree)
+    run(scratch, "checkout", "--quiet", "--detach", commit, "--")
+    return scratch
+
+
+def _remove_stale_scratch(tmp: Path) -> None:
+    """Remove scratch repositories (``_WORKTREE_PREFIX`` folders in ``tmp``) whose owner is gone."""
+    for parent in sorted(tmp.glob(f"{_WORKTREE_PREFIX}*")):
+        with contextlib.suppress(OSError), _owner_gone(parent) as gone:
+            if gone and not (parent / "tree" / ".git").is_file():  # a linked worktree: by git's entry
+                with deferred():
+                    shutil.rmtree(parent, ignore_errors=True)
 
 
 def _remove_stale_worktrees(repo: Repo) -> None:
