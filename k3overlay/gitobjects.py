@@ -6,7 +6,7 @@ import hashlib
 import tempfile
 from pathlib import Path
 
-from .gitproc import Repo, GitError, first_line, run, attempt, _cwd, _text, _execute, _z, literal
+from .gitproc import GitError, Repo, _cwd, _execute, _text, _z, attempt, first_line, literal, run
 
 
 def reparent(repo: Repo, onto: str, commits: list[str]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
-from .gitproc import Repo, GitError, run, attempt, _execute
+from .gitproc import Repo, _execute, attempt, run
 
 
 def resolve(repo: Repo, ref: str) -> str | None:

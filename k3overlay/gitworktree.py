@@ -11,8 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .gitproc import GitError, Repo, _execute, _text, _z, attempt, first_line, literal, run
 from .files import read_regular
+from .gitproc import GitError, Repo, _execute, _text, _z, attempt, first_line, literal, run
 from .interrupts import deferred
 from .lock import flock
 
@@ -70,7 +70,8 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
 
     It shares ``repo``'s object store (its ``objects`` is a link to it, as
     git-new-workdir makes one), so the commits made there are ``repo``'s to publish,
-    but has git folder, index and info/attributes of its own (``NEUTRAL_ATTRIBUTES``):
+    and starts with a copy of its refs, but has git folder, refs, index and
+    info/attributes of its own (``NEUTRAL_ATTRIBUTES``):
     nothing of ``repo``'s (refs, config, worktree list) is touched, and no attribute
     of the tree decides a merge or a conversion.
 
@@ -94,7 +95,8 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
 
 
 def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
-    """``tree``: a new repository on ``repo``'s objects (and its shallow list), ``sha`` checked out."""
+    """``tree``: a new repository on ``repo``'s objects (and its shallow list), with a copy of
+    its refs, ``sha`` checked out."""
     common = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
     commit = run(repo, "rev-parse", "--verify", "--end-of-options", f"{sha}^{{commit}}").strip()
     status, _, err = _execute(["init", "--quiet", "--", str(tree)], cwd=tree.parent)
@@ -105,6 +107,8 @@ def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
     os.symlink(common / "objects", git_dir / "objects", target_is_directory=True)
     if (common / "shallow").is_file():
         shutil.copyfile(common / "shallow", git_dir / "shallow")
+    # repo's refs, as a linked worktree would see them (tags, branches, remote branches), copied
+    (git_dir / "packed-refs").write_text(run(repo, "for-each-ref", "--format=%(objectname) %(refname)"))
     (git_dir / "info").mkdir(exist_ok=True)
     (git_dir / "info" / "attributes").write_text(NEUTRAL_ATTRIBUTES)
     scratch = Repo(tree)

@@ -165,59 +165,104 @@ def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str], ref_sha: str
 
 def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,
          keep_conflict: bool) -> list[PatchResult]:
-    """One ``git am`` per patch file, so each result is charged to the file git am really
-    applied (never to a position in a longer run), and the commit it made is known by sha."""
+    """The series in one ``git am`` run (one process for the whole series: fast on long
+    ones), each result charged to the patch whose subject git am printed as it applied it,
+    each commit to the patch whose subject it carries: never by position. Anything else
+    (a mail no file of the series is, a second commit of one file) undoes the run."""
     unfinished = git.operation_in_progress(repo)
     if unfinished:  # someone else's: never ours to skip or abort
         raise git.GitError(f"{repo.working_tree_dir} has a {unfinished} in progress")
     start = git.resolve(repo, "HEAD")
-    results: list[PatchResult] = []
-    committed: list[tuple[PatchResult, Patch, str]] = []
-    for patch in patches:
-        before = git.resolve(repo, "HEAD")
-        ok, out, err = git.am(repo, [patch.path], env=env)
-        outcomes = _am_outcomes(out)
-        made = [sha for sha, _ in git.commit_trees(repo, f"{before}..HEAD")]
-        if len(outcomes) != 1 or len(made) > 1:  # am never reached the patch, or split it
-            git.am_abort(repo)
-            git.run(repo, "reset", "--quiet", "--hard", before)  # undo what am made of it, only
-            raise git.GitError(_am_refused(patch, outcomes, made, out + "\n" + err))
-        if ok:
-            outcome = outcomes[0]
+    by_subject = {p.subject: p for p in patches}
+    results: dict[str, PatchResult] = {}  # by patch name, in the order git am went
+    ok, out, err = git.am(repo, [p.path for p in patches], env=env)
+    while True:
+        tried = _am_outcomes(out)
+        for subject, outcome in tried if ok else tried[:-1]:
+            patch = _charged(repo, start, by_subject, results, subject)
             if outcome == _UNCHANGED:
                 outcome = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
-            results.append(PatchResult(patch.name, outcome))
-            if made:
-                committed.append((results[-1], patch, made[0]))
-            continue
-        results.append(_failed(repo, patch, ref_sha, out + "\n" + err))
-        if keep_conflict and results[-1].status == CONFLICT:
-            return results
-        ok, out, err = git.am_skip(repo, env=env)  # the last of this am: ends it
-        if not ok:
-            raise git.GitError(f"git am --skip failed after {patch.name}: {git.first_line(err or out)}")
-    _drop_empty_commits(repo, start, committed, ref_sha)
-    return results
+            results[patch.name] = PatchResult(patch.name, outcome)
+        if ok:
+            break
+        if not tried:  # am stopped before it could apply a mail: name the file and the reason
+            stuck = _stuck_patch(repo, by_subject)
+            _undo(repo, start)
+            raise git.GitError(_am_refused(stuck, out + "\n" + err))
+        patch = _charged(repo, start, by_subject, results, tried[-1][0])
+        results[patch.name] = _failed(repo, patch, ref_sha, out + "\n" + err)
+        if keep_conflict and results[patch.name].status == CONFLICT:
+            return list(results.values())
+        ok, out, err = git.am_skip(repo, env=env)
+    _drop_empty_commits(repo, start, _commits(repo, start, by_subject, results), ref_sha)
+    return list(results.values())
 
 
-def _am_refused(patch: Patch, outcomes: list[str], made: list[str], output: str) -> str:
-    """One line naming the patch and why git am did not apply it as one commit."""
+def _charged(repo: git.Repo, start: str, by_subject: dict[str, Patch],
+             results: dict[str, PatchResult], subject: str) -> Patch:
+    """The patch git am applied as ``subject``; the run undone and GitError if it is no patch
+    of the series, or one already applied (a file holding another mail)."""
+    patch = by_subject.get(subject)
+    if patch is None or patch.name in results:
+        _undo(repo, start)
+        why = next(filter(None, (_second_mail(p.path) for p in by_subject.values())),
+                   "one patch file must be one commit")  # the files changed since they were read
+        raise git.GitError(f"git am applied a mail with subject {subject!r}, which is no patch of "
+                           f"the series: {why}")
+    return patch
+
+
+def _commits(repo: git.Repo, start: str, by_subject: dict[str, Patch],
+             results: dict[str, PatchResult]) -> list[tuple[PatchResult, Patch, str]]:
+    """(result, patch, commit) of each commit git am made since ``start``, matched by subject;
+    the run undone and GitError if a commit is no applied patch's."""
+    commits = git.log_subjects(repo, f"{start}..HEAD")
+    applied = [name for name, r in results.items() if r.status in (APPLIED, APPLIED_3WAY)]
+    matched = [(by_subject.get(subject), sha) for sha, subject in commits]
+    if [patch.name if patch else None for patch, _ in matched] != applied:
+        _undo(repo, start)
+        raise git.GitError(f"git am made {len(commits)} commit(s) for {len(applied)} applied "
+                           f"patch(es): one patch file must be one commit")
+    return [(results[patch.name], patch, sha) for patch, sha in matched]
+
+
+def _stuck_patch(repo: git.Repo, by_subject: dict[str, Patch]) -> Patch | None:
+    """The patch of the mail an in-progress ``git am`` stopped at (read from its own split
+    mails, ``rebase-apply/NNNN``), or None if that cannot be told."""
+    state = Path(repo.working_tree_dir) / git.run(repo, "rev-parse", "--git-path", "rebase-apply").strip()
+    try:
+        mail = state / f"{int((state / 'next').read_text()):04d}"
+        return by_subject.get(git.mailinfo(mail)[0].get("Subject", ""))
+    except (OSError, ValueError):
+        return None
+
+
+def _undo(repo: git.Repo, start: str) -> None:
+    """End the am and put HEAD, index and work tree back at ``start`` (what am made goes)."""
+    git.am_abort(repo)
+    git.run(repo, "reset", "--quiet", "--hard", start)
+
+
+def _am_refused(patch: Patch | None, output: str) -> str:
+    """One line naming the patch git am could not apply and why."""
+    if patch is None:
+        return f"git am failed: {git.first_line(output)}"
     why = _second_mail(patch.path)  # changed since the series was read
-    if why or len(made) > 1 or len(outcomes) > 1:
-        return f"git am could not apply {patch.name} as one commit: {why or 'it made several'}"
+    if why:
+        return f"git am could not apply {patch.name} as one commit: {why}"
     return f"git am could not apply {patch.name}: {git.first_line(output)}"
 
 
-def _am_outcomes(stdout: str) -> list[str]:
-    """One outcome per patch git am tried, read from its progress lines (C locale)."""
-    outcomes: list[str] = []
+def _am_outcomes(stdout: str) -> list[tuple[str, str]]:
+    """(subject, outcome) per mail git am tried, read from its progress lines (C locale)."""
+    outcomes: list[tuple[str, str]] = []
     for line in stdout.splitlines():
         if line.startswith("Applying: "):
-            outcomes.append(APPLIED)
+            outcomes.append((line.removeprefix("Applying: "), APPLIED))
         elif line.startswith("Falling back to patching base and 3-way merge") and outcomes:
-            outcomes[-1] = APPLIED_3WAY
+            outcomes[-1] = (outcomes[-1][0], APPLIED_3WAY)
         elif line.startswith("No changes -- Patch already applied") and outcomes:
-            outcomes[-1] = _UNCHANGED
+            outcomes[-1] = (outcomes[-1][0], _UNCHANGED)
     return outcomes
 
 

@@ -79,9 +79,9 @@ def test_a_quoted_from_line_in_the_message_applies(project, upstream, tmp_path):
     assert f">{FROM_LINE}" in g(tmp_path / "wd", "log", "-1", "--format=%B", "HEAD~1")
 
 
-def _patch(path: Path) -> series.Patch:
+def _patch(path: Path, lines: str = "[4]") -> series.Patch:
     """A series entry for ``path`` as if it had passed the series' checks (it changed since)."""
-    return series.Patch(path.name, path, "model: change lines [4]", "Pending")
+    return series.Patch(path.name, path, f"model: change lines {lines}", "Pending")
 
 
 def _clone_at(upstream: Path, wd: Path, ref: str) -> git.Repo:
@@ -97,9 +97,10 @@ def test_results_are_charged_by_what_git_am_applied_never_by_position(project, u
     head = g(tmp_path / "wd", "rev-parse", "HEAD")
     clean = make_patch(upstream, tmp_path, "0002-clean.patch", {9: "line 9 (ours)"})
     env = dict(os.environ, **IDENT)
-    with pytest.raises(git.GitError, match="git am could not apply 0001-model-line-4.patch as one "
-                                           "commit: 0001-model-line-4.patch holds 2 mails"):
-        series.apply(repo, [_patch(two_mails), _patch(clean)], env=env, ref_sha=head.strip())
+    with pytest.raises(git.GitError, match="git am applied a mail with subject 'evil: add a module', "
+                                           "which is no patch of the series: 0001-model-line-4.patch "
+                                           "holds 2 mails: line 26 starts another"):
+        series.apply(repo, [_patch(two_mails), _patch(clean, "[9]")], env=env, ref_sha=head.strip())
     assert g(tmp_path / "wd", "rev-parse", "HEAD") == head  # nothing of it is left committed
     assert not (tmp_path / "wd" / "pkg" / "evil.py").exists()
     assert not (tmp_path / "wd" / ".git" / "rebase-apply").exists()
