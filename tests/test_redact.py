@@ -155,3 +155,32 @@ def test_a_usage_error_quoting_a_secret_is_masked(project, monkeypatch, capsys):
         cli.main(["--build-wheel", "--wheel-build", f"https://u:{SECRET}@h/x"])
     err = capsys.readouterr().err
     assert "invalid choice: 'https://***@h/x'" in err and SECRET not in err
+
+
+def test_a_secret_in_vllm_repo_from_the_environment_or_in_a_ref_is_masked(project, secret_url, tmp_path,
+                                                                          monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    monkeypatch.setenv("VLLM_REPO", secret_url)
+    report = tmp_path / "r.json"
+    assert cli.main(["--check", "--workdir", str(tmp_path / "wd"), "--vllm-ref", "v1.1.0",
+                     "--json", str(report)]) == errors.OK
+    assert cli.main(["--check", "--workdir", str(tmp_path / "wd"), "--vllm-ref",
+                     f"https://u:{SECRET}@h/x", "--json", str(report)]) == errors.USAGE
+    out, err = capsys.readouterr()
+    assert "cloning https://***@" in err and "bad ref 'https://***@h/x'" in err
+    assert SECRET not in out + err and _leaks(tmp_path) == []
+
+
+def test_a_secret_in_what_git_itself_says_is_masked(project, upstream, tmp_path, monkeypatch, capsys):
+    # the user's insteadOf sends git to a credentialed URL that refuses: git's own message names it
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "https://user:{SECRET}@127.0.0.1:{_closed_port()}/"]\n'
+                      f'\tinsteadOf = https://mirror.invalid/\n')
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["--workdir", str(tmp_path / "wd"), "--vllm-repo", "https://mirror.invalid/up.git",
+                     "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == errors.SOURCE and SECRET not in out + err and _leaks(tmp_path) == []
