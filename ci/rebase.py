@@ -39,7 +39,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     sys.path.insert(0, str(HERE))
 
     from k3overlay import errors, git, progress
-    from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
+    from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
@@ -184,12 +184,15 @@ def _main(argv: list[str] | None) -> int:
         reports = _run(args)
     except errors.OverlayError as err:  # the job stopped: each ref's report says why
         tell(f"rebase.py: error: {err}")
-        reports = _stopped(args.onto, err)
+        reports = _stopped(args.onto, str(err), err.exit_code)
+    except Exception as err:  # a bug of ours: the reports asked for still say so, then the traceback
+        reports = _stopped(args.onto, f"internal error (a bug of rebase.py): {type(err).__name__}: "
+                                      f"{err}", INTERNAL)
+        _write_reports([(path, write) for path, write in _renderers(args, reports) if path], INTERNAL)
+        raise
     job_done()
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
-    renderers = [(args.json, lambda path: write_json(reports, path)),
-                 (args.junit, lambda path: write_text(path, junit_xml(reports))),
-                 (args.markdown, lambda path: write_text(path, markdown(reports)))]
+    renderers = _renderers(args, reports)
     # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
     # which now ends the job) then costs only the text.
     to_files = [(path, write) for path, write in renderers if path and stream_target(path) is None]
@@ -217,15 +220,21 @@ def _run(args) -> list:
                       wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
 
 
-def _stopped(refs: list[str], err: errors.OverlayError) -> list:
-    """Reports for a job stopped before any ref was tried (an unreachable source, a bad
-    series): every report asked for is still written, each ref's saying why."""
+def _stopped(refs: list[str], error: str, code: int) -> list:
+    """Reports for a job stopped before its refs were done (an unreachable source, a bad
+    series, a bug): every report asked for is still written, each ref's saying why."""
     try:
         version = Project().version
     except errors.OverlayError:
         version = ""
-    return [Report(version, "", ref, error=str(err), error_code=err.exit_code)
-            for ref in dict.fromkeys(refs)]
+    return [Report(version, "", ref, error=error, error_code=code) for ref in dict.fromkeys(refs)]
+
+
+def _renderers(args, reports: list) -> list:
+    """(path or None, write) of each report file the job was asked for."""
+    return [(args.json, lambda path: write_json(reports, path)),
+            (args.junit, lambda path: write_text(path, junit_xml(reports))),
+            (args.markdown, lambda path: write_text(path, markdown(reports)))]
 
 
 def _write_reports(renderers, code: int) -> int:

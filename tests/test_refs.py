@@ -100,3 +100,21 @@ def test_an_internal_error_still_writes_the_json_report(project, upstream, tmp_p
                   "--json", str(report)])
     data = json.loads(report.read_text())
     assert data["ok"] is False and data["error"].startswith("internal error (a bug of apply.py): TypeError")
+
+
+def test_an_internal_error_in_the_rebase_job_still_writes_every_report(project, upstream, tmp_path,
+                                                                      monkeypatch):
+    ci_rebase = load_ci_rebase()
+
+    def broken(*args, **kwargs):
+        raise TypeError("expected str, not NoneType")
+
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    monkeypatch.setattr(ci_rebase, "run_rebase", broken)
+    outs = [tmp_path / "out.json", tmp_path / "out.xml", tmp_path / "out.md"]
+    with pytest.raises(TypeError):
+        ci_rebase.main(["-q", "--onto", "v1.1.0", "--vllm-repo", str(upstream), "--json", str(outs[0]),
+                        "--junit", str(outs[1]), "--markdown", str(outs[2])])
+    [data] = json.loads(outs[0].read_text())
+    assert data["error"].startswith("internal error (a bug of rebase.py): TypeError")
+    assert "internal error" in outs[1].read_text() and "internal error" in outs[2].read_text()
