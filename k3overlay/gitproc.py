@@ -17,9 +17,11 @@ from their config.
 
 Processes are started here rather than through GitPython's ``execute``, which
 can neither drop an inherited variable nor stop its child on Ctrl-C; GitPython
-still opens repositories. Each git runs in a session of its own (no terminal:
-nothing prompts; a private repository needs an ssh agent or a credential
-helper). On an interrupt the child's whole process group is terminated and
+still opens repositories. Each git runs in a session of its own, with stdin
+``/dev/null``, no terminal prompt, no askpass program and ssh in BatchMode:
+nothing waits on a person or a descriptor (a private repository needs an ssh
+agent or a credential helper). Only the transports in ``TRANSPORTS`` are allowed,
+whatever a config says (``GIT_ALLOW_PROTOCOL``). On an interrupt the child's whole process group is terminated and
 waited for before the interrupt goes on, so no git keeps writing after the tool
 has cleaned up.
 """
@@ -45,6 +47,10 @@ from .redact import url_without_credentials
 Repo = gitpython.Repo
 
 
+# The transports a vLLM source may use (git's names): https, ssh, git, and file for local
+# paths. Every other (http, ftp, ext::, fd::, any git-remote-<name> helper) is off.
+TRANSPORTS = ("https", "ssh", "git", "file")
+
 # Settings the tool relies on, whatever any config file says (``-c`` beats them all,
 # the checkout's own .git/config included): what git prints is what we parse, what it
 # commits is reproducible, and nothing of the user's runs inside the tool's git.
@@ -55,7 +61,8 @@ PINNED = {
     "submodule.recurse": "false", "fetch.recurseSubmodules": "false",
     # transports: only what a vLLM source can be (``TRANSPORTS``; GIT_ALLOW_PROTOCOL in
     # ``_environment`` says the same and beats any config); nothing prompts for a password
-    "protocol.allow": "never", **{f"protocol.{name}.allow": "always" for name in ("https", "ssh", "git", "file")},
+    "protocol.allow": "never",
+    **{f"protocol.{name}.allow": "always" for name in TRANSPORTS},
     **{f"protocol.{name}.allow": "never" for name in ("ext", "fd", "http", "ftp", "ftps")},
     "core.askPass": "",
     # output we parse: no colour, plain a/ b/ prefixes, unquoted paths, English
@@ -111,9 +118,6 @@ _CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(i
 _KEPT_VARIABLES = re.compile(r"^GIT_((AUTHOR|COMMITTER)_(NAME|EMAIL)|SSH|SSH_COMMAND|SSH_VARIANT"
                              r"|SSL_CAINFO|SSL_CAPATH|SSL_NO_VERIFY|PROXY_COMMAND"
                              r"|PROXY_SSL_.+|HTTP_.+|EXEC_PATH)$")
-# The transports a vLLM source may use (git's names): https, ssh, git, and file for local
-# paths. Every other (http, ftp, ext::, fd::, any git-remote-<name> helper) is off.
-TRANSPORTS = ("https", "ssh", "git", "file")
 # Nothing may wait on a person: no terminal prompt, no askpass program (git's or ssh's),
 # no interactive credential manager. A private source needs a credential helper or an ssh agent.
 _NO_PROMPT = {"GIT_TERMINAL_PROMPT": "0", "SSH_ASKPASS_REQUIRE": "never", "GCM_INTERACTIVE": "never",

@@ -58,7 +58,8 @@ def test_ancestry_steps_name_exactly_one_commit(project, upstream, tmp_path, mon
     code = cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--vllm-ref", ref,
                      "--workdir", str(tmp_path / "wd"), "--json", str(report)])
     assert code == errors.OK, capsys.readouterr().err
-    assert json.loads(report.read_text())["ref_sha"] == g(upstream, "rev-parse", f"{equals}^{{commit}}").strip()
+    want = g(upstream, "rev-parse", f"{equals}^{{commit}}").strip()
+    assert json.loads(report.read_text())["ref_sha"] == want
 
 
 def test_an_abbreviated_sha_is_one_commit(project, upstream, tmp_path, monkeypatch):

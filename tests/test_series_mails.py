@@ -114,6 +114,7 @@ def test_an_error_inside_git_am_names_the_patch_and_the_reason(project, upstream
     head = g(tmp_path / "wd", "rev-parse", "HEAD")
     with pytest.raises(git.GitError) as raised:
         series.apply(repo, [_patch(path)], env=dict(os.environ, **IDENT), ref_sha=head.strip())
-    assert "0001-model-line-4.patch" in str(raised.value) and f"line {line} starts another" in str(raised.value)
+    said = str(raised.value)
+    assert "0001-model-line-4.patch" in said and f"line {line} starts another" in said
     assert g(tmp_path / "wd", "rev-parse", "HEAD") == head
     assert not (tmp_path / "wd" / ".git" / "rebase-apply").exists()
