@@ -39,11 +39,12 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from types import SimpleNamespace
 
     from k3overlay import errors, git, progress
-    from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c
+    from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.report import (
+        Report,
         check_writable,
         junit_xml,
         markdown,
@@ -178,25 +179,22 @@ def _main(argv: list[str] | None) -> int:
         for path, option in reports_to:
             if path:
                 check_writable(path, option)
-        refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
-        results = None
-        if args.gpu_results:
-            from ci.gpu_stage.stage import load_results
-
-            results = load_results(args.gpu_results)
-        stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,
-                           gpu_results=results, gpu_export=args.gpu_export)
-        reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                             stages=stages,
-                             wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
-    except errors.OverlayError as err:
-        print(f"rebase.py: error: {err}", file=sys.stderr)
+    except errors.OverlayError as err:  # nowhere safe to write a report: say it only
+        tell(f"rebase.py: error: {err}")
         return err.exit_code
+    try:
+        reports = _run(args)
+    except errors.OverlayError as err:  # the job stopped: each ref's report says why
+        tell(f"rebase.py: error: {err}")
+        reports = _stopped(args.onto, str(err), err.exit_code)
+    except Exception as err:  # a bug of ours: the reports asked for still say so, then the traceback
+        reports = _stopped(args.onto, f"internal error (a bug of rebase.py): {type(err).__name__}: "
+                                      f"{err}", INTERNAL)
+        _write_reports([(path, write) for path, write in _renderers(args, reports) if path], INTERNAL)
+        raise
     job_done()
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
-    renderers = [(args.json, lambda path: write_json(reports, path)),
-                 (args.junit, lambda path: write_text(path, junit_xml(reports))),
-                 (args.markdown, lambda path: write_text(path, markdown(reports)))]
+    renderers = _renderers(args, reports)
     # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
     # which now ends the job) then costs only the text.
     to_files = [(path, write) for path, write in renderers if path and stream_target(path) is None]
@@ -209,13 +207,45 @@ def _main(argv: list[str] | None) -> int:
                            if path and stream_target(path) is not None], code)
 
 
+def _run(args) -> list:
+    """One report per ``--onto`` ref (see ``run_rebase``)."""
+    refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
+    results = None
+    if args.gpu_results:
+        from ci.gpu_stage.stage import load_results
+
+        results = load_results(args.gpu_results)
+    stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,
+                       gpu_results=results, gpu_export=args.gpu_export)
+    return run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
+                      stages=stages,
+                      wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
+
+
+def _stopped(refs: list[str], error: str, code: int) -> list:
+    """Reports for a job stopped before its refs were done (an unreachable source, a bad
+    series, a bug): every report asked for is still written, each ref's saying why."""
+    try:
+        version = Project().version
+    except errors.OverlayError:
+        version = ""
+    return [Report(version, "", ref, error=error, error_code=code) for ref in dict.fromkeys(refs)]
+
+
+def _renderers(args, reports: list) -> list:
+    """(path or None, write) of each report file the job was asked for."""
+    return [(args.json, lambda path: write_json(reports, path)),
+            (args.junit, lambda path: write_text(path, junit_xml(reports))),
+            (args.markdown, lambda path: write_text(path, markdown(reports)))]
+
+
 def _write_reports(renderers, code: int) -> int:
     """Write each ``(path, write)``; the exit code to end with (``code``, or a write error's)."""
     for path, write in renderers:
         try:  # one report that cannot be written must not cost CI the others
             write(path)
         except errors.OverlayError as err:
-            print(f"rebase.py: error: {err}", file=sys.stderr)
+            tell(f"rebase.py: error: {err}")
             code = code or err.exit_code
     return code
 

@@ -17,10 +17,13 @@ from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
+from .source import check_ref
+from .redact import Stream, redact
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
 from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
 
+INTERNAL = 1  # what Python exits with on a traceback; the JSON report of one says so too
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
 soundly), 3 patch conflict, 4 overlay drift, 5 verification failed (or the wheel's checks),
 6 vLLM source unreachable or not matching the index's sha256"""
@@ -31,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
     block above it): ``PROG: error: MESSAGE``, exit 2 (``errors.USAGE``)."""
 
     def error(self, message: str):
-        self.exit(errors.USAGE, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(errors.USAGE, redact(f"{self.prog}: error: {message} (see --help)\n"))
 
 
 def parser(project: Project) -> argparse.ArgumentParser:
@@ -91,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         progress.quiet = args.quiet
         return _run(project, args)
     except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         return err.exit_code
     except KeyboardInterrupt:
         job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
-        print(f"apply.py: interrupted; {_left_as_it_was(args)}", file=sys.stderr)
+        tell(f"apply.py: interrupted; {_left_as_it_was(args)}")
         return 130
     finally:
         job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
@@ -134,6 +137,9 @@ def _run(project: Project, args: argparse.Namespace) -> int:
         if args.list_releases:
             return _list_releases(args)
         _refuse_workdir_holding_project(project, args.workdir)
+        for ref in (args.vllm_ref, args.rebase_to):
+            if ref is not None:  # before any work; an empty one is refused, never read as "no ref"
+                check_ref(ref)
         wheel_opts = _wheel_options(args, project)
         if args.json:
             check_writable(args.json, "--json")
@@ -143,26 +149,34 @@ def _run(project: Project, args: argparse.Namespace) -> int:
         ref = upstream.release.tag if upstream else args.vllm_ref
         opts = Options(ref=ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
                        branch=args.branch, check=args.check, allow_drift=args.allow_drift)
-        if args.rebase_to:
+        if args.rebase_to is not None:
             report = rebase_to(project, replace(opts, ref=ref if upstream else args.rebase_to))
         else:
             report = run_apply(project, opts)
         if upstream:
             report.notes.insert(0, upstream.note())
     except errors.OverlayError as err:
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         if json_to:
             report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
                             error=str(err), error_code=err.exit_code)
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, json_to)
         return err.exit_code
+    except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
+        if json_to:
+            report = Report(project.version, "", args.rebase_to or args.vllm_ref or "",
+                            error=f"internal error (a bug of apply.py): {type(err).__name__}: {err}",
+                            error_code=INTERNAL)
+            with contextlib.suppress(Exception):
+                write_json(report, json_to)
+        raise
     if wheel_opts and report.ok:
         try:
             report.wheel = _build_wheel(project, report, wheel_opts)
         except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-            print(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
-                  f"written", file=sys.stderr)
+            tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
+                 f"written")
             return 130
     job_done()
     # A report file is written before the text: a reader of stdout gone early (`| head -1`,
@@ -178,7 +192,7 @@ def _json_report(report: Report, path: Path) -> int:
     try:
         write_json(report, path)
     except errors.OverlayError as err:  # the disk filled up since the check, say
-        print(f"apply.py: error: {err}", file=sys.stderr)
+        tell(f"apply.py: error: {err}")
         return report.exit_code or err.exit_code
     return report.exit_code
 
@@ -244,7 +258,7 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
     repo = git.open_repo(Path(report.workdir))
     result = build_for(project, repo, report, git.branch_tip(repo, report.branch), opts)
     if "error" in result:
-        print(f"apply.py: error: {result['error']}", file=sys.stderr)
+        tell(f"apply.py: error: {result['error']}")
     else:
         report.wheel_hint = f"its provenance record, where it is installed: {PRINT_RECORD}"
     return result
@@ -273,13 +287,20 @@ def job_done() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
+def tell(text: str, *, to=None) -> None:
+    """Print one message (stderr unless ``to``), through ``redact``: the one way the command
+    lines say anything outside a report (errors, notes, the export's summary)."""
+    print(redact(text), file=to or sys.stderr)
+
+
 def report_console() -> Console:
-    """stdout for reports. Piped (a CI log, ``| grep``), no line is ever wrapped: a sha256, a
-    path or a command stays whole on its line, and the status table has one line per patch
-    or file, as wide as its longest entry."""
+    """stdout for reports, through ``redact`` (``Stream``). Piped (a CI log, ``| grep``), no
+    line is ever wrapped: a sha256, a path or a command stays whole on its line, and the
+    status table has one line per patch or file, as wide as its longest entry."""
     if sys.stdout.isatty():
-        return Console(highlight=False)
-    return Console(highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+        return Console(file=Stream(lambda: sys.stdout), highlight=False)
+    return Console(file=Stream(lambda: sys.stdout), highlight=False, width=PIPE_WIDTH,
+                   soft_wrap=True)
 
 
 PIPE_WIDTH = 100_000  # columns when piped: wider than any line the reports make
@@ -291,13 +312,13 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def _export(project: Project, workdir: Path) -> int:
     result = export(project, workdir.resolve())
-    print(f"exported {len(result.patches)} patch(es) on base {result.base}:")
+    tell(f"exported {len(result.patches)} patch(es) on base {result.base}:", to=sys.stdout)
     for name in result.patches:
-        print(f"  {name}")
+        tell(f"  {name}", to=sys.stdout)
     for name in result.dropped:
-        print(f"  dropped {name} (no commit with its subject on the work branch: landed "
-              f"upstream, dropped or reworded)")
-    print("overlay.json re-recorded at " + result.base)
+        tell(f"  dropped {name} (no commit with its subject on the work branch: landed "
+              f"upstream, dropped or reworded)", to=sys.stdout)
+    tell("overlay.json re-recorded at " + result.base, to=sys.stdout)
     if result.range_diff:
-        print("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip())
+        tell("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip(), to=sys.stdout)
     return errors.OK

@@ -246,7 +246,8 @@ def refuse_merge_attributes(repo: git.Repo) -> None:
     for line in (read_regular(path) or b"").decode(errors="replace").splitlines():
         if line.strip().startswith("#"):
             continue
-        names = {token.lstrip("-!").split("=", 1)[0] for token in line.split()[1:]}
+        names = {token.lstrip("-").split("=", 1)[0] for token in line.split()[1:]
+                 if not token.startswith("!")}  # "!merge" is git's default again: harmless
         for name in sorted(names & {"merge", "filter"}):
             raise UsageError(f"{path} sets the {name!r} attribute ({line.strip()!r}): git would use "
                              f"it in the tool's own 3-way merges; remove the line, or give a fresh "

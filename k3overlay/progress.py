@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 
@@ -10,14 +11,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)  # one line a step, even in CI logs
+from .redact import Stream, redact
+
+# One line a step, even in CI logs; every line passes through ``redact`` (a URL's password,
+# a token) on its way out.
+console = Console(file=Stream(lambda: sys.stderr), highlight=False, soft_wrap=True)
 quiet = False
 
 
 def say(message: str) -> None:
     """One line of progress (a cache re-fetch, say) unless ``-q``; plain text, not markup."""
     if not quiet:
-        console.print(escape(message))
+        console.print(escape(redact(message)))
 
 
 @contextlib.contextmanager
@@ -26,7 +31,7 @@ def step(message: str) -> Iterator[None]:
     done (seconds)."""
     start = time.monotonic()
     if not quiet:
-        console.print(f"[dim]…[/dim] {escape(message)}")
+        console.print(f"[dim]…[/dim] {escape(redact(message))}")
     yield
     if not quiet:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")

@@ -126,6 +126,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     elif git.is_dirty(repo):
         raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
     _refuse_untracked_in_the_way(repo, patches, manifest)
+    _refuse_tree_merge_attributes(repo, report.ref_sha, opts.ref, patches, manifest)
     if not continuing:
         with deferred():  # switched but not recorded, the branch would be refused as not ours
             publish(repo, branch, report.ref_sha, opts.ref)
@@ -179,6 +180,26 @@ def _refuse_untracked_in_the_way(repo: git.Repo, patches: list[series_mod.Patch]
         raise errors.UsageError(f"{in_the_way[0]} in {repo.working_tree_dir} is not tracked by "
                                 f"git (ignored) and the series or overlay writes there; move it "
                                 f"away first")
+
+
+def _refuse_tree_merge_attributes(repo: git.Repo, ref_sha: str, ref: str,
+                                  patches: list[series_mod.Patch],
+                                  manifest: manifest_mod.Manifest) -> None:
+    """UsageError if REF's ``.gitattributes`` (any depth, macros too) give a path the series or
+    the overlay writes a ``merge`` or ``filter`` attribute. ``--rebase-to`` merges in the
+    checkout itself, where git follows them (``merge=union`` takes both sides of a
+    conflict); apply.py and the rebase job merge in a scratch repository where they count
+    for nothing. An ``!merge`` line in the checkout's info/attributes restores the default."""
+    paths = [f.path for f in manifest.files]
+    for patch in patches:
+        paths += git.patch_paths(repo, patch.path)
+    found = git.attributes_at(repo, ref_sha, list(dict.fromkeys(paths)), ["merge", "filter"])
+    for path, attributes in found.items():
+        name, value = next(iter(attributes.items()))
+        raise errors.UsageError(
+            f"{ref}'s .gitattributes give {path} {name}={value}: --rebase-to merges in the checkout, "
+            f"where git would follow it (a line both sides changed would not be a conflict); add "
+            f"'{path} !{name}' to {repo.git_dir}/info/attributes first")
 
 
 def _overlay_committed(repo: git.Repo, ref_sha: str, overlay_paths: set[str]) -> bool:

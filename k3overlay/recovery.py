@@ -34,7 +34,8 @@ def check(facts: dict) -> str | None:
 
 
 def worktree(facts: dict) -> str | None:
-    """A temporary worktree: git's entry for it and its folder go."""
+    """A temporary worktree (a scratch repository on the checkout's objects, or a linked
+    worktree of an older run): its folder goes, and git's entry for a linked one."""
     parent = Path(facts["parent"])
     if not parent.name.startswith(git._WORKTREE_PREFIX):
         return None
@@ -42,7 +43,7 @@ def worktree(facts: dict) -> str | None:
         repo = git.open_repo(Path(facts["repo"]))
     except git.GitError:
         repo = None  # its repository is gone (a --check clone): only the folder is left
-    if repo is not None:
+    if repo is not None and (parent / "tree" / ".git").is_file():  # a linked worktree (older runs)
         git._remove_worktree(repo, parent)
     elif parent.exists():
         shutil.rmtree(parent, ignore_errors=True)

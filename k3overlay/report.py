@@ -23,6 +23,7 @@ from . import errors
 from .files import stream_target, write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
+from .redact import redact, scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
 from .stages import Section, TestRun
@@ -173,7 +174,7 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
     Raises UsageError (one line) if the file cannot be written.
     """
     data = reports.to_json() if isinstance(reports, Report) else [r.to_json() for r in reports]
-    write_text(path, json.dumps(data, indent=2) + "\n")
+    write_text(path, json.dumps(scrub(data), indent=2) + "\n")
 
 
 def check_writable(path: Path, option: str) -> None:
@@ -202,8 +203,9 @@ def check_writable(path: Path, option: str) -> None:
 
 def write_text(path: Path, text: str) -> None:
     """Write a report file whole or not at all (temporary file, fsync, rename): a full disk
-    leaves the previous report as it was. Raises UsageError (one line) on failure."""
-    write_atomically(path, text.encode("utf-8", errors="replace"))
+    leaves the previous report as it was. Raises UsageError (one line) on failure.
+    The text passes through ``redact`` (no password or token reaches a report)."""
+    write_atomically(path, redact(text).encode("utf-8", errors="replace"))
 
 
 _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
@@ -219,6 +221,7 @@ def write_human(report: Report, console: Console) -> None:
     """
     # Lines are assembled as Text, never as markup built from escaped pieces: escaping
     # each value alone still lets two neighbours ("[/" then "]") form a tag.
+    report = scrub(report)  # before rich wraps a long line, which would cut a URL in two
     console.print(Text.assemble((f"vllm-k3-overlay {report.overlay_version}", "bold"),
                                 f" on {report.ref} ({report.ref_sha[:12] or '?'}), "
                                 f"base {report.base_ref}"))
@@ -278,7 +281,7 @@ def junit_xml(reports: list[Report]) -> str:
     an error for each that could not run for reasons outside the tree, a skip for each
     that did not run because of another (verify on a tree that lacks a patch)."""
     suites = []
-    for report in reports:
+    for report in scrub(reports):
         ref = _xml_text(report.ref)
         classname = f"rebase.{ref.replace('.', '_')}"
         cases = []
@@ -365,6 +368,7 @@ def markdown(reports: list[Report]) -> str:
     collapsed: each section's details and upstream's diff of each drifted file
     (clipped to ``MARKDOWN_DIFF_LINES``; the JSON report has everything).
     """
+    reports = scrub(reports)
     lines = ["## vllm-k3-overlay rebase report", ""]
     if reports:
         r0 = reports[0]

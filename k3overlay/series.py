@@ -92,9 +92,9 @@ def read_patch(path: Path) -> Patch:
     """Read one mailbox patch file the way ``git am`` will (``git mailinfo -b``).
 
     Raises UsageError if it is missing, has CRLF line endings (its first line ends in CR:
-    a whole file converted on checkout, whose every hunk would fail), holds no diff, or
-    its commit message (what ``git am`` keeps: the text before a ``---`` line) lacks
-    Upstream-Status.
+    a whole file converted on checkout, whose every hunk would fail), holds more than one
+    mail (``_refuse_more_than_one_mail``), holds no diff, or its commit message (what
+    ``git am`` keeps: the text before a ``---`` line) lacks Upstream-Status.
     """
     if not path.is_file():
         raise UsageError(f"series names {path.name}, which does not exist in {path.parent}")
@@ -102,6 +102,7 @@ def read_patch(path: Path) -> Patch:
         if path.read_bytes().partition(b"\n")[0].endswith(b"\r"):
             raise UsageError(f"{path.name} has CRLF line endings (converted on checkout, e.g. by "
                              f"core.autocrlf=true?): check patches/ out again with LF endings")
+        _refuse_more_than_one_mail(path)
         headers, message, has_diff = git.mailinfo(path)
     except OSError as err:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
@@ -160,6 +161,30 @@ def notes_in_message(patch: Patch, folder: Path) -> Patch:
     copy = folder / patch.name
     copy.write_bytes(message + b"\nNotes:\n" + indented.rstrip(b"\n") + b"\n---\n" + rest)
     return Patch(patch.name, copy, patch.subject, patch.upstream_status)
+
+
+def _refuse_more_than_one_mail(path: Path) -> None:
+    """UsageError, naming the file and the line, if ``git am`` would make more than one commit
+    of ``path``: a second mail appended (another author, another change, never reported),
+    or a message line git takes for the start of a mail (``From <sha> Mon Sep 17 00:00:00
+    2001``: the mail is cut there and am fails with "Patch is empty")."""
+    extra = _second_mail(path)
+    if extra:
+        raise UsageError(extra)
+
+
+def _second_mail(path: Path) -> str | None:
+    """Why ``path`` is more than one mail to ``git am`` (file, count, line), or None."""
+    try:
+        starts = git.mail_starts(path)
+    except git.GitError as err:
+        raise UsageError(str(err)) from err
+    if len(starts) < 2:
+        return None
+    line = path.read_bytes().splitlines()[starts[1] - 1].decode(errors="replace")
+    return (f"{path.name} holds {len(starts)} mails: line {starts[1]} starts another "
+            f"({line[:60]!r}); one patch file must be one commit (split it, or write a message "
+            f"line like that as '>From ...')")
 
 
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
@@ -231,37 +256,104 @@ def _by_patch_id(repo, patches, base_sha, ref_sha, run) -> list[PatchResult]:
 
 def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,
          keep_conflict: bool) -> list[PatchResult]:
+    """The series in one ``git am`` run (one process for the whole series: fast on long
+    ones), each result charged to the patch whose subject git am printed as it applied it,
+    each commit to the patch whose subject it carries: never by position. Anything else
+    (a mail no file of the series is, a second commit of one file) undoes the run."""
+    unfinished = git.operation_in_progress(repo)
+    if unfinished:  # someone else's: never ours to skip or abort
+        raise git.GitError(f"{repo.working_tree_dir} has a {unfinished} in progress")
     start = git.resolve(repo, "HEAD")
-    results: list[PatchResult] = []
+    by_subject = {p.subject: p for p in patches}
+    results: dict[str, PatchResult] = {}  # by patch name, in the order git am went
     ok, out, err = git.am(repo, [p.path for p in patches], env=env)
     while True:
         tried = _am_outcomes(out)
-        for patch, outcome in zip(patches[len(results):], tried if ok else tried[:-1]):
+        for subject, outcome in tried if ok else tried[:-1]:
+            patch = _charged(repo, start, by_subject, results, subject)
             if outcome == _UNCHANGED:
                 outcome = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
-            results.append(PatchResult(patch.name, outcome))
+            results[patch.name] = PatchResult(patch.name, outcome)
         if ok:
             break
-        if not tried:  # am refused to start (e.g. an am of someone else's in progress)
-            raise git.GitError(f"git am failed: {git.first_line(err)}")
-        results.append(_failed(repo, patches[len(results)], ref_sha, out + "\n" + err))
-        if keep_conflict and results[-1].status == CONFLICT:
-            return results
+        if not tried:  # am stopped before it could apply a mail: name the file and the reason
+            stuck = _stuck_patch(repo, by_subject)
+            _undo(repo, start)
+            raise git.GitError(_am_refused(stuck, out + "\n" + err))
+        patch = _charged(repo, start, by_subject, results, tried[-1][0])
+        results[patch.name] = _failed(repo, patch, ref_sha, out + "\n" + err)
+        if keep_conflict and results[patch.name].status == CONFLICT:
+            return list(results.values())
         ok, out, err = git.am_skip(repo, env=env)
-    _drop_empty_commits(repo, start, patches, results, ref_sha)
-    return results
+    _drop_empty_commits(repo, start, _commits(repo, start, by_subject, results), ref_sha)
+    return list(results.values())
 
 
-def _am_outcomes(stdout: str) -> list[str]:
-    """One outcome per patch git am tried, read from its progress lines (C locale)."""
-    outcomes: list[str] = []
+def _charged(repo: git.Repo, start: str, by_subject: dict[str, Patch],
+             results: dict[str, PatchResult], subject: str) -> Patch:
+    """The patch git am applied as ``subject``; the run undone and GitError if it is no patch
+    of the series, or one already applied (a file holding another mail)."""
+    patch = by_subject.get(subject)
+    if patch is None or patch.name in results:
+        _undo(repo, start)
+        why = next(filter(None, (_second_mail(p.path) for p in by_subject.values())),
+                   "one patch file must be one commit")  # the files changed since they were read
+        raise git.GitError(f"git am applied a mail with subject {subject!r}, which is no patch of "
+                           f"the series: {why}")
+    return patch
+
+
+def _commits(repo: git.Repo, start: str, by_subject: dict[str, Patch],
+             results: dict[str, PatchResult]) -> list[tuple[PatchResult, Patch, str]]:
+    """(result, patch, commit) of each commit git am made since ``start``, matched by subject;
+    the run undone and GitError if a commit is no applied patch's."""
+    commits = git.log_subjects(repo, f"{start}..HEAD")
+    applied = [name for name, r in results.items() if r.status in (APPLIED, APPLIED_3WAY)]
+    matched = [(by_subject.get(subject), sha) for sha, subject in commits]
+    if [patch.name if patch else None for patch, _ in matched] != applied:
+        _undo(repo, start)
+        raise git.GitError(f"git am made {len(commits)} commit(s) for {len(applied)} applied "
+                           f"patch(es): one patch file must be one commit")
+    return [(results[patch.name], patch, sha) for patch, sha in matched]
+
+
+def _stuck_patch(repo: git.Repo, by_subject: dict[str, Patch]) -> Patch | None:
+    """The patch of the mail an in-progress ``git am`` stopped at (read from its own split
+    mails, ``rebase-apply/NNNN``), or None if that cannot be told."""
+    state = Path(repo.working_tree_dir) / git.run(repo, "rev-parse", "--git-path", "rebase-apply").strip()
+    try:
+        mail = state / f"{int((state / 'next').read_text()):04d}"
+        return by_subject.get(git.mailinfo(mail)[0].get("Subject", ""))
+    except (OSError, ValueError):
+        return None
+
+
+def _undo(repo: git.Repo, start: str) -> None:
+    """End the am and put HEAD, index and work tree back at ``start`` (what am made goes)."""
+    git.am_abort(repo)
+    git.run(repo, "reset", "--quiet", "--hard", start)
+
+
+def _am_refused(patch: Patch | None, output: str) -> str:
+    """One line naming the patch git am could not apply and why."""
+    if patch is None:
+        return f"git am failed: {git.first_line(output)}"
+    why = _second_mail(patch.path)  # changed since the series was read
+    if why:
+        return f"git am could not apply {patch.name} as one commit: {why}"
+    return f"git am could not apply {patch.name}: {git.first_line(output)}"
+
+
+def _am_outcomes(stdout: str) -> list[tuple[str, str]]:
+    """(subject, outcome) per mail git am tried, read from its progress lines (C locale)."""
+    outcomes: list[tuple[str, str]] = []
     for line in stdout.splitlines():
         if line.startswith("Applying: "):
-            outcomes.append(APPLIED)
-        elif line.startswith("Falling back to patching base and 3-way merge"):
-            outcomes[-1] = APPLIED_3WAY
-        elif line.startswith("No changes -- Patch already applied"):
-            outcomes[-1] = _UNCHANGED
+            outcomes.append((line.removeprefix("Applying: "), APPLIED))
+        elif line.startswith("Falling back to patching base and 3-way merge") and outcomes:
+            outcomes[-1] = (outcomes[-1][0], APPLIED_3WAY)
+        elif line.startswith("No changes -- Patch already applied") and outcomes:
+            outcomes[-1] = (outcomes[-1][0], _UNCHANGED)
     return outcomes
 
 
@@ -279,19 +371,19 @@ def _failed(repo: git.Repo, patch: Patch, ref_sha: str, output: str) -> PatchRes
                        _failed_hunks(output + "\n" + git.apply_errors(repo, patch.path)))
 
 
-def _drop_empty_commits(repo: git.Repo, start: str, patches: list[Patch],
-                        results: list[PatchResult], ref_sha: str) -> None:
+def _drop_empty_commits(repo: git.Repo, start: str,
+                        committed: list[tuple[PatchResult, Patch, str]], ref_sha: str) -> None:
     """git am commits a patch that applies directly yet changes nothing (a ``chmod +x``
-    the file already has): classify such a patch like an unchanged one and drop its commit."""
-    committed = [(r, p) for r, p in zip(results, patches) if r.status in (APPLIED, APPLIED_3WAY)]
-    parent_tree = git.tree_of(repo, start)
-    kept = []
-    for (result, patch), (sha, tree) in zip(committed, git.commit_trees(repo, f"{start}..HEAD")):
-        if tree == parent_tree:
+    the file already has): classify such a patch like an unchanged one and drop its commit.
+    ``committed`` is (result, patch, the commit am made of it), oldest first."""
+    trees = dict(git.commit_trees(repo, f"{start}..HEAD"))
+    parent_tree, kept = git.tree_of(repo, start), []
+    for result, patch, sha in committed:
+        if trees[sha] == parent_tree:
             result.status = LANDED if landed(repo, patch.path, ref_sha) else REDUNDANT
         else:
             kept.append(sha)
-        parent_tree = tree
+        parent_tree = trees[sha]
     if len(kept) < len(committed):
         git.reparent(repo, start, kept)
 

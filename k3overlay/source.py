@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -22,21 +23,69 @@ from .progress import step
 from .project import cache_dir
 from .releases import unknown_ref_hint
 
-_FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
+_FULL_SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")  # SHA-1 or SHA-256
+_HEX = re.compile(r"[0-9a-f]{4,64}")
+_ANCESTRY = re.compile(r"(?:~[0-9]*|\^[0-9]*|\^\{(?:commit)?\})*")
+_PSEUDO_REF = re.compile(r"[A-Z_]*HEAD|AUTO_MERGE")
 # What git says when the remote answered but has no such ref (bad input, not a network fault).
 _NOT_FOUND = ("couldn't find remote ref", "not our ref", "no such ref", "invalid refspec",
               "does not appear to be a git repository", "does not exist", "not allowed")
 
 
 def check_ref(ref: str) -> None:
-    """Refuse a ref git could read as an option or a refspec (UsageError).
+    """Refuse a ref that does not name exactly one commit of the source (UsageError, one line).
 
-    A leading ``-`` would be an option (``--upload-pack=…`` runs a command),
-    and ``:`` makes a refspec that writes a local branch.
+    Taken: a tag, a branch (``main``, ``refs/heads/main``), ``HEAD``, a commit sha (full or
+    abbreviated), each optionally followed by ancestry steps (``~N``, ``^N``, ``^{commit}``).
+    Refused, each with its reason: empty; a leading ``-`` (git would read an option);
+    whitespace or control characters; a negative ref (``^v1.0.0``); a forced refspec
+    (``+a``); ranges (``a..b``, ``a...b``, ``a^@``, ``a^!``, ``a^-``); ``@{…}`` (reflog,
+    upstream, push, ``@{-1}``: this machine's history, not the source's); ``:`` (a refspec
+    ``a:b``, a path ``rev:path``, a message search ``:/text``); wildcards (``*``, ``?``,
+    ``[``); a peel to anything but a commit (``rev^{tree}``, ``rev^{/text}``); a
+    pseudo-ref of this machine (``FETCH_HEAD``, ``ORIG_HEAD``, …); any name
+    ``git check-ref-format`` refuses.
     """
-    if (not ref or ref.startswith("-") or any(c in ref for c in ": \t\n\\")
-            or ".." in ref or "@{" in ref or not ref.isprintable()):
-        raise UsageError(f"bad ref {ref!r}: give a tag, branch or commit sha")
+    reason = _ref_refusal(ref)
+    if reason:
+        raise UsageError(f"bad ref {ref!r}: {reason}; give a tag, branch or commit sha "
+                         f"(optionally followed by ~N or ^N)")
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """(name, ancestry suffix) of a ref ``check_ref`` takes: ``v1.0.0~2`` -> (``v1.0.0``, ``~2``)."""
+    cut = min([i for i in (ref.find("~"), ref.find("^")) if i >= 0], default=len(ref))
+    return ref[:cut], ref[cut:]
+
+
+def _ref_refusal(ref: str) -> str | None:
+    """Why ``ref`` names no single commit of the source, or None when it may."""
+    if not ref:
+        return "it is empty"
+    if ref.startswith("-"):
+        return "git would read it as an option"
+    if not ref.isprintable() or any(c.isspace() for c in ref):
+        return "it holds whitespace or a control character"
+    if ref.startswith("^"):
+        return "a negative ref (^REF) excludes commits, it names none"
+    if ref.startswith("+"):
+        return "'+' makes a forced refspec"
+    if ".." in ref or any(form in ref for form in ("^@", "^!", "^-")):
+        return "a range names many commits"
+    if "@{" in ref:
+        return "@{...} (reflog, upstream, push, @{-N}) reads this machine's history, not the source's"
+    if ":" in ref:
+        return "':' makes a refspec (A:B), a path (REV:PATH) or a message search (:/TEXT)"
+    if any(c in ref for c in "*?[\\"):
+        return "a wildcard matches any number of refs"
+    name, suffix = split_ref(ref)
+    if not _ANCESTRY.fullmatch(suffix):
+        return f"only ~N, ^N or ^{{commit}} may follow a name, not {suffix!r}"
+    if _PSEUDO_REF.fullmatch(name) and name != "HEAD":
+        return f"{name} is this machine's, not the source's"
+    if not _HEX.fullmatch(name) and not git.is_ref_name(name):
+        return "git check-ref-format refuses the name"
+    return None
 
 
 def release_files() -> ReleaseFiles:
@@ -59,13 +108,52 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
     for ref in refs:
         check_ref(ref)
     chosen = vllm_repo or os.environ.get("VLLM_REPO")
-    if chosen and chosen.startswith("-"):
-        raise UsageError(f"bad vLLM repository {chosen!r}: give a URL or a path")
     if chosen:
+        check_source(chosen)
         return _absolute(chosen)
     mirror = default_mirror()
-    mirror.ensure(v for v in map(release_of, refs) if v is not None)
+    mirror.ensure(v for v in (release_of(split_ref(ref)[0]) for ref in refs) if v is not None)
     return str(mirror.path)
+
+
+# ``scheme://`` and git's ``<transport>::<address>`` remote-helper syntax (``ext::``, ``fd::``)
+_SCHEME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9+.\-]*)://")
+_HELPER = re.compile(r"^([A-Za-z0-9][A-Za-z0-9+.\-]*)::")
+_SCHEMES = {"https", "ssh", "git+ssh", "ssh+git", "git", "file"}
+
+
+def check_source(source: str) -> None:
+    """Refuse, before git runs, a vLLM source that is not an https, ssh or git URL, an
+    scp-like ``host:path``, a ``file://`` URL or a local folder or bundle (UsageError).
+
+    Refused: a leading ``-`` (git would read an option), control characters, any
+    ``<transport>::`` helper (``ext::`` runs a command, ``fd::0`` waits on a descriptor), any
+    other scheme (``http://`` sends credentials in the clear; ``foo://`` runs a
+    git-remote-foo), and a local path that is a FIFO, a device or a socket (git would wait
+    on it as a bundle). Git refuses the same transports on its own (``TRANSPORTS``), also
+    after a ``url.*.insteadOf`` rewrite.
+    """
+    bad = f"--vllm-repo {source!r}"
+    if source.startswith("-") or not source.isprintable():
+        raise UsageError(f"{bad} is not a URL or a path (it starts with '-' or holds a control "
+                         f"character)")
+    helper, scheme = _HELPER.match(source), _SCHEME.match(source)
+    if helper and not scheme:
+        raise UsageError(f"{bad}: the '{helper[1]}::' transport is not allowed; give an https, "
+                         f"ssh or git URL or a local path")
+    if scheme and scheme[1].lower() not in _SCHEMES:
+        raise UsageError(f"{bad}: the '{scheme[1]}' transport is not allowed; give an https, ssh "
+                         f"or git URL or a local path")
+    if scheme and scheme[1].lower() != "file" or not scheme and ":" in source.split("/", 1)[0]:
+        return  # a remote; git reaches it (scp-like host:path is ssh)
+    path = Path(source[len("file://"):] if scheme else source)
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing: git says so
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise UsageError(f"{bad} is neither a folder nor a file (a FIFO, device or socket); "
+                         f"give a repository folder, a bundle or a URL")
 
 
 def _absolute(source: str) -> str:
@@ -149,17 +237,21 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
     cannot be reached.
     """
     check_ref(ref)
+    name, suffix = split_ref(ref)
     local = git.resolve(repo, ref)
-    if local and (_FULL_SHA.match(ref) or (release_of(ref) and git.resolve(repo, f"refs/tags/{ref}"))):
+    if local and (_FULL_SHA.match(name) or (release_of(name) and git.resolve(repo, f"refs/tags/{name}"))):
         return local
     if local is None:
         _refuse_non_commit(repo, ref, ref)
-    spec = f"refs/tags/{ref}:refs/tags/{ref}" if release_of(ref) else ref
+    spec = f"refs/tags/{name}:refs/tags/{name}" if release_of(name) else name
     ok, output = git.attempt(repo, "fetch", "--quiet", "--no-tags", "--", source, spec)
     if ok:
-        fetched = f"refs/tags/{ref}" if release_of(ref) else "FETCH_HEAD"
+        fetched = (f"refs/tags/{name}" if release_of(name) else "FETCH_HEAD") + suffix
         _refuse_non_commit(repo, fetched, ref)
-        return git.resolve(repo, fetched)
+        sha = git.resolve(repo, fetched)
+        if sha is None:  # fetched, yet no commit there (~N past the root): never a sha-less run
+            raise UsageError(f"ref {ref!r} names no commit in {source}")
+        return sha
     if local:
         return local
     if Path(source) == default_mirror().path:  # the user's sha is likely upstream's: say what works

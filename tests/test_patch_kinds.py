@@ -437,9 +437,10 @@ def test_git_am_that_cannot_start_is_an_error(kinds, tmp_path):
     g(up, "clone", "-q", "--branch", "v3", str(up), str(wd))
     subprocess.run(["git", "am", str(patches["model"])], cwd=wd, capture_output=True)
     assert (wd / ".git" / "rebase-apply").is_dir()  # someone's am, stopped at a conflict
-    with pytest.raises(errors.OverlayError, match="git am failed: fatal: previous rebase directory"):
+    with pytest.raises(errors.OverlayError, match="has a git am in progress"):  # never skipped or aborted
         series.apply(series.git.open_repo(wd), series.load(make_project(tmp_path / "p", [
             patches["chmod"]]).patches_dir), env=dict(os.environ, **IDENT), ref_sha="HEAD")
+    assert (wd / ".git" / "rebase-apply").is_dir()  # theirs, left as it was
 
 
 def test_rebase_to_rebuilds_a_branch_that_apply_made_on_another_ref(kinds, tmp_path):

@@ -1,0 +1,132 @@
+"""Patches: ``git am``, ``git mailinfo``, ``git apply`` trials, ``format-patch``, ``range-diff``."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from .gitproc import GitError, Repo, _cwd, _execute, _text, attempt, first_line, literal, run
+
+
+def am(repo: Repo, patches: list[Path], *, env: dict[str, str]) -> tuple[bool, str, str]:
+    """``git am --3way`` mailbox patches in order, one commit per mail; committer date = author date.
+
+    Subjects are kept as ``git mailinfo -b`` reads them (``--keep-non-patch``: a
+    ``[PATCH ...]`` prefix goes, ``[Kernel]`` stays). Returns (every patch
+    applied, stdout, stderr); git's messages are in English (C locale), one
+    ``Applying: SUBJECT`` line per patch tried. On failure the am is left in
+    progress at the failed patch for the caller to inspect, then ``am_skip``
+    (go on with the rest) or leave to a maintainer.
+    """
+    return _am(repo, ["--3way", "--keep-cr", "--keep-non-patch", "--committer-date-is-author-date",
+                      *map(str, patches)], env)
+
+
+def am_skip(repo: Repo, *, env: dict[str, str]) -> tuple[bool, str, str]:
+    """Drop the failed patch of an in-progress ``git am`` and go on with the rest (as ``am``)."""
+    return _am(repo, ["--skip"], env)
+
+
+def am_abort(repo: Repo) -> None:
+    """End an in-progress ``git am``, HEAD and work tree back where it started (nothing if none)."""
+    _execute(["am", "--abort"], cwd=_cwd(repo))
+
+
+def mail_starts(patch: Path) -> list[int]:
+    """The line (1-based) where each mail of mailbox ``patch`` begins, as ``git am`` splits it
+    (``git mailsplit -b --keep-cr``: a body line like ``From <sha> Mon Sep 17 00:00:00 2001``
+    starts a mail of its own). Raises GitError if mailsplit fails."""
+    with tempfile.TemporaryDirectory(prefix="k3-mailsplit-") as tmp:
+        status, out, err = _execute(["mailsplit", "-b", "--keep-cr", f"-o{tmp}", "--", str(patch)],
+                                    cwd=tmp)
+        if status != 0:
+            raise GitError(f"git mailsplit failed on {patch.name}: {first_line(_text(err))}")
+        starts, line = [], 1
+        for piece in sorted(Path(tmp).iterdir()):
+            starts.append(line)
+            line += piece.read_bytes().count(b"\n")
+        return starts
+
+
+def _am(repo: Repo, args: list[str], env: dict[str, str]) -> tuple[bool, str, str]:
+    # Our caller reads am's progress lines: _environment keeps them untranslated (C locale).
+    status, out, err = _execute(["am", *args], cwd=_cwd(repo), env=env)
+    return status == 0, _text(out), _text(err)
+
+
+def mailinfo(patch: Path) -> tuple[dict[str, str], str, bool]:
+    """What ``git am --keep-non-patch`` reads from one mailbox patch, read by ``git mailinfo -b``.
+
+    Returns the headers (``Author``, ``Email``, ``Subject``, ``Date``; UTF-8),
+    the commit message after the subject line (cut where git cuts it: at a
+    ``---`` line, a ``diff -`` line, ...), and whether a diff follows.
+    """
+    mail = patch.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="k3-mailinfo-") as tmp:
+        message, diff = Path(tmp) / "msg", Path(tmp) / "patch"
+        # Exit 1 for a mail without a diff ("empty patch"): the empty diff file says so.
+        _, out, _ = _execute(["mailinfo", "-b", str(message), str(diff)], cwd=tmp, stdin=mail)
+        headers = dict(line.split(": ", 1) for line in out.decode(errors="replace").splitlines()
+                       if ": " in line)
+        text = message.read_bytes().decode(errors="replace") if message.exists() else ""
+        return headers, text, diff.exists() and diff.stat().st_size > 0
+
+
+def patch_paths(repo: Repo, patch: Path) -> list[str]:
+    """The paths ``patch`` leaves changed (a rename: its new name), from ``git apply --numstat -z``."""
+    listing = run(repo, "apply", "--numstat", "-z", str(patch))
+    return [entry.split("\t", 2)[2] for entry in listing.split("\0") if entry]
+
+
+def apply_errors(repo: Repo, patch: Path) -> str:
+    """What ``git apply --check`` says against the work tree: empty when ``patch`` applies,
+    else git's reasons (``error: patch failed: PATH:LINE`` ...)."""
+    return attempt(repo, "apply", "--check", str(patch))[1]
+
+
+def trial_tree(repo: Repo, tree_ish: str, *steps: list[str]) -> str | None:
+    """The tree ``git apply --cached STEP`` leaves, one step after another, starting from
+    ``tree_ish``, in a throwaway index (work tree, index and refs untouched); None if a step fails."""
+    with tempfile.TemporaryDirectory(prefix="k3-trial-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run(repo, "read-tree", tree_ish, env=env)
+        for step in steps:
+            if not attempt(repo, "apply", "--cached", *step, env=env)[0]:
+                return None
+        return run(repo, "write-tree", env=env).strip()
+
+
+def format_patch(repo: Repo, sha: str, outdir: Path, number: int = 1) -> Path:
+    """Write commit ``sha`` as one mailbox patch, file name prefixed ``NNNN-``.
+
+    Headers that would churn on every export are fixed: the From line's
+    commit id is zeroed and no git version signature is added; the Date is
+    the commit's author date, which ``git am`` preserves.
+    """
+    out = run(repo, "format-patch", "-1", "--zero-commit", "--no-signature", "--full-index",
+              "--no-attach", "--no-thread", "--no-to", "--no-cc", "--no-add-header", "--no-from",
+              "--no-notes",
+              f"--start-number={number}", "-o", str(outdir), sha)
+    return Path(out.strip().splitlines()[-1])
+
+
+def range_diff(repo: Repo, old: str, new: str) -> str:
+    """``git range-diff`` of two commit ranges (``A..B`` strings)."""
+    return run(repo, "range-diff", "--no-color", old, new)
+
+
+def patch_ids(repo: Repo, *, patch: Path | None = None, rev_range: str = "",
+              paths: list[str] | None = None) -> dict[str, str]:
+    """``{patch-id: commit}`` by ``git patch-id --stable`` (whitespace and line numbers
+    ignored): of one mailbox ``patch`` file (commit all zeros), or of each non-merge
+    commit in ``rev_range`` that touches ``paths`` (its whole diff counts, as for
+    ``git cherry``). Empty when ``rev_range`` does not resolve."""
+    if patch is not None:
+        text = patch.read_bytes()
+    else:
+        status, text, _ = _execute(["log", "--no-merges", "--no-color", "-p", "--full-diff",
+                                    rev_range, "--", *literal(paths or [])], cwd=_cwd(repo))
+        if status != 0:
+            return {}
+    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo), stdin=text)[1])
+    return {pid: commit for pid, commit in (line.split() for line in out.splitlines())}

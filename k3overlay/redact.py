@@ -1,0 +1,97 @@
+"""The one place secrets are taken out of text on its way to a terminal, a report or a file.
+
+What counts as a secret (the kinds git's own redaction covers, and their neighbours):
+
+- the user info of a URL, ``scheme://user:password@host`` (the password; for any scheme but
+  ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user);
+- a query parameter that carries a credential: ``?token=``, ``access_token``,
+  ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
+  ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
+  ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth);
+- an HTTP header that does (``Authorization: Bearer …``, ``Proxy-Authorization``,
+  ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``), as git's
+  ``GIT_TRACE_REDACT`` does: the scheme word stays, the rest goes.
+
+Each is replaced by ``***``. ``redact`` takes a string, ``scrub`` anything a report holds
+(strings inside dicts, lists, tuples and dataclasses), ``url_without_credentials`` gives a
+URL fit to store (``remote.origin.url``): the user info removed, not masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+MASK = "***"
+
+# scheme://userinfo@ — the authority ends at the first / ? # (an @ after it is a path's);
+# greedy up to the last @ before that, as curl reads ``user:p@ss@host``.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s'\"<>`]*)@")
+_SSH = {"ssh", "git+ssh", "ssh+git"}
+_SECRET_NAME = (r"[A-Za-z0-9_.\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
+                r"|auth)")
+_QUERY = re.compile(rf"(?P<lead>[?&](?i:{_SECRET_NAME})=)(?P<value>[^&#\s'\"<>`]+)")
+_HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|private-token"
+                     r"|job-token|x-[a-z0-9\-]*token)\s*:\s*(?:(?i:basic|bearer|token|digest"
+                     r"|negotiate)\s+)?)(?P<value>[^\s'\"<>`][^'\"<>`\n]*)")
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential it holds replaced by ``***`` (see the module)."""
+    if not isinstance(text, str) or not text:
+        return text
+    text = _USERINFO.sub(_masked_userinfo, text)
+    text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
+    return _HEADER.sub(lambda m: m["lead"] + MASK, text)
+
+
+def _masked_userinfo(match: re.Match) -> str:
+    scheme, info = match["scheme"], match["info"]
+    if scheme[:-3].lower() in _SSH:  # ssh://git@host is a login name, not a secret
+        user, colon, _password = info.partition(":")
+        return f"{scheme}{user}{':' + MASK if colon else ''}@"
+    return f"{scheme}{MASK}@"
+
+
+def scrub(value):
+    """``value`` with ``redact`` applied to every string in it (dict keys and values, list,
+    tuple and dataclass members); a new object, ``value`` itself is left alone."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {scrub(k): scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(scrub(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: scrub(getattr(value, f.name)) for f in dataclasses.fields(value)
+                  if f.init}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def url_without_credentials(url: str) -> str:
+    """``url`` with its user info's password (ssh) or whole user info (any other scheme)
+    removed, for storing: ``https://user:pw@host/x`` -> ``https://host/x``,
+    ``ssh://git:pw@host/x`` -> ``ssh://git@host/x``. A path or scp-like address as it is."""
+    def stripped(match: re.Match) -> str:
+        scheme, info = match["scheme"], match["info"]
+        if scheme[:-3].lower() in _SSH:
+            return f"{scheme}{info.partition(':')[0]}@"
+        return scheme
+    url = _USERINFO.sub(stripped, url, count=1)
+    return _QUERY.sub(lambda m: m["lead"] + MASK, url)
+
+
+class Stream:
+    """A text stream that redacts what is written to it: what a console prints goes through
+    ``redact`` whatever built the line. ``current`` gives the stream at each write (so a
+    ``sys.stderr`` replaced later, by a test or a pager, is the one written to)."""
+
+    def __init__(self, current) -> None:
+        self._current = current
+
+    def write(self, text: str) -> int:
+        return self._current().write(redact(text))
+
+    def __getattr__(self, name: str):  # isatty, fileno, flush, encoding, ...
+        return getattr(self._current(), name)

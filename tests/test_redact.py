@@ -1,0 +1,186 @@
+"""No secret reaches any output: terminal, reports (JSON, JUnit, markdown) or the checkout.
+
+The source URL carries ``user:SECRET@`` (or a token in its query). A ``url.<path>.insteadOf``
+in a test-made global config sends git to the synthetic upstream, so every step runs for
+real (clone, fetch, publish) with the credentialed URL as the one the user gave.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors
+from k3overlay.redact import redact, scrub, url_without_credentials
+
+from .test_rebase import load_ci_rebase
+
+SECRET = "S3cr3tT0ken"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening: a connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def secret_url(upstream, tmp_path, monkeypatch) -> str:
+    """An https URL with a password in it, which the user's git config maps to ``upstream``."""
+    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
+    monkeypatch.setenv("HOME", str(config.parent))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config.parent / ".config"))
+    return url
+
+
+def _leaks(folder: Path) -> list[str]:
+    """Files under ``folder`` whose bytes hold the secret (the test's own git config aside)."""
+    return [str(p) for p in folder.rglob("*") if p.is_file() and "home" not in p.relative_to(folder).parts
+            and SECRET.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize("text, kept", [
+    (f"cloning https://user:{SECRET}@h:1/up.git into /w", "https://***@h:1/up.git"),
+    (f"https://{SECRET}@github.com/o/r.git", "https://***@github.com/o/r.git"),
+    (f"http://u:p@{SECRET}@h/x", "http://***@h/x"),  # the last @ before the path ends it
+    (f"ssh://git:{SECRET}@h/x", "ssh://git:***@h/x"),
+    (f"fatal: unable to access 'https://u:{SECRET}@h/': refused", "'https://***@h/'"),
+    (f"https://h/x.git?private_token={SECRET}&a=1", "?private_token=***&a=1"),
+    (f"https://s3/x?X-Amz-Credential={SECRET}&X-Amz-Signature={SECRET}",
+     "X-Amz-Credential=***&X-Amz-Signature=***"),
+    (f"https://blob/x?sv=1&sig={SECRET}", "sv=1&sig=***"),
+    (f"https://h/x?access_token={SECRET}", "access_token=***"),
+    (f"Authorization: Bearer {SECRET}", "Authorization: Bearer ***"),
+    (f"http.extraHeader=Authorization: Basic {SECRET}", "Basic ***"),
+    (f"PRIVATE-TOKEN: {SECRET}", "PRIVATE-TOKEN: ***"),
+    (f"Cookie: session={SECRET}", "Cookie: ***"),
+])
+def test_each_kind_of_secret_is_masked(text, kept):
+    assert SECRET not in redact(text) and kept in redact(text)
+
+
+@pytest.mark.parametrize("text", ["ssh://git@github.com/o/r.git", "git@github.com:o/r.git",
+                                  "/tmp/a@b/up.git", "https://github.com/o/r@v1",
+                                  "pkg/model.txt:4-9", "ref 'v1.0.0' not found"])
+def test_text_without_secrets_is_left_as_it_is(text):
+    assert redact(text) == text
+
+
+def test_scrub_reaches_every_string_of_a_report():
+    from k3overlay.report import Report
+    from k3overlay.series import PatchResult
+
+    report = Report("1", "b", f"https://u:{SECRET}@h/x", error=f"in https://u:{SECRET}@h/x",
+                    patches=[PatchResult("p", "conflict", [f"?token={SECRET}"])],
+                    notes=[f"Authorization: token {SECRET}"], tests={"env_error": f"?sig={SECRET}"})
+    assert SECRET not in repr(scrub(report)) and SECRET in repr(report)  # a copy; the original stays
+
+
+def test_a_stored_url_keeps_no_credentials():
+    assert url_without_credentials(f"https://u:{SECRET}@h/x.git") == "https://h/x.git"
+    assert url_without_credentials(f"ssh://git:{SECRET}@h/x.git") == "ssh://git@h/x.git"
+    assert url_without_credentials("/srv/vllm.git") == "/srv/vllm.git"
+
+
+def test_apply_with_a_password_in_the_url_puts_it_nowhere(project, secret_url, tmp_path, monkeypatch,
+                                                          capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd, report = tmp_path / "wd", tmp_path / "report.json"
+    assert cli.main(["--vllm-repo", secret_url, "--vllm-ref", "v1.1.0", "--workdir", str(wd),
+                     "--json", str(report)]) == errors.OK
+    assert cli.main(["--vllm-repo", secret_url, "--vllm-ref", "nosuch", "--workdir", str(wd),
+                     "--json", str(tmp_path / "error.json")]) == errors.USAGE
+    out, err = capsys.readouterr()
+    assert "cloning https://***@127.0.0.1" in err and "not found in https://***@127.0.0.1" in err
+    assert SECRET not in out + err
+    assert "not found in https://***@" in json.loads((tmp_path / "error.json").read_text())["error"]
+    # the published checkout: config (remote.origin.url), reflogs, FETCH_HEAD, everything
+    assert _leaks(tmp_path) == []
+    assert (wd / ".git" / "config").read_text().count("url = https://127.0.0.1:") == 1
+
+
+def test_check_and_an_unreachable_url_with_a_token_leak_nothing(project, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    url = f"https://127.0.0.1:{_closed_port()}/up.git?private_token={SECRET}"
+    code = cli.main(["--vllm-repo", url, "--workdir", str(tmp_path / "wd"), "--check",
+                     "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == errors.SOURCE and "cannot reach the vLLM source" in err
+    assert SECRET not in out + err and _leaks(tmp_path) == []
+    assert json.loads((tmp_path / "r.json").read_text())["error"].startswith("cannot reach")
+
+
+def test_rebase_job_reports_leak_nothing_and_keep_every_ref(project, secret_url, tmp_path, monkeypatch,
+                                                            capsys):
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    outs = [tmp_path / "out.json", tmp_path / "out.xml", tmp_path / "out.md"]
+    code = ci_rebase.main(["--onto", "nosuch", "--onto", "v1.1.0", "--vllm-repo", secret_url,
+                           "--no-tests", "--json", str(outs[0]), "--junit", str(outs[1]),
+                           "--markdown", str(outs[2])])
+    out, err = capsys.readouterr()
+    assert code == errors.USAGE and SECRET not in out + err and _leaks(tmp_path) == []
+    first, second = json.loads(outs[0].read_text())
+    assert "not found in https://***@127.0.0.1" in first["error"] and second["ok"]
+    assert "https://***@" in outs[1].read_text() and "https://***@" in outs[2].read_text()
+
+
+def test_rebase_job_whose_source_is_unreachable_still_writes_every_report(project, tmp_path,
+                                                                          monkeypatch, capsys):
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+    outs = [tmp_path / "out.json", tmp_path / "out.xml", tmp_path / "out.md"]
+    code = ci_rebase.main(["-q", "--onto", "v1.1.0", "--onto", "v1.2.0", "--vllm-repo", url,
+                           "--json", str(outs[0]), "--junit", str(outs[1]), "--markdown", str(outs[2])])
+    out, err = capsys.readouterr()
+    assert code == errors.SOURCE and SECRET not in out + err and _leaks(tmp_path) == []
+    reports = json.loads(outs[0].read_text())
+    assert [r["ref"] for r in reports] == ["v1.1.0", "v1.2.0"]
+    assert all(r["error"].startswith("cannot reach the vLLM source") for r in reports)
+    assert outs[1].read_text().count("<error") == 2 and "cannot reach" in outs[2].read_text()
+
+
+def test_a_usage_error_quoting_a_secret_is_masked(project, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    with pytest.raises(SystemExit):
+        cli.main(["--build-wheel", "--wheel-build", f"https://u:{SECRET}@h/x"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'https://***@h/x'" in err and SECRET not in err
+
+
+def test_a_secret_in_vllm_repo_from_the_environment_or_in_a_ref_is_masked(project, secret_url, tmp_path,
+                                                                          monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    monkeypatch.setenv("VLLM_REPO", secret_url)
+    report = tmp_path / "r.json"
+    assert cli.main(["--check", "--workdir", str(tmp_path / "wd"), "--vllm-ref", "v1.1.0",
+                     "--json", str(report)]) == errors.OK
+    assert cli.main(["--check", "--workdir", str(tmp_path / "wd"), "--vllm-ref",
+                     f"https://u:{SECRET}@h/x", "--json", str(report)]) == errors.USAGE
+    out, err = capsys.readouterr()
+    assert "cloning https://***@" in err and "bad ref 'https://***@h/x'" in err
+    assert SECRET not in out + err and _leaks(tmp_path) == []
+
+
+def test_a_secret_in_what_git_itself_says_is_masked(project, upstream, tmp_path, monkeypatch, capsys):
+    # the user's insteadOf sends git to a credentialed URL that refuses: git's own message names it
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "https://user:{SECRET}@127.0.0.1:{_closed_port()}/"]\n'
+                      f'\tinsteadOf = https://mirror.invalid/\n')
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["--workdir", str(tmp_path / "wd"), "--vllm-repo", "https://mirror.invalid/up.git",
+                     "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == errors.SOURCE and SECRET not in out + err and _leaks(tmp_path) == []

@@ -1,0 +1,114 @@
+"""Transports: only https, ssh, git, file and local paths; nothing waits on a terminal or a descriptor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors, gitproc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _apply(project: Path, *args: str, env: dict | None = None, timeout: int = 60):
+    """apply.py on ``project`` in a child process (a hang is a timeout, not a stuck suite)."""
+    code = ("import sys; from pathlib import Path; from k3overlay import cli, project\n"
+            "cli.Project = lambda: project.Project(Path(sys.argv[1]))\n"
+            "sys.exit(cli.main(sys.argv[2:]))")
+    return subprocess.run([sys.executable, "-c", code, str(project), *args], cwd=ROOT, env=env,
+                          stdin=subprocess.PIPE, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fd_transport_is_refused_at_once_not_a_hang(project, tmp_path):
+    # stdin is an open pipe nobody writes to: git's fd::0 used to wait on it for ever
+    proc = _apply(project.root, "-q", "--vllm-repo", "fd::0", "--workdir", str(tmp_path / "wd"),
+                  "--json", str(tmp_path / "r.json"), timeout=30)
+    assert proc.returncode == errors.USAGE, proc.stderr
+    assert proc.stderr.splitlines() == ["apply.py: error: --vllm-repo 'fd::0': the 'fd::' transport "
+                                        "is not allowed; give an https, ssh or git URL or a local path"]
+    assert not (tmp_path / "wd").exists() and "fd::" in (tmp_path / "r.json").read_text()
+
+
+@pytest.mark.parametrize("source, said", [
+    ("ext::sh -c touch% {pwned}", "the 'ext::' transport"),
+    ("fd::3,4", "the 'fd::' transport"),
+    ("gcrypt::https://127.0.0.1:9/x", "the 'gcrypt::' transport"),
+    ("https+evil::x", "the 'https+evil::' transport"),
+    ("http://127.0.0.1:9/up.git", "the 'http' transport"),
+    ("ftp://127.0.0.1:9/up.git", "the 'ftp' transport"),
+    ("rsync://127.0.0.1:9/up.git", "the 'rsync' transport"),
+    ("evil://127.0.0.1:9/up.git", "the 'evil' transport"),  # would run git-remote-evil
+    ("-oProxyCommand=touch {pwned}", "starts with '-'"),
+    ("https://h/x\nevil", "control character"),
+])
+def test_other_transports_are_refused_in_one_line_before_git_runs(project, tmp_path, monkeypatch,
+                                                                  capsys, source, said):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    pwned = tmp_path / "pwned"
+    code = cli.main(["-q", "--vllm-repo", source.format(pwned=pwned), "--workdir", str(tmp_path / "wd")])
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and said in err and len(err.splitlines()) == 1
+    assert not pwned.exists() and not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("prefix", ["", "file://"])
+def test_a_fifo_as_the_source_is_refused_not_waited_on(project, tmp_path, prefix):
+    fifo = tmp_path / "up.git"
+    os.mkfifo(fifo)
+    proc = _apply(project.root, "-q", "--check", "--vllm-repo", prefix + str(fifo), "--workdir",
+                  str(tmp_path / "wd"), timeout=30)
+    assert proc.returncode == errors.USAGE and "neither a folder nor a file" in proc.stderr
+
+
+@pytest.mark.parametrize("target", ["ext::sh -c touch% {pwned}", "http://127.0.0.1:9/up.git"])
+def test_an_insteadof_of_the_users_cannot_reach_a_refused_transport(project, tmp_path, monkeypatch,
+                                                                    capsys, target):
+    pwned = tmp_path / "pwned"
+    config = tmp_path / "gitconfig"
+    config.write_text(f'[url "{target.format(pwned=pwned)}"]\n\tinsteadOf = https://mirror.invalid/\n')
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["-q", "--vllm-repo", "https://mirror.invalid/up.git", "--workdir",
+                     str(tmp_path / "wd")])
+    err = capsys.readouterr().err
+    assert code in (errors.USAGE, errors.SOURCE) and "not allowed" in err and len(err.splitlines()) == 1
+    assert not pwned.exists() and not (tmp_path / "wd").exists()
+
+
+def test_no_git_asks_anyone_for_a_password(tmp_path, monkeypatch):
+    asked = tmp_path / "asked"
+    askpass = tmp_path / "askpass"
+    askpass.write_text(f"#!/bin/sh\ntouch {asked}\nsleep 30\necho secret\n")
+    askpass.chmod(0o755)
+    config = tmp_path / "gitconfig"
+    config.write_text(f"[core]\n\taskPass = {askpass}\n")
+    for key, value in {"GIT_ASKPASS": askpass, "SSH_ASKPASS": askpass, "GIT_TERMINAL_PROMPT": "1",
+                       "GIT_CONFIG_GLOBAL": config, "GIT_CONFIG_NOSYSTEM": "1",
+                       "GIT_ALLOW_PROTOCOL": "ext:http", "DISPLAY": ":0"}.items():
+        monkeypatch.setenv(key, str(value))
+    status, _, err = gitproc._execute(["credential", "fill"], cwd=tmp_path,
+                                      stdin=b"protocol=https\nhost=example.invalid\n\n")
+    assert status != 0 and b"terminal prompts disabled" in err and not asked.exists()
+    env = gitproc._environment(None)
+    assert env["GIT_ALLOW_PROTOCOL"] == "https:ssh:git:file" and env["GIT_PROTOCOL_FROM_USER"] == "0"
+    assert "SSH_ASKPASS" not in env and "GIT_ASKPASS" not in env
+    assert env["GIT_SSH_COMMAND"] == "ssh -o BatchMode=yes" and env["SSH_ASKPASS_REQUIRE"] == "never"
+
+
+def test_a_users_own_ssh_command_is_kept(monkeypatch):
+    monkeypatch.setenv("GIT_SSH_COMMAND", "ssh -i /keys/ci")
+    assert gitproc._environment(None)["GIT_SSH_COMMAND"] == "ssh -i /keys/ci"
+
+
+def test_git_reads_nothing_from_the_tools_stdin(tmp_path):
+    # a git that reads its stdin (an alias here; a remote helper, ssh) gets /dev/null, never ours
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from k3overlay import gitproc; "
+         "print(gitproc._execute(['-c', 'alias.rd=!cat', 'rd'], cwd=sys.argv[1])[1])", str(tmp_path)],
+        cwd=ROOT, stdin=subprocess.PIPE, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "b''"
