@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from . import errors, git, journal, progress, source
+from . import errors, git, journal, progress, recovery, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
@@ -89,7 +89,8 @@ def locked(workdir: Path) -> Iterator[None]:
         progress.console.print(f"[dim]…[/dim] {escape(text)}")
 
     with workdir_lock(workdir, say=say):
-        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), say):
+        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"),
+                               lambda unfinished: recovery.recover(unfinished, say)):
             yield
 
 

@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import OverlayError, UsageError
-from .files import open_regular
+from .errors import UsageError
+from .regular import open_regular
 
 STEPS = ("clone", "check", "worktree", "fetch", "publish", "write")
 # Where a test may kill a run: each step just recorded, publishing after the switch
@@ -113,13 +113,13 @@ class Journal:
 
 
 @contextlib.contextmanager
-def recording(path: Path, say: Callable[[str], None]) -> Iterator[Journal]:
+def recording(path: Path, recover: Callable[[Journal], None]) -> Iterator[Journal]:
     """For the block (the holder of a work directory's lock): first recover what a killed
-    run left (``recover``), then record this run's steps in ``path``; the file is removed
-    when no step is left unfinished."""
+    run left (``recover``: ``recovery.recover``, which knows every step's undo), then record
+    this run's steps in ``path``; the file is removed when no step is left unfinished."""
     global _current
     journal = Journal(path)
-    recover(journal, say)
+    recover(journal)
     previous, _current = _current, journal
     try:
         yield journal
@@ -128,25 +128,6 @@ def recording(path: Path, say: Callable[[str], None]) -> Iterator[Journal]:
         if not journal.pending:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-def recover(journal: Journal, say: Callable[[str], None]) -> None:
-    """Finish or undo every step a killed run left unfinished (newest first), then empty
-    the journal. Raises what a recovery raises (UsageError: the user must decide)."""
-    from .recovery import HANDLERS  # (it needs git, which records its steps here)
-
-    # Scratch trees go first: what was written inside one then needs nothing more.
-    entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in SCRATCH)
-    try:
-        notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
-    except UsageError:
-        raise  # the user must decide (it says so); the journal is kept
-    except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
-        raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
-    if notes:
-        say(f"note: the last run was killed; {'; '.join(notes)}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(journal.path)
 
 
 @contextlib.contextmanager

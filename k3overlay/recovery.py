@@ -7,11 +7,15 @@ their names are the tool's own (a journal is no licence to delete anything else)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from . import git, publish
+from . import journal as journal_
+from .errors import OverlayError, UsageError
 from .files import TEMPORARY
 
 
@@ -80,3 +84,20 @@ def write(facts: dict) -> str | None:
 
 HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
             "publish": publish.finish, "write": write}
+
+
+def recover(journal: journal_.Journal, say: Callable[[str], None]) -> None:
+    """Finish or undo every step a killed run left unfinished (newest first), then empty
+    the journal. Raises what a recovery raises (UsageError: the user must decide)."""
+    # Scratch trees go first: what was written inside one then needs nothing more.
+    entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in journal_.SCRATCH)
+    try:
+        notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    except UsageError:
+        raise  # the user must decide (it says so); the journal is kept
+    except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
+        raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
+    if notes:
+        say(f"note: the last run was killed; {'; '.join(notes)}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal.path)

@@ -44,7 +44,7 @@ from wheel.wheelfile import WheelError, WheelFile
 
 from . import git, releases, source, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
-from .wheelrelease import PACKAGE, RECORD_PATH, check_release, readable
+from .wheelrelease import PACKAGE, RECORD_PATH, check_release, readable  # noqa: F401  (tests read it here)
 from .wheelrelease import opened as _opened
 from .wheelrelease import release_wheel as _release_wheel
 from .errors import BuildError, OverlayError, SourceError, UsageError

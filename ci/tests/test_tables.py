@@ -22,7 +22,6 @@ from ci import cpu_tier, gpu_report, table_diff, target_env, targets
 from ci.gpu_stage import ab, addon, stage
 from ci.gpu_stage.run import python_path
 from k3overlay import errors
-from k3overlay.project import ROOT
 from k3overlay.report import Report, junit_xml, markdown
 from k3overlay.stages import Problem, TestRun
 from tests.test_downloads import plant

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import json
-import sys
 
 import pytest
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import sys
 import threading
 import time
 

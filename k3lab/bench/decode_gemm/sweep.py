@@ -24,7 +24,8 @@ import statistics
 import sys
 import time
 
-from k3lab import candidates, provenance, tiles
+from k3lab import candidates, tiles
+from k3lab import provenance as prov
 from k3lab import shapes as shp
 
 REL_TOL = 1e-2
@@ -34,7 +35,7 @@ def provenance(run_id: str) -> dict:
     """The tuner's provenance (GPU, capability, date, versions) plus Triton's version."""
     import triton
 
-    return {**provenance.provenance(run_id, kernel="swap_ab_gemm.py (Triton)"),
+    return {**prov.provenance(run_id, kernel="swap_ab_gemm.py (Triton)"),
             "triton": triton.__version__}
 
 
