@@ -48,11 +48,11 @@ import torch
 from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab
 from vllm.triton_utils import tl, triton
 
-# Prologue codes (compile-time constants of the kernel).
-NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = range(6)
-PROLOGUES = {"none": NONE, "norm": NORM, "add_norm": ADD_NORM, "act_mul": ACT_MUL,
-             "sigmoid_mul": SIGMOID_MUL, "mtp_norm": MTP_NORM}  # fmt: skip
-SILU, SITU = 0, 1
+# Prologue codes (compile-time constants of the kernel; a jitted function reads only
+# globals that are tl.constexpr).
+NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = (tl.constexpr(i) for i in range(6))
+PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "act_mul": 3, "sigmoid_mul": 4, "mtp_norm": 5}
+SILU, SITU = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def _run(
     positions: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
-    act: int = SILU,
+    act: int = 0,
     beta: float = 1.0,
     linear_beta: float | None = None,
     out_dtype: torch.dtype | None = None,
@@ -235,17 +235,17 @@ def _run(
     if why:
         raise ValueError(f"swap-AB config {tuple(config)} for {n}x{k}: {why}")
     half = k // 2
-    if code == MTP_NORM:
+    if code == PROLOGUES["mtp_norm"]:
         if k % 2 or half % config.block_k or config.split_k != 1:
             raise ValueError(f"mtp_norm needs K/2 a multiple of block_k and split_k=1, got K={k}, "
                              f"{tuple(config)}")  # fmt: skip
         _rows_ok("embeds", x, m, half)
         _rows_ok("hidden", a, m, half)
     else:
-        _rows_ok("x", x, m, 2 * k if code == ACT_MUL else k)
-    if code in (ADD_NORM, SIGMOID_MUL):
-        _rows_ok("residual in" if code == ADD_NORM else "gate", a, m, k)
-    if code == ADD_NORM and (h_out is None or h_out.shape != (m, k) or not h_out.is_contiguous()):
+        _rows_ok("x", x, m, 2 * k if prologue == "act_mul" else k)
+    if prologue in ("add_norm", "sigmoid_mul"):
+        _rows_ok("residual in" if prologue == "add_norm" else "gate", a, m, k)
+    if prologue == "add_norm" and (h_out is None or h_out.shape != (m, k) or not h_out.is_contiguous()):
         raise ValueError(f"add_norm needs a packed [{m}, {k}] residual output")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"residual: expected packed [{m}, {n}], got {tuple(residual.shape)}")
@@ -306,7 +306,7 @@ def act_mul_gemm(gate_up, weight, config, *, situ_beta=None, situ_linear_beta=No
     """``act(gate_up[:, :K]) * up @ weight.T (+ residual)`` for ``weight`` ``[N, K]``:
     SiLU, or with ``situ_beta`` vLLM's SITU ``beta*tanh(g/beta)*sigmoid(g)`` (and the
     soft clip ``linear_beta*tanh(u/linear_beta)`` of ``up`` when ``situ_linear_beta``)."""
-    act = SILU if situ_beta is None else SITU
+    act = 0 if situ_beta is None else 1  # SILU / SITU
     return _run("act_mul", gate_up, weight, config, act=act, beta=situ_beta or 1.0,
                 linear_beta=situ_linear_beta, residual=residual, pdl=pdl)  # fmt: skip
 
