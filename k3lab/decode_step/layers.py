@@ -79,11 +79,12 @@ class Kernels(NamedTuple):
     sab: object  # swap_ab_gemm
     fg: object  # fused_gemm
     norm: object  # norm
+    pw: object  # pointwise
     attn_res: object  # v0.28.0 ops/attn_res.py
     qk_norm: object  # v0.28.0 common/ops/fused_qk_rmsnorm.py
     mtp_input: object  # v0.28.0 common/mtp.py
     stock: object  # k3lab.decode_step.stock
-    cfg: Callable[[int, int], object]  # (N, K) -> SwapAbConfig
+    cfg: Callable[..., object]  # (N, K[, fused]) -> SwapAbConfig
 
 
 def _moe_stock(kn, src: str) -> list[Op]:
@@ -127,42 +128,36 @@ def _moe_stock(kn, src: str) -> list[Op]:
     ]  # fmt: skip
 
 
-def _moe_ours(kn, src: str, norm_w: str | None, residual: str | None) -> list[Op]:
-    """Ours: ``norm_w`` set = the post-attention RMSNorm of ``st[src]`` in each GEMM's prologue."""
+def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
+    """Ours, input ``st[src]`` (already normalized): our GEMMs, our PDL-aware SITU-and-mul, the
+    latent norm in ``routed_up``'s prologue; ``residual`` is added in ``shared_down``'s epilogue."""
     fg, sab, c = kn.fg, kn.sab, kn.cfg
 
-    def proj(x, w, name, out_dtype=None):
-        n, k = w[name].shape
-        if norm_w is not None:
-            return fg.rmsnorm_gemm(x, w[norm_w], EPS, w[name], c(n, k), out_dtype=out_dtype)
-        if out_dtype is not None:
-            return fg.gemm(x, w[name], c(n, k), out_dtype=out_dtype)
-        return sab.swap_ab_gemm(x, w[name], c(n, k))
-
     def gate(st, w):
-        st["logits"] = proj(st[src], w, "gate", torch.float32)
+        st["logits"] = fg.gemm(st[src], w["gate"], c(NE, H), out_dtype=torch.float32)
 
     def down(st, w):
-        st["lat"] = proj(st[src], w, "down")
+        st["lat"] = sab.swap_ab_gemm(st[src], w["down"], c(LAT, H))
 
     def sgu(st, w):
-        st["gu"] = proj(st[src], w, "sgu")
+        st["gu"] = sab.swap_ab_gemm(st[src], w["sgu"], c(2 * SI, H))
+
+    def situ(st, w):
+        st["act"] = kn.pw.act_mul(st["gu"], situ_beta=SITU_BETA)
 
     def sdown(st, w):
-        r = st[residual] if residual else None
-        st["shared"] = fg.act_mul_gemm(st["gu"], w["sdown"], c(H, SI), situ_beta=SITU_BETA, residual=r)
+        st["shared"] = sab.swap_ab_gemm(st["act"], w["sdown"], c(H, SI), st[residual] if residual else None)
 
     def up(st, w):
-        st["moe_out"] = fg.rmsnorm_gemm(st["lat_out"], w["lat_norm"], EPS, w["up"], c(H, LAT),
+        st["moe_out"] = fg.rmsnorm_gemm(st["lat_out"], w["lat_norm"], EPS, w["up"], c(H, LAT, True),
                                         residual=st["shared"])  # fmt: skip
 
-    pre = ("post_attention_layernorm",) if norm_w else ()
-    add = ("post_attention_layernorm",) if residual else ()
     return [
-        Op("router_gate", "", gate, "ours", covers=("router_gate",) + pre),
+        Op("router_gate", "", gate, "ours (fp32 out)", covers=("router_gate",)),
         Op("routed_down", "", down, "ours", covers=("routed_down",)),
         Op("shared_gate_up", "", sgu, "ours", covers=("shared_gate_up",)),
-        Op("shared_down+situ", "", sdown, "ours", covers=("situ_and_mul", "shared_down") + add),
+        Op("situ_and_mul (PDL)", "", situ, "ours", covers=("situ_and_mul",)),
+        Op("shared_down" + ("+residual" if residual else ""), "", sdown, "ours", covers=("shared_down",)),
         Op("routed_up+norm+shared", "", up, "ours", covers=("routed_expert_norm", "routed_up+shared")),
     ]
 
@@ -202,7 +197,7 @@ def _mla_front_stock(kn, src: str) -> list[Op]:
     ]  # fmt: skip
 
 
-def _mla_back_stock(kn, residual_out: bool) -> list[Op]:
+def _mla_back_stock(kn) -> list[Op]:
     s = kn.stock
 
     def gsm(st, w):
@@ -218,40 +213,36 @@ def _mla_back_stock(kn, residual_out: bool) -> list[Op]:
     ]  # fmt: skip
 
 
-def _mla_ours(kn, src: str, norm_w: str | None, residual: str | None) -> list[Op]:
+def _mla_ours(kn, src: str, residual: str | None) -> list[Op]:
+    """Ours, input ``st[src]`` (already normalized); ``residual`` added in ``o_proj``'s epilogue."""
     fg, sab, c, nm = kn.fg, kn.sab, kn.cfg, kn.norm
 
-    def gemm_in(x, w, name):
-        n, k = w[name].shape
-        if norm_w is not None:
-            return fg.rmsnorm_gemm(x, w[norm_w], EPS, w[name], c(n, k))
-        return sab.swap_ab_gemm(x, w[name], c(n, k))
-
     def qkv_a(st, w):
-        st["qkv"] = gemm_in(st[src], w, "qkv_a")
+        st["qkv"] = sab.swap_ab_gemm(st[src], w["qkv_a"], c(QL + KVL + ROPE, H))
 
     def q_b(st, w):
-        st["q"] = fg.rmsnorm_gemm(st["qkv"][:, :QL], w["q_a_norm"], EPS, w["q_b"], c(QB, QL))
+        st["q"] = fg.rmsnorm_gemm(st["qkv"][:, :QL], w["q_a_norm"], EPS, w["q_b"], c(QB, QL, True))
 
     def kv_norm(st, w):
         st["kv_n"] = nm.rms_norm(st["qkv"][:, QL:QL + KVL], w["kv_a_norm"], EPS)
 
     def g(st, w):
-        st["gate_o"] = gemm_in(st[src], w, "g")
+        st["gate_o"] = sab.swap_ab_gemm(st[src], w["g"], c(HV, H))
+
+    def gsm(st, w):
+        st["a_gated"] = kn.pw.sigmoid_mul(st["attn_out"], st["gate_o"])
 
     def o(st, w):
-        r = st[residual] if residual else None
-        st["o_out"] = fg.sigmoid_mul_gemm(st["attn_out"], st["gate_o"], w["o"], c(H, HV), residual=r)
+        st["o_out"] = sab.swap_ab_gemm(st["a_gated"], w["o"], c(H, HV), st[residual] if residual else None)
 
-    pre = ("input_layernorm",) if norm_w else ()
     return [
-        Op("fused_qkv_a_proj", "", qkv_a, "ours", covers=pre + ("fused_qkv_a_proj",)),
+        Op("fused_qkv_a_proj", "", qkv_a, "ours", covers=("fused_qkv_a_proj",)),
         Op("q_b_proj+q_a_norm", "", q_b, "ours", covers=("q_b_proj",)),
         Op("kv_a_norm (PDL)", "", kv_norm, "ours", covers=("fused_q_kv_rmsnorm",)),
         Op("g_proj", "", g, "ours", covers=("g_proj",)),
-        Op("o_proj+sigmoid_gate" + ("+residual" if residual else ""), "", o, "ours",
-           covers=("gate_sigmoid_mul", "o_proj")),
-    ]  # fmt: skip
+        Op("gate_sigmoid_mul (PDL)", "", gsm, "ours", covers=("gate_sigmoid_mul",)),
+        Op("o_proj" + ("+residual" if residual else ""), "", o, "ours", covers=("o_proj",)),
+    ]
 
 
 def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
@@ -281,7 +272,7 @@ def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
         Op("input_layernorm", "nvidia/model.py:999", in_norm, "stand-in for _C rms_norm (no PDL)",
            _norm_bytes(H)),
         *_mla_front_stock(kn, "hn"),
-        *_mla_back_stock(kn, True),
+        *_mla_back_stock(kn),
         Op("post_attention_layernorm", "nvidia/model.py:1027", post_norm,
            "stand-in for _C fused_add_rms_norm (no PDL)", _norm_bytes(H, True)),
         *_moe_stock(kn, "hn2"),
@@ -289,23 +280,32 @@ def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
            _norm_bytes(H, True)),
     ]  # fmt: skip
 
-    def mtp_eh(st, w):
-        st["h0"] = kn.fg.mtp_input_gemm(st["positions"], st["embeds"], st["prev"], w["enorm"],
-                                        w["hnorm"], EPS, w["eh"], kn.cfg(H, 2 * H))  # fmt: skip
+    def mtp_in_o(st, w):
+        st["cat"] = kn.pw.mtp_input(st["positions"], st["embeds"], st["prev"], w["enorm"], w["hnorm"], EPS)
 
-    def head(st, w):
+    def eh_o(st, w):
+        st["h0"] = kn.sab.swap_ab_gemm(st["cat"], w["eh"], kn.cfg(H, 2 * H))
+
+    def in_norm_o(st, w):
+        st["hn"] = kn.norm.rms_norm(st["h0"], w["in_norm"], EPS)
+
+    def post_norm_o(st, w):
+        st["hn2"] = kn.norm.rms_norm(st["o_out"], w["post_norm"], EPS)
+
+    def head_o(st, w):
         st["logits_h"] = kn.norm.rms_norm(st["moe_out"], w["head_norm"], EPS)
-        st["r2"] = st["moe_out"]
 
-    # o_proj's epilogue adds h0 (the residual): its output is the post-attention
-    # residual r1, which the MoE GEMMs normalize in their prologues; the shared down
-    # projection adds r1 in its epilogue, so routed_up's output is already the new
-    # residual and shared_head's add-norm becomes a plain norm.
+    # The residual adds ride in GEMM epilogues: o_proj adds h0 (its output is the
+    # post-attention residual r1), shared_down adds r1, so routed_up's output is the new
+    # residual and both add-norms become plain PDL-aware norms.
     ours = [
-        Op("eh_proj+fused_mtp_input", "", mtp_eh, "ours", covers=("fused_mtp_input", "eh_proj")),
-        *_mla_ours(kn, "h0", "in_norm", "h0"),
-        *_moe_ours(kn, "o_out", "post_norm", "o_out"),
-        Op("shared_head.norm (PDL)", "", head, "ours", covers=("shared_head.norm",)),
+        Op("fused_mtp_input (PDL)", "", mtp_in_o, "ours", covers=("fused_mtp_input",)),
+        Op("eh_proj", "", eh_o, "ours", covers=("eh_proj",)),
+        Op("input_layernorm (PDL)", "", in_norm_o, "ours", covers=("input_layernorm",)),
+        *_mla_ours(kn, "hn", "h0"),
+        Op("post_attention_layernorm (PDL)", "", post_norm_o, "ours", covers=("post_attention_layernorm",)),
+        *_moe_ours(kn, "hn2", "o_out"),
+        Op("shared_head.norm (PDL)", "", head_o, "ours", covers=("shared_head.norm",)),
     ]
     return stock, ours
 
@@ -350,7 +350,7 @@ def kda_ops(kn) -> tuple[list[Op], list[Op]]:
         Op("o_proj", "", o_o, "ours", covers=("o_proj",)),
         Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
            covers=("attn_res (post-attn)",)),
-        *_moe_ours(kn, "hn2", None, None),
+        *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip
     return stock, ours
 
@@ -361,17 +361,17 @@ def mla_ops(kn) -> tuple[list[Op], list[Op]]:
         Op("attn_res (pre-attn)", "nvidia/model.py:1006", _attn_res(kn, "pre", "delta_in"),
            "v0.28.0 Triton (PDL: wait first, trigger after the mix)", _attn_res_bytes),
         *_mla_front_stock(kn, "hn"),
-        *_mla_back_stock(kn, False),
+        *_mla_back_stock(kn),
         Op("attn_res (post-attn)", "nvidia/model.py:1039", _attn_res(kn, "post", "o_out"),
            "v0.28.0 Triton (PDL: wait first, trigger after the mix)", _attn_res_bytes),
         *_moe_stock(kn, "hn2"),
     ]  # fmt: skip
     ours = [
         Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's", covers=("attn_res (pre-attn)",)),
-        *_mla_ours(kn, "hn", None, None),
+        *_mla_ours(kn, "hn", None),
         Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
            covers=("attn_res (post-attn)",)),
-        *_moe_ours(kn, "hn2", None, None),
+        *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip
     return stock, ours
 

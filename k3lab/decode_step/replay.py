@@ -132,12 +132,12 @@ def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
     from k3lab.decode_step import stock
 
     sab = imports.overlay("swap_ab_gemm")
-    table = json.loads((HERE / "configs.json").read_text())["configs"]
+    data = json.loads((HERE / "configs.json").read_text())
 
-    def cfg(n: int, k: int):
-        return sab.SwapAbConfig(*table[f"{n}x{k}"])
+    def cfg(n: int, k: int, fused: bool = False):
+        return sab.SwapAbConfig(*data["fused" if fused else "configs"][f"{n}x{k}"])
 
-    return layers.Kernels(sab, imports.overlay("fused_gemm"), imports.overlay("norm"),
+    return layers.Kernels(sab, imports.overlay("fused_gemm"), imports.overlay("norm"), imports.overlay("pointwise"),
                           imports.stock(stock_dir, "attn_res"), imports.stock(stock_dir, "fused_qk_rmsnorm"),
                           imports.stock(stock_dir, "common_mtp"), stock, cfg)  # fmt: skip
 

@@ -185,3 +185,43 @@ def test_pdl_norm_in_a_cuda_graph_matches_float64(k, add, m) -> None:
     assert _rel(y, _rms(h64, g)) < 5e-3
     if add:
         assert torch.equal(h, (x.float() + r.float()).to(BF))
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("op", ["situ", "silu", "sigmoid", "mtp_input"])
+def test_pdl_pointwise_in_a_cuda_graph_matches_float64(op, m) -> None:
+    from vllm.models.kimi_k3.nvidia import pointwise as pw
+
+    gen = torch.Generator(device="cuda").manual_seed(m + len(op))
+    a = torch.randn(m, 2 * 7168, generator=gen, device="cuda").to(BF)
+    b = torch.randn(m, 7168, generator=gen, device="cuda").to(BF)
+    g = (1 + 0.1 * torch.randn(7168, generator=gen, device="cuda")).to(BF)
+    pos = torch.arange(m, device="cuda")  # row 0 at position 0: its embeds half is zero
+    calls = {
+        "situ": lambda: pw.act_mul(a[:, :1536], situ_beta=1.0),
+        "silu": lambda: pw.act_mul(a[:, :1536]),
+        "sigmoid": lambda: pw.sigmoid_mul(a[:, :7168], b),
+        "mtp_input": lambda: pw.mtp_input(pos, a[:, :7168], b, g, g, EPS),
+    }
+    calls[op]()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = calls[op]()
+    a.copy_(torch.randn(a.shape, generator=gen, device="cuda"))
+    b.copy_(torch.randn(b.shape, generator=gen, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    gt, up = a[:, :768].to(D), a[:, 768:1536].to(D)
+    if op == "situ":
+        ref = torch.tanh(gt) * torch.sigmoid(gt) * up
+    elif op == "silu":
+        ref = gt * torch.sigmoid(gt) * up
+    elif op == "sigmoid":
+        ref = a[:, :7168].to(D) * torch.sigmoid(b.to(D))
+    else:
+        e = _rms(a[:, :7168], g)
+        e[pos == 0] = 0
+        ref = torch.cat([e, _rms(b, g)], 1)
+    assert torch.isfinite(y).all()
+    assert _rel(y, ref) < 5e-3

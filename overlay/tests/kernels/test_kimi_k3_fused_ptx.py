@@ -19,11 +19,12 @@ triton = pytest.importorskip("triton")
 
 from vllm.models.kimi_k3.nvidia import fused_gemm as fg  # noqa: E402
 from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
+from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
-_INTS = {"M", "N", "K", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
-         "ss_off", "stride_r"}  # fmt: skip
+_INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
+         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h"}  # fmt: skip
 _FLOATS = {"eps", "beta", "lin_beta"}
-_POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64"}
+_POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
 def _ptx(kernel, constexprs: dict) -> str:
@@ -54,11 +55,13 @@ def _lines(ptx: str) -> list[str]:
     return [ln.strip() for ln in ptx.splitlines()]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("prologue", sorted(fg.PROLOGUES))
-def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue) -> None:
+def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue, split) -> None:
+    swap, xpf, block_m = fg.VARIANT
     ptx = _ptx(fg._fused_kernel, dict(
-        BLOCK_N=64, BLOCK_K=128, BLOCK_M=16, EVEN_K=True, HAS_RESIDUAL=True, USE_PDL=True,
-        RAGGED=False, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False))  # fmt: skip
+        BLOCK_N=64, BLOCK_K=128, BLOCK_M=block_m, EVEN_K=not split, HAS_RESIDUAL=True, USE_PDL=True,
+        RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False, SWAP=swap, XPF=xpf))  # fmt: skip
     lines = _lines(ptx)
     wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
     trigger = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))
@@ -83,3 +86,22 @@ def test_norm_triggers_first_and_reads_the_row_after_the_wait(has_add) -> None:
     # residual) after it: as many loads again after, twice as many with the add.
     assert before > 0, "the norm weight should load before the wait"
     assert after >= before * (2 if has_add else 1), (before, after)
+
+
+@pytest.mark.parametrize("kernel,constexprs", [
+    (pw._act_mul_kernel, dict(BLOCK=1024, SITU=True, LIN_CLIP=False, USE_PDL=True)),
+    (pw._sigmoid_mul_kernel, dict(BLOCK=1024, USE_PDL=True)),
+    (pw._mtp_input_kernel, dict(BLOCK=8192, USE_PDL=True)),
+], ids=["act_mul", "sigmoid_mul", "mtp_input"])  # fmt: skip
+def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexprs) -> None:
+    lines = _lines(_ptx(kernel, constexprs))
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = sum("ld.global" in ln for ln in lines[:wait])
+    after = sum("ld.global" in ln for ln in lines[wait:])
+    assert after > 0
+    if kernel is pw._mtp_input_kernel:  # the norm weights may load early, the rows may not
+        assert before > 0 and after >= before, (before, after)
+    else:
+        assert before == 0, f"{before} loads before griddepcontrol.wait"

@@ -53,6 +53,8 @@ from vllm.triton_utils import tl, triton
 NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = (tl.constexpr(i) for i in range(6))
 PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "act_mul": 3, "sigmoid_mul": 4, "mtp_norm": 5}
 SILU, SITU = tl.constexpr(0), tl.constexpr(1)
+# (tokens as the MMA's A operand, activation tiles loaded a step ahead, token tile rows)
+VARIANT = (False, False, 16)
 
 
 @triton.jit
@@ -66,7 +68,30 @@ def _tanh(z):
     return 2.0 * _sigmoid(2.0 * z) - 1.0
 
 
-@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k", "ROWS", "stride_x", "stride_a"])
+@triton.jit
+def _load_in(x_ptr, a_ptr, offs_m, kk, xm, stride_x, stride_a, K, HALF, k, e_ok,
+             PROLOGUE: tl.constexpr):  # fmt: skip
+    """The raw activation tiles of one K step: (x, second operand or x again)."""
+    if PROLOGUE == MTP_NORM:
+        in_e = k < HALF
+        e_ptrs = x_ptr + offs_m[:, None] * stride_x + kk[None, :]
+        h_ptrs = a_ptr + offs_m[:, None] * stride_a + (kk - HALF)[None, :]
+        x1 = tl.load(tl.where(in_e, e_ptrs, h_ptrs), mask=xm & (e_ok | (offs_m[:, None] * 0 + k >= HALF)),
+                     other=0.0)  # fmt: skip
+        x2 = x1
+    else:
+        x_ptrs = x_ptr + offs_m[:, None] * stride_x + kk[None, :]
+        x1 = tl.load(x_ptrs, mask=xm, other=0.0)
+        if PROLOGUE == ADD_NORM or PROLOGUE == SIGMOID_MUL:
+            x2 = tl.load(a_ptr + offs_m[:, None] * stride_a + kk[None, :], mask=xm, other=0.0)
+        elif PROLOGUE == ACT_MUL:
+            x2 = tl.load(x_ptrs + K, mask=xm, other=0.0)
+        else:
+            x2 = x1
+    return x1, x2
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k", "ROWS"])
 def _fused_kernel(
     x_ptr, a_ptr, g_ptr, g2_ptr, h_ptr, pos_ptr,
     w_ptr, y_ptr, r_ptr, part_ptr, cnt_ptr,
@@ -76,6 +101,7 @@ def _fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
     RAGGED: tl.constexpr, PROLOGUE: tl.constexpr, ACT: tl.constexpr, LIN_CLIP: tl.constexpr,
+    SWAP: tl.constexpr, XPF: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,13 +126,23 @@ def _fused_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
+    e_ok = m_ok
     if PROLOGUE == MTP_NORM:
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0)
         e_ok = (pos != 0)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    ss2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SWAP:  # tokens on the MMA's M side: the computed x is operand A (registers)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # Sums of squares per element, reduced once after the loop (no per-step shuffle).
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    sq2 = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if XPF:  # the next step's activation tiles are loaded one step ahead, by hand
+        kk0 = k_lo + offs_k
+        x1n, x2n = _load_in(x_ptr, a_ptr, offs_m, kk0, m_ok & (kk0 < K)[None, :], stride_x, stride_a,
+                            K, HALF, k_lo, e_ok, PROLOGUE)  # fmt: skip
     for k in range(k_lo, k_hi, BLOCK_K):
         kk = k + offs_k
         k_ok = kk < K
@@ -119,29 +155,33 @@ def _fused_kernel(
         else:
             w_ok = k_ok[None, :] & w_live if RAGGED else k_ok[None, :]
             w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_x + kk[None, :]
+        if XPF:
+            x1, x2 = x1n, x2n
+            kn = kk + BLOCK_K
+            x1n, x2n = _load_in(x_ptr, a_ptr, offs_m, kn, m_ok & (kn < k_hi)[None, :], stride_x, stride_a,
+                                K, HALF, k + BLOCK_K, e_ok, PROLOGUE)  # fmt: skip
+        else:
+            x1, x2 = _load_in(x_ptr, a_ptr, offs_m, kk, xm, stride_x, stride_a, K, HALF, k, e_ok, PROLOGUE)
         if PROLOGUE == NONE:
-            xv = tl.load(x_ptrs, mask=xm, other=0.0)
+            xv = x1
         elif PROLOGUE == NORM:
-            xf = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+            xf = x1.to(tl.float32)
+            sq += xf * xf
             g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xv = (xf * g[None, :]).to(w.dtype)
         elif PROLOGUE == ADD_NORM:
-            xf = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
-            rf = tl.load(a_ptr + offs_m[:, None] * stride_a + kk[None, :], mask=xm, other=0.0)
-            hb = (xf + rf.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            hb = (x1.to(tl.float32) + x2.to(tl.float32)).to(h_ptr.dtype.element_ty)
             # The new residual, once: only the first N tile's CTAs write their K slice.
             # (a tensor compare: the interpreter refuses a scalar in a mask)
             first = (offs_m[:, None] * 0 + pid_n) == 0
             tl.store(h_ptr + offs_m[:, None] * K + kk[None, :], hb, mask=xm & first)
             hf = hb.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
+            sq += hf * hf
             g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             xv = (hf * g[None, :]).to(w.dtype)
         elif PROLOGUE == ACT_MUL:
-            gf = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
-            uf = tl.load(x_ptrs + K, mask=xm, other=0.0).to(tl.float32)
+            gf = x1.to(tl.float32)
+            uf = x2.to(tl.float32)
             if ACT == SILU:
                 af = gf * _sigmoid(gf)
             else:
@@ -150,26 +190,31 @@ def _fused_kernel(
                 uf = lin_beta * _tanh(uf / lin_beta)
             xv = (af * uf).to(w.dtype)
         elif PROLOGUE == SIGMOID_MUL:
-            of = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
-            gt = tl.load(a_ptr + offs_m[:, None] * stride_a + kk[None, :], mask=xm, other=0.0)
-            xv = (of * _sigmoid(gt.to(tl.float32))).to(w.dtype)
+            xv = (x1.to(tl.float32) * _sigmoid(x2.to(tl.float32))).to(w.dtype)
         else:  # MTP_NORM: K = 2 * HALF; a K tile lies in one half (HALF % BLOCK_K == 0)
             in_e = k < HALF
-            e_ptrs = x_ptr + offs_m[:, None] * stride_x + kk[None, :]
-            h_ptrs = a_ptr + offs_m[:, None] * stride_a + (kk - HALF)[None, :]
-            xf = tl.load(tl.where(in_e, e_ptrs, h_ptrs), mask=xm & (e_ok | (offs_m[:, None] * 0 + k >= HALF)),
-                         other=0.0).to(tl.float32)  # fmt: skip
-            sq = tl.sum(xf * xf, axis=1)
-            ss += tl.where(in_e, sq, 0.0)
-            ss2 += tl.where(in_e, 0.0, sq)
+            xf = x1.to(tl.float32)
+            sq += tl.where(in_e, xf * xf, 0.0)
+            sq2 += tl.where(in_e, 0.0, xf * xf)
             g = tl.load(tl.where(in_e, g_ptr + kk, g2_ptr + (kk - HALF)), mask=k_ok, other=0.0)
             xv = (xf * g.to(tl.float32)[None, :]).to(w.dtype)
             zero = tl.zeros_like(xv)
-            acc2 = tl.dot(w, tl.trans(tl.where(in_e, zero, xv)), acc2)
+            if SWAP:
+                acc2 = tl.dot(tl.where(in_e, zero, xv), tl.trans(w), acc2)
+            else:
+                acc2 = tl.dot(w, tl.trans(tl.where(in_e, zero, xv)), acc2)
             xv = tl.where(in_e, xv, zero)
-        acc = tl.dot(w, tl.trans(xv), acc)
+        if SWAP:
+            acc = tl.dot(xv, tl.trans(w), acc)
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
         w_ptrs += BLOCK_K
 
+    if SWAP:
+        acc = tl.trans(acc)
+        acc2 = tl.trans(acc2)
+    ss = tl.sum(sq, axis=1)
+    ss2 = tl.sum(sq2, axis=1)
     if split_k == 1:
         if PROLOGUE == NORM or PROLOGUE == ADD_NORM:
             acc = acc * tl.rsqrt(ss / K + eps)[None, :]
@@ -187,14 +232,14 @@ def _fused_kernel(
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            ss_all = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for s in range(0, split_k):
                 total += tl.load(tile_base + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
                 if PROLOGUE == NORM or PROLOGUE == ADD_NORM:
-                    sq += tl.load(ss_base + s * BLOCK_M + offs_m, cache_modifier=".cg")
+                    ss_all += tl.load(ss_base + s * BLOCK_M + offs_m, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             if PROLOGUE == NORM or PROLOGUE == ADD_NORM:
-                total = total * tl.rsqrt(sq / K + eps)[None, :]
+                total = total * tl.rsqrt(ss_all / K + eps)[None, :]
             sab._store_tile(y_ptr, r_ptr, total, offs_n, offs_m, M, N, n_hi, HAS_RESIDUAL)
 
 
@@ -223,8 +268,10 @@ def _run(
     linear_beta: float | None = None,
     out_dtype: torch.dtype | None = None,
     pdl: bool | None = None,
+    variant: tuple[bool, bool, int] | None = None,
 ) -> torch.Tensor:
     code = PROLOGUES[prologue]
+    swap, xpf, block_m = variant or VARIANT
     m = x.shape[0]
     n, k = weight.shape
     if not 1 <= m <= sab.MAX_TOKENS:
@@ -252,8 +299,8 @@ def _run(
     y = torch.empty((m, n), dtype=out_dtype or weight.dtype, device=x.device)
 
     n_tiles, splits, per_split = sab.grid_of(config, n, k)
-    tile_floats = n_tiles * splits * config.block_n * sab.MAX_TOKENS if splits > 1 else 0
-    floats = tile_floats + n_tiles * splits * sab.MAX_TOKENS
+    tile_floats = n_tiles * splits * config.block_n * block_m if splits > 1 else 0
+    floats = tile_floats + n_tiles * splits * block_m
     if x.device.type == "cuda":
         partials, counters = sab._workspace(x.device, floats, n_tiles)
     else:  # Triton's interpreter on the CPU
@@ -267,7 +314,7 @@ def _run(
             per_split, splits, sab.rows_of(config), tile_floats,
             eps, beta, 1.0 if linear_beta is None else linear_beta)  # fmt: skip
     kwargs = dict(
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=sab.MAX_TOKENS,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SWAP=swap, XPF=xpf,
         EVEN_K=k % config.block_k == 0, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         RAGGED=sab.rows_of(config) < config.block_n, PROLOGUE=code, ACT=act,
         LIN_CLIP=linear_beta is not None,
