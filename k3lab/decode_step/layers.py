@@ -41,6 +41,9 @@ MTP_W = {"enorm": (H,), "hnorm": (H,), "eh": (H, 2 * H), "in_norm": (H,), "post_
 WEIGHTS = {"mtp": {**MTP_W, **MLA_W, **MOE_W}, "kda": {**RES_W, **KDA_W, **MOE_W},
            "mla": {**RES_W, **MLA_W, **MOE_W}}  # fmt: skip
 
+# ours: concatenated weights (name -> the projections whose rows it stacks)
+CONCAT = {"qkv_a_g": ("qkv_a", "g"), "down_sgu": ("down", "sgu")}
+
 # The ops that stay out of the replay, and where they sit (after the named op).
 LEFT_OUT = {
     "mtp": {"g_proj": "MLA attention core (kv-cache concat, W_UK bmm, decode attention, W_UV bmm)",
@@ -136,11 +139,9 @@ def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
     def gate(st, w):
         st["logits"] = fg.gemm(st[src], w["gate"], c(NE, H), out_dtype=torch.float32)
 
-    def down(st, w):
-        st["lat"] = sab.swap_ab_gemm(st[src], w["down"], c(LAT, H))
-
-    def sgu(st, w):
-        st["gu"] = sab.swap_ab_gemm(st[src], w["sgu"], c(2 * SI, H))
+    def down_sgu(st, w):
+        st["dsg"] = sab.swap_ab_gemm(st[src], w["down_sgu"], c(LAT + 2 * SI, H))
+        st["lat"], st["gu"] = st["dsg"][:, :LAT], st["dsg"][:, LAT:]
 
     def situ(st, w):
         st["act"] = kn.pw.act_mul(st["gu"], situ_beta=SITU_BETA)
@@ -154,8 +155,8 @@ def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
 
     return [
         Op("router_gate", "", gate, "ours (fp32 out)", covers=("router_gate",)),
-        Op("routed_down", "", down, "ours", covers=("routed_down",)),
-        Op("shared_gate_up", "", sgu, "ours", covers=("shared_gate_up",)),
+        Op("routed_down+shared_gate_up", "", down_sgu, "ours (one stacked weight)",
+           covers=("routed_down", "shared_gate_up")),
         Op("situ_and_mul (PDL)", "", situ, "ours", covers=("situ_and_mul",)),
         Op("shared_down" + ("+residual" if residual else ""), "", sdown, "ours", covers=("shared_down",)),
         Op("routed_up+norm+shared", "", up, "ours", covers=("routed_expert_norm", "routed_up+shared")),
@@ -217,17 +218,15 @@ def _mla_ours(kn, src: str, residual: str | None) -> list[Op]:
     """Ours, input ``st[src]`` (already normalized); ``residual`` added in ``o_proj``'s epilogue."""
     fg, sab, c, nm = kn.fg, kn.sab, kn.cfg, kn.norm
 
-    def qkv_a(st, w):
-        st["qkv"] = sab.swap_ab_gemm(st[src], w["qkv_a"], c(QL + KVL + ROPE, H))
+    def qkv_a_g(st, w):
+        st["qkvg"] = sab.swap_ab_gemm(st[src], w["qkv_a_g"], c(QL + KVL + ROPE + HV, H))
+        st["qkv"], st["gate_o"] = st["qkvg"][:, :QL + KVL + ROPE], st["qkvg"][:, QL + KVL + ROPE:]
 
     def q_b(st, w):
         st["q"] = fg.rmsnorm_gemm(st["qkv"][:, :QL], w["q_a_norm"], EPS, w["q_b"], c(QB, QL, True))
 
     def kv_norm(st, w):
         st["kv_n"] = nm.rms_norm(st["qkv"][:, QL:QL + KVL], w["kv_a_norm"], EPS)
-
-    def g(st, w):
-        st["gate_o"] = sab.swap_ab_gemm(st[src], w["g"], c(HV, H))
 
     def gsm(st, w):
         st["a_gated"] = kn.pw.sigmoid_mul(st["attn_out"], st["gate_o"])
@@ -236,10 +235,10 @@ def _mla_ours(kn, src: str, residual: str | None) -> list[Op]:
         st["o_out"] = sab.swap_ab_gemm(st["a_gated"], w["o"], c(H, HV), st[residual] if residual else None)
 
     return [
-        Op("fused_qkv_a_proj", "", qkv_a, "ours", covers=("fused_qkv_a_proj",)),
+        Op("fused_qkv_a_proj+g_proj", "", qkv_a_g, "ours (one stacked weight)",
+           covers=("fused_qkv_a_proj", "g_proj")),
         Op("q_b_proj+q_a_norm", "", q_b, "ours", covers=("q_b_proj",)),
         Op("kv_a_norm (PDL)", "", kv_norm, "ours", covers=("fused_q_kv_rmsnorm",)),
-        Op("g_proj", "", g, "ours", covers=("g_proj",)),
         Op("gate_sigmoid_mul (PDL)", "", gsm, "ours", covers=("gate_sigmoid_mul",)),
         Op("o_proj" + ("+residual" if residual else ""), "", o, "ours", covers=("o_proj",)),
     ]
@@ -266,7 +265,8 @@ def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
                                                         pdl=False)  # fmt: skip
 
     stock = [
-        Op("fused_mtp_input", "common/mtp.py:62 (called nvidia/mtp.py:110)", mtp_in, "v0.28.0 Triton (no PDL)",
+        Op("fused_mtp_input", "common/mtp.py:62 (called nvidia/mtp.py:110)", mtp_in,
+           "v0.28.0 Triton (no PDL)",
            lambda m: 4 * H + 8 * m * H),
         Op("eh_proj", "nvidia/mtp.py:109", eh, "cuBLAS", _gemm_bytes(H, 2 * H)),
         Op("input_layernorm", "nvidia/model.py:999", in_norm, "stand-in for _C rms_norm (no PDL)",
@@ -344,7 +344,8 @@ def kda_ops(kn) -> tuple[list[Op], list[Op]]:
         st["o_out"] = sab.swap_ab_gemm(st["core_out"], w["o"], c(H, KDA_P))
 
     ours = [
-        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's", covers=("attn_res (pre-attn)",)),
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
+           covers=("attn_res (pre-attn)",)),
         Op("in_proj_qkvgfab", "", in_proj_o, "ours", covers=("in_proj_qkvgfab",)),
         Op("f_b_proj", "", f_b_o, "ours", covers=("f_b_proj",)),
         Op("o_proj", "", o_o, "ours", covers=("o_proj",)),
@@ -367,7 +368,8 @@ def mla_ops(kn) -> tuple[list[Op], list[Op]]:
         *_moe_stock(kn, "hn2"),
     ]  # fmt: skip
     ours = [
-        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's", covers=("attn_res (pre-attn)",)),
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
+           covers=("attn_res (pre-attn)",)),
         *_mla_ours(kn, "hn", None),
         Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
            covers=("attn_res (post-attn)",)),
@@ -402,5 +404,11 @@ def weights(layer: str, device, gen: torch.Generator) -> dict:
         if len(shape) == 1:
             out[name] = (1 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(torch.bfloat16)
         else:
-            out[name] = (torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5).to(torch.bfloat16)
+            w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
+            out[name] = w.to(torch.bfloat16)
+    # Ours reads two projections of the same input as one weight (rows concatenated at load
+    # time, as vLLM packs qkv): fewer launches, one weight stream instead of two.
+    for cat, parts in CONCAT.items():
+        if all(p in out for p in parts):
+            out[cat] = torch.cat([out[p] for p in parts]).contiguous()
     return out

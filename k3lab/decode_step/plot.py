@@ -51,15 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         ops = per_op_rows(doc, layer, args.m)
         ys = range(len(ops))
         h = 0.27
-        row[0].barh([y - h for y in ys], [o[2] for o in ops], h, label="stock (ops replaced)", color="#c44e52")
+        row[0].barh([y - h for y in ys], [o[2] for o in ops], h, label="stock (ops replaced)",
+                    color="#c44e52")
         row[0].barh(list(ys), [o[1] for o in ops], h, label="ours", color="#4c72b0")
         row[0].barh([y + h for y in ys], [o[3] for o in ops], h, label="roof", color="#999999")
         row[0].set_yticks(list(ys), [o[0] for o in ops], fontsize=8)
         row[0].invert_yaxis()
         row[0].set_xlabel("µs")
         step = next(r for r in doc["steps"] if r["layer"] == layer and r["M"] == args.m)
-        row[0].set_title(f"{layer.upper()} at M={args.m}: stock {step['stock_us']} µs, ours {step['ours_us']} µs, "
-                         f"roof {step['roof_us']} µs (whole step, one graph)", fontsize=10)  # fmt: skip
+        row[0].set_title(f"{layer.upper()} at M={args.m}: stock {step['stock_us']} µs, "
+                         f"ours {step['ours_us']} µs, roof {step['roof_us']} µs (whole step, one graph)",
+                         fontsize=10)  # fmt: skip
         row[0].legend(fontsize=8, loc="lower right")
         steps = sorted((r for r in doc["steps"] if r["layer"] == layer), key=lambda r: r["M"])
         ms = [r["M"] for r in steps]

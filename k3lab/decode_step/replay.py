@@ -137,9 +137,9 @@ def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
     def cfg(n: int, k: int, fused: bool = False):
         return sab.SwapAbConfig(*data["fused" if fused else "configs"][f"{n}x{k}"])
 
-    return layers.Kernels(sab, imports.overlay("fused_gemm"), imports.overlay("norm"), imports.overlay("pointwise"),
-                          imports.stock(stock_dir, "attn_res"), imports.stock(stock_dir, "fused_qk_rmsnorm"),
-                          imports.stock(stock_dir, "common_mtp"), stock, cfg)  # fmt: skip
+    ours = [imports.overlay(name) for name in ("fused_gemm", "norm", "pointwise")]
+    v028 = [imports.stock(stock_dir, name) for name in ("attn_res", "fused_qk_rmsnorm", "common_mtp")]
+    return layers.Kernels(sab, *ours, *v028, stock, cfg)
 
 
 def _output_key(layer: str) -> str:
@@ -183,8 +183,9 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
                             op.run(s2, w)
 
                     covers = op.covers or (op.name,)
-                    nbytes = sum(o.nbytes(m) for o in stock_ops
-                                 if o.name in covers and (variant == "stock" or first_cover[o.name] == op.name))
+                    mine = [o for o in stock_ops if o.name in covers
+                            and (variant == "stock" or first_cover[o.name] == op.name)]
+                    nbytes = sum(o.nbytes(m) for o in mine)
                     per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name,
                                    "us": round(graph_us(torch, one, copies, reps), 2),
                                    "roof_us": round(nbytes / bw * 1e6, 3), "runs": op.runs,
@@ -195,13 +196,14 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
         rec["speedup"] = round(rec["stock_us"] / rec["ours_us"], 3)
         print(json.dumps(rec), flush=True)
         steps.append(rec)
-    del ws
+    ws.clear()  # free the copies before the next layer
     torch.cuda.empty_cache()
     return steps, per_op
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.replay", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.replay",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--layers", default="mtp,kda,mla")

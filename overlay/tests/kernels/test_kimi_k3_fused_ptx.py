@@ -58,10 +58,9 @@ def _lines(ptx: str) -> list[str]:
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("prologue", sorted(fg.PROLOGUES))
 def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue, split) -> None:
-    swap, xpf, block_m = fg.VARIANT
     ptx = _ptx(fg._fused_kernel, dict(
-        BLOCK_N=64, BLOCK_K=128, BLOCK_M=block_m, EVEN_K=not split, HAS_RESIDUAL=True, USE_PDL=True,
-        RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False, SWAP=swap, XPF=xpf))  # fmt: skip
+        BLOCK_N=64, BLOCK_K=256, BLOCK_M=16, EVEN_K=not split, HAS_RESIDUAL=True, USE_PDL=True,
+        RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False))  # fmt: skip
     lines = _lines(ptx)
     wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
     trigger = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))

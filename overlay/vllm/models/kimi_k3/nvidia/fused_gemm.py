@@ -31,6 +31,18 @@ the unfused sequence in one place: the MMA sees ``bf16(x * g)`` where vLLM feeds
 ``bf16(x * rstd * g)``; both are one bf16 rounding of the same product up to a per-row
 scale (GPU tests: same relative error against float64).
 
+What a prologue costs (one H200 run, 2026-12-02, ``results/decode_step/``
+``prologue_sweep_2026-12-02.json``, M = 16, against our plain swap-AB kernel on the same
+weight): every K step pays a serial ~1 µs for the activation tile's math and its trip
+through shared memory to the MMA, so prologues want long K steps (``block_k`` 256).
+There the norm prologues come within 1-1.8 µs of the plain GEMM (routed_up 7168x3584
+15.8 µs vs 14.4; q_b 2304x1536 6.6 vs 5.3; 2112x7168 11.5 vs 10.6; add+norm 3584x7168
+17.6 vs 15.8): cheaper than the norm kernel they replace (about 2 µs even with PDL).
+The pointwise prologues stay 6-23 µs behind (SITU-and-mul 7168x768 11.0 vs 4.9,
+sigmoid gate 7168x1536 13.9 vs 7.7, MTP input 7168x14336 72 vs 49): there the PDL-aware
+kernels of :mod:`pointwise` plus the plain GEMM are faster, and the decode-step replay
+(``k3lab/decode_step``) uses those.
+
 PDL (SM90+): as in :mod:`swap_ab_gemm`, the CTA prefetches its first two weight tiles
 into L2, lets the next kernel launch, and only then waits (``griddepcontrol.wait``)
 before it reads anything a previous kernel wrote (``x``, ``gate_up``, the residual,
@@ -53,8 +65,6 @@ from vllm.triton_utils import tl, triton
 NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = (tl.constexpr(i) for i in range(6))
 PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "act_mul": 3, "sigmoid_mul": 4, "mtp_norm": 5}
 SILU, SITU = tl.constexpr(0), tl.constexpr(1)
-# (tokens as the MMA's A operand, activation tiles loaded a step ahead, token tile rows)
-VARIANT = (False, False, 16)
 
 
 @triton.jit
@@ -101,7 +111,6 @@ def _fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
     RAGGED: tl.constexpr, PROLOGUE: tl.constexpr, ACT: tl.constexpr, LIN_CLIP: tl.constexpr,
-    SWAP: tl.constexpr, XPF: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -130,19 +139,11 @@ def _fused_kernel(
     if PROLOGUE == MTP_NORM:
         pos = tl.load(pos_ptr + offs_m, mask=offs_m < M, other=0)
         e_ok = (pos != 0)[:, None]
-    if SWAP:  # tokens on the MMA's M side: the computed x is operand A (registers)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # Sums of squares per element, reduced once after the loop (no per-step shuffle).
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     sq2 = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    if XPF:  # the next step's activation tiles are loaded one step ahead, by hand
-        kk0 = k_lo + offs_k
-        x1n, x2n = _load_in(x_ptr, a_ptr, offs_m, kk0, m_ok & (kk0 < K)[None, :], stride_x, stride_a,
-                            K, HALF, k_lo, e_ok, PROLOGUE)  # fmt: skip
     for k in range(k_lo, k_hi, BLOCK_K):
         kk = k + offs_k
         k_ok = kk < K
@@ -155,13 +156,7 @@ def _fused_kernel(
         else:
             w_ok = k_ok[None, :] & w_live if RAGGED else k_ok[None, :]
             w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-        if XPF:
-            x1, x2 = x1n, x2n
-            kn = kk + BLOCK_K
-            x1n, x2n = _load_in(x_ptr, a_ptr, offs_m, kn, m_ok & (kn < k_hi)[None, :], stride_x, stride_a,
-                                K, HALF, k + BLOCK_K, e_ok, PROLOGUE)  # fmt: skip
-        else:
-            x1, x2 = _load_in(x_ptr, a_ptr, offs_m, kk, xm, stride_x, stride_a, K, HALF, k, e_ok, PROLOGUE)
+        x1, x2 = _load_in(x_ptr, a_ptr, offs_m, kk, xm, stride_x, stride_a, K, HALF, k, e_ok, PROLOGUE)
         if PROLOGUE == NONE:
             xv = x1
         elif PROLOGUE == NORM:
@@ -199,20 +194,11 @@ def _fused_kernel(
             g = tl.load(tl.where(in_e, g_ptr + kk, g2_ptr + (kk - HALF)), mask=k_ok, other=0.0)
             xv = (xf * g.to(tl.float32)[None, :]).to(w.dtype)
             zero = tl.zeros_like(xv)
-            if SWAP:
-                acc2 = tl.dot(tl.where(in_e, zero, xv), tl.trans(w), acc2)
-            else:
-                acc2 = tl.dot(w, tl.trans(tl.where(in_e, zero, xv)), acc2)
+            acc2 = tl.dot(w, tl.trans(tl.where(in_e, zero, xv)), acc2)
             xv = tl.where(in_e, xv, zero)
-        if SWAP:
-            acc = tl.dot(xv, tl.trans(w), acc)
-        else:
-            acc = tl.dot(w, tl.trans(xv), acc)
+        acc = tl.dot(w, tl.trans(xv), acc)
         w_ptrs += BLOCK_K
 
-    if SWAP:
-        acc = tl.trans(acc)
-        acc2 = tl.trans(acc2)
     ss = tl.sum(sq, axis=1)
     ss2 = tl.sum(sq2, axis=1)
     if split_k == 1:
@@ -268,10 +254,9 @@ def _run(
     linear_beta: float | None = None,
     out_dtype: torch.dtype | None = None,
     pdl: bool | None = None,
-    variant: tuple[bool, bool, int] | None = None,
 ) -> torch.Tensor:
     code = PROLOGUES[prologue]
-    swap, xpf, block_m = variant or VARIANT
+    block_m = sab.MAX_TOKENS
     m = x.shape[0]
     n, k = weight.shape
     if not 1 <= m <= sab.MAX_TOKENS:
@@ -314,7 +299,7 @@ def _run(
             per_split, splits, sab.rows_of(config), tile_floats,
             eps, beta, 1.0 if linear_beta is None else linear_beta)  # fmt: skip
     kwargs = dict(
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SWAP=swap, XPF=xpf,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m,
         EVEN_K=k % config.block_k == 0, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         RAGGED=sab.rows_of(config) < config.block_n, PROLOGUE=code, ACT=act,
         LIN_CLIP=linear_beta is not None,

@@ -136,8 +136,9 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, *, pdl: bool | None = None)
     return y
 
 
-def mtp_input(positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor, enorm_weight: torch.Tensor,
-              hnorm_weight: torch.Tensor, eps: float, *, pdl: bool | None = None) -> torch.Tensor:  # fmt: skip
+def mtp_input(positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
+              enorm_weight: torch.Tensor, hnorm_weight: torch.Tensor, eps: float, *,
+              pdl: bool | None = None) -> torch.Tensor:  # fmt: skip
     """``[enorm(embeds) | hnorm(hidden)]`` ``[M, 2H]``; ``embeds`` rows where ``positions == 0`` are 0."""
     m, h = embeds.shape
     _rows("embeds", embeds, m, h)
@@ -145,6 +146,7 @@ def mtp_input(positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tenso
     if positions.shape != (m,) or enorm_weight.shape != (h,) or hnorm_weight.shape != (h,):
         raise ValueError(f"positions {tuple(positions.shape)} / norm weights must be [{m}] / [{h}]")
     y = torch.empty((m, 2 * h), dtype=embeds.dtype, device=embeds.device)
-    _mtp_input_kernel[(m, 2)](positions, embeds, hidden, enorm_weight, hnorm_weight, y, h, embeds.stride(0),
-                              hidden.stride(0), eps, **_kw(embeds, pdl, BLOCK=triton.next_power_of_2(h)))  # fmt: skip
+    kw = _kw(embeds, pdl, BLOCK=triton.next_power_of_2(h))
+    _mtp_input_kernel[(m, 2)](positions, embeds, hidden, enorm_weight, hnorm_weight, y, h,
+                              embeds.stride(0), hidden.stride(0), eps, **kw)  # fmt: skip
     return y
