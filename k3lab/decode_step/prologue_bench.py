@@ -11,7 +11,7 @@ from it. Exit 2 without a GPU.
 Finding (H200, 2026-12-02, ``results/decode_step/prologue_sweep_2026-12-02.json``):
 every K step of a prologue pays a serial ~1 µs (the activation tile's math and its trip
 through shared memory to the MMA), so fewer, longer K steps win: the norm prologues at
-K steps of 256 come within 1-1.8 µs of the plain GEMM, the pointwise ones stay 6-23 µs
+K steps of 256 come within 1.1-2.1 µs of the plain GEMM, the pointwise ones stay 6-22 µs
 behind. Two other builds were measured and dropped (``prologue_variants_2026-12-02.json``,
 kernel of commit 4471cdd): tokens as the MMA's A operand from registers (mma.sync at
 16 rows, or wgmma with tokens padded to 64) and activation tiles loaded a step ahead by
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = sab.SwapAbConfig(*c)
             try:
                 us = round(replay.graph_us(torch, lambda cfg=cfg: [call(w, cfg) for w in ws], 8, 9), 2)
-            except ValueError as ex:  # a config the prologue refuses (mtp_norm: split-K)
-                us = str(ex)[:160]
+            except Exception as ex:  # refused (mtp_norm: split-K) or out of shared memory: a finding
+                us = f"{type(ex).__name__}: {str(ex)[:160]}"
             rec["fused_us"]["-".join(map(str, c))] = us
         print(json.dumps(rec), flush=True)
         rows.append(rec)

@@ -35,11 +35,11 @@ What a prologue costs (one H200 run, 2026-12-02, ``results/decode_step/``
 ``prologue_sweep_2026-12-02.json``, M = 16, against our plain swap-AB kernel on the same
 weight): every K step pays a serial ~1 µs for the activation tile's math and its trip
 through shared memory to the MMA, so prologues want long K steps (``block_k`` 256).
-There the norm prologues come within 1-1.8 µs of the plain GEMM (routed_up 7168x3584
-15.8 µs vs 14.4; q_b 2304x1536 6.6 vs 5.3; 2112x7168 11.5 vs 10.6; add+norm 3584x7168
-17.6 vs 15.8): cheaper than the norm kernel they replace (about 2 µs even with PDL).
-The pointwise prologues stay 6-23 µs behind (SITU-and-mul 7168x768 11.0 vs 4.9,
-sigmoid gate 7168x1536 13.9 vs 7.7, MTP input 7168x14336 72 vs 49): there the PDL-aware
+There the norm prologues come within 1.1-2.1 µs of the plain GEMM (routed_up 7168x3584
+15.5 µs vs 14.2; q_b 2304x1536 6.5 vs 5.0; 2112x7168 11.3 vs 10.2; add+norm 3584x7168
+17.7 vs 15.7): about what the norm kernel they replace costs (1.4-2.2 µs with PDL).
+The pointwise prologues stay 6-22 µs behind (SITU-and-mul 7168x768 11.8 vs 4.7,
+sigmoid gate 7168x1536 13.9 vs 7.6, MTP input 7168x14336 72 vs 50): there the PDL-aware
 kernels of :mod:`pointwise` plus the plain GEMM are faster, and the decode-step replay
 (``k3lab/decode_step``) uses those.
 

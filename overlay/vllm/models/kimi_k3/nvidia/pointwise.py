@@ -4,7 +4,7 @@
 
 Where folding a small op into the next GEMM's prologue costs more than the op itself
 (one H200 run, ``results/decode_step/prologue_sweep_2026-12-02.json``: the SiLU/SITU-
-and-mul, sigmoid-gate and MTP-input prologues of ``fused_gemm.py`` added 6-23 µs to
+and-mul, sigmoid-gate and MTP-input prologues of ``fused_gemm.py`` added 6-22 µs to
 their GEMM, as each K step pays a serial ~1 µs for the elementwise math on the
 activation tile), the op runs as its own kernel, but one that knows PDL: it lets the
 next kernel launch first (``griddepcontrol.launch_dependents``), loads what no kernel
