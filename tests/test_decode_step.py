@@ -18,7 +18,7 @@ class _Any:
 
 
 def _ops(layer):
-    return layers.LAYERS[layer](layers.Kernels(*([_Any()] * 10)))
+    return layers.LAYERS[layer](layers.Kernels(*([_Any()] * 9)))
 
 
 @pytest.mark.parametrize("layer", sorted(layers.LAYERS))

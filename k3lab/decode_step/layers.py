@@ -83,7 +83,6 @@ class Kernels(NamedTuple):
     fg: object  # fused_gemm
     norm: object  # norm
     pw: object  # pointwise
-    ar: object  # attn_res_pdl (ours)
     attn_res: object  # v0.28.0 ops/attn_res.py
     qk_norm: object  # v0.28.0 common/ops/fused_qk_rmsnorm.py
     mtp_input: object  # v0.28.0 common/mtp.py
@@ -164,12 +163,11 @@ def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
     ]
 
 
-def _attn_res(kn, which: str, delta: str, ours: bool = False) -> Callable[[dict, dict], None]:
+def _attn_res(kn, which: str, delta: str) -> Callable[[dict, dict], None]:
     pre = which == "pre"
-    mod = kn.ar if ours else kn.attn_res
 
     def run(st, w):
-        st["hn" if pre else "hn2"] = mod.attn_res(
+        st["hn" if pre else "hn2"] = kn.attn_res.attn_res(
             st["prefix"], st[delta], st["blocks"], w["sa_res_norm" if pre else "mlp_res_norm"],
             w["sa_res_proj" if pre else "mlp_res_proj"], w["in_norm" if pre else "post_norm"],
             num_blocks=NB, block_write_idx=-1, eps=EPS, output_norm_eps=EPS)  # fmt: skip
@@ -346,12 +344,12 @@ def kda_ops(kn) -> tuple[list[Op], list[Op]]:
         st["o_out"] = sab.swap_ab_gemm(st["core_out"], w["o"], c(H, KDA_P))
 
     ours = [
-        Op("attn_res (pre-attn, ours)", "", _attn_res(kn, "pre", "delta_in", True), "ours (2 launches, PDL)",
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
            covers=("attn_res (pre-attn)",)),
         Op("in_proj_qkvgfab", "", in_proj_o, "ours", covers=("in_proj_qkvgfab",)),
         Op("f_b_proj", "", f_b_o, "ours", covers=("f_b_proj",)),
         Op("o_proj", "", o_o, "ours", covers=("o_proj",)),
-        Op("attn_res (post-attn, ours)", "", _attn_res(kn, "post", "o_out", True), "ours (2 launches, PDL)",
+        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
            covers=("attn_res (post-attn)",)),
         *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip
@@ -370,10 +368,10 @@ def mla_ops(kn) -> tuple[list[Op], list[Op]]:
         *_moe_stock(kn, "hn2"),
     ]  # fmt: skip
     ours = [
-        Op("attn_res (pre-attn, ours)", "", _attn_res(kn, "pre", "delta_in", True), "ours (2 launches, PDL)",
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
            covers=("attn_res (pre-attn)",)),
         *_mla_ours(kn, "hn", None),
-        Op("attn_res (post-attn, ours)", "", _attn_res(kn, "post", "o_out", True), "ours (2 launches, PDL)",
+        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
            covers=("attn_res (post-attn)",)),
         *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip

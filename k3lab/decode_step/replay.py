@@ -51,8 +51,7 @@ configs of ``configs.json``, two projections of one input as one stacked weight
 (``fused_qkv_a_proj``+``g_proj``, ``routed_down``+shared ``gate_up``), residual adds in
 GEMM epilogues, a norm in the prologue of the GEMM that is its only reader
 (``fused_gemm.py``), and the PDL-aware ``norm.py`` / ``pointwise.py`` kernels for the
-rest, and our two-launch attn_res (``attn_res_pdl.py``); ``layers.py`` says which op
-covers which.
+rest (``layers.py`` says which op covers which); attn_res is v0.28.0's.
 
 Timing: each variant of a step is one CUDA graph over ``--copies`` rotated copies of
 the layer's weights (>= 4x the 60 MiB L2 in all), median of ``--reps`` replays, µs per
@@ -141,7 +140,7 @@ def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
     def cfg(n: int, k: int, fused: bool = False):
         return sab.SwapAbConfig(*data["fused" if fused else "configs"][f"{n}x{k}"])
 
-    ours = [imports.overlay(name) for name in ("fused_gemm", "norm", "pointwise", "attn_res_pdl")]
+    ours = [imports.overlay(name) for name in ("fused_gemm", "norm", "pointwise")]
     v028 = [imports.stock(stock_dir, name) for name in ("attn_res", "fused_qk_rmsnorm", "common_mtp")]
     return layers.Kernels(sab, *ours, *v028, stock, cfg)
 
