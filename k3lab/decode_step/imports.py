@@ -1,0 +1,158 @@
+"""Import our overlay kernels and vLLM v0.28.0's own Triton ops without a vLLM install.
+
+The replay runs where there is torch and Triton but no vLLM (the lent H200). Two kinds
+of module are needed:
+
+* ours, ``overlay/vllm/models/kimi_k3/nvidia/{swap_ab_gemm,fused_gemm,norm}.py``: they
+  import only ``vllm.triton_utils`` and each other, so a stand-in ``vllm`` package whose
+  ``models.kimi_k3.nvidia`` path is the overlay folder imports them unchanged;
+* v0.28.0's Triton ops that the stock path runs on SM90 (``attn_res``,
+  ``fused_q_kv_rmsnorm``, ``fused_mtp_input``): their source is read from the release
+  (never copied into this repository) by :func:`extract_stock` into a git-ignored
+  folder that travels with the device call, and loaded with stand-ins for the two
+  names they import beyond Triton: ``vllm._custom_ops`` (only used for an SM100 op)
+  and ``vllm.platforms.current_platform`` (PDL from SM90 on; no SM100 family).
+
+``python -m k3lab.decode_step.imports extract DEST [--mirror GIT_DIR | --tree VLLM_TREE]``
+writes the three v0.28.0 files to DEST; ``... stub DEST`` writes the stand-in package
+(DEST/vllm) for tools such as pytest that import ``vllm.models.kimi_k3.nvidia.*``.
+Exit codes: 0 done, 2 bad usage or a source that lacks a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import subprocess
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OVERLAY_PKG = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia"
+REF = "v0.28.0"
+# name in DEST -> path in the vLLM release
+STOCK_FILES = {
+    "attn_res.py": "vllm/models/kimi_k3/nvidia/ops/attn_res.py",
+    "fused_qk_rmsnorm.py": "vllm/models/common/ops/fused_qk_rmsnorm.py",
+    "common_mtp.py": "vllm/models/kimi_k3/common/mtp.py",
+}
+DEFAULT_MIRROR = pathlib.Path.home() / ".cache" / "vllm-k3-overlay" / "mirror-v2.git"
+
+
+class _Platform:
+    """The two questions v0.28.0's Triton ops ask of ``current_platform``, on CUDA."""
+
+    @staticmethod
+    def is_arch_support_pdl() -> bool:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+    @staticmethod
+    def is_device_capability_family(family: int) -> bool:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] * 10 == family
+
+    @staticmethod
+    def is_cuda_alike() -> bool:
+        return True
+
+
+def _module(name: str, path: list[str] | None = None) -> types.ModuleType:
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = types.ModuleType(name)
+        if path is not None:
+            mod.__path__ = path
+        sys.modules[name] = mod
+    return mod
+
+
+def install_stand_ins() -> None:
+    """Make ``vllm.models.kimi_k3.nvidia.*`` resolve to the overlay folder when vLLM is absent."""
+    try:
+        import vllm  # noqa: F401
+
+        return  # a real vLLM tree: use it
+    except ImportError:
+        pass
+    import triton
+    import triton.language as tl
+
+    _module("vllm", [])
+    tu = _module("vllm.triton_utils")
+    tu.tl, tu.triton = tl, triton
+    _module("vllm._custom_ops")
+    _module("vllm.platforms").current_platform = _Platform()
+    _module("vllm.models", [])
+    _module("vllm.models.kimi_k3", [])
+    _module("vllm.models.kimi_k3.nvidia", [str(OVERLAY_PKG)])
+
+
+def overlay(name: str) -> types.ModuleType:
+    """Our overlay module ``vllm.models.kimi_k3.nvidia.<name>``."""
+    install_stand_ins()
+    return importlib.import_module(f"vllm.models.kimi_k3.nvidia.{name}")
+
+
+def stock(folder: pathlib.Path, name: str) -> types.ModuleType:
+    """A v0.28.0 Triton op file written by :func:`extract_stock` (``name`` without .py)."""
+    install_stand_ins()
+    path = pathlib.Path(folder) / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run `python -m k3lab.decode_step.imports extract` first")
+    spec = importlib.util.spec_from_file_location(f"k3lab_v028_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def extract_stock(dest: pathlib.Path, mirror: pathlib.Path | None, tree: pathlib.Path | None) -> None:
+    """Write v0.28.0's three Triton op files to ``dest`` from a release mirror or a tree."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for out, src in STOCK_FILES.items():
+        if tree is not None:
+            text = (tree / src).read_text()
+        else:
+            text = subprocess.run(["git", f"--git-dir={mirror}", "show", f"{REF}:{src}"],
+                                  check=True, capture_output=True, text=True).stdout  # fmt: skip
+        (dest / out).write_text(text)
+
+
+def write_stub(dest: pathlib.Path) -> None:
+    """A stand-in ``vllm`` package at ``dest/vllm`` whose kimi_k3/nvidia is the overlay folder."""
+    pkg = dest / "vllm"
+    (pkg / "models" / "kimi_k3").mkdir(parents=True, exist_ok=True)
+    for init in (pkg, pkg / "models", pkg / "models" / "kimi_k3"):
+        (init / "__init__.py").write_text("")
+    (pkg / "triton_utils.py").write_text("import triton\nimport triton.language as tl\n")
+    link = pkg / "models" / "kimi_k3" / "nvidia"
+    if not link.exists():
+        link.symlink_to(OVERLAY_PKG, target_is_directory=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.imports")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("extract")
+    ex.add_argument("dest", type=pathlib.Path)
+    ex.add_argument("--mirror", type=pathlib.Path, default=DEFAULT_MIRROR)
+    ex.add_argument("--tree", type=pathlib.Path)
+    st = sub.add_parser("stub")
+    st.add_argument("dest", type=pathlib.Path)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "extract":
+            extract_stock(args.dest, args.mirror, args.tree)
+        else:
+            write_stub(args.dest)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

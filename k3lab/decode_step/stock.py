@@ -1,0 +1,66 @@
+"""Stand-ins for the stock small ops whose v0.28.0 kernels cannot run without vLLM's ``_C``.
+
+Each is one Triton launch without PDL, the shape of what vLLM runs on SM90:
+
+* ``situ_and_mul``: ``torch.ops._C.situ_and_mul`` (``SituAndMul.forward_cuda``, one CUDA
+  kernel, fp32 math, one bf16 rounding): ``beta*tanh(g/beta)*sigmoid(g) * u``;
+* ``sigmoid_mul``: MLA's ``_gate_sigmoid_mul`` (``torch.compile``: Inductor emits one
+  fused Triton kernel): ``x * sigmoid(gate)``.
+
+The RMSNorm and fused-add RMSNorm stand-ins (``torch.ops._C.rms_norm`` /
+``fused_add_rms_norm``) are our overlay ``norm`` kernel launched with ``pdl=False``: one
+launch, fp32 math, no PDL, as vLLM's CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _situ_and_mul(x_ptr, y_ptr, D, beta, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < D
+    g = tl.load(x_ptr + row * 2 * D + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * D + D + offs, mask=ok, other=0.0).to(tl.float32)
+    sg = 1.0 / (1.0 + tl.exp(-g))
+    th = 2.0 / (1.0 + tl.exp(-2.0 * g / beta)) - 1.0
+    tl.store(y_ptr + row * D + offs, (beta * th * sg * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sigmoid_mul(x_ptr, g_ptr, y_ptr, D, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + offs, (x / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def situ_and_mul(gate_up: torch.Tensor, beta: float) -> torch.Tensor:
+    """``[M, 2D]`` packed bf16 -> ``[M, D]``."""
+    m, d2 = gate_up.shape
+    d = d2 // 2
+    y = torch.empty((m, d), dtype=gate_up.dtype, device=gate_up.device)
+    _situ_and_mul[(m, triton.cdiv(d, 1024))](gate_up, y, d, beta, BLOCK=1024, num_warps=4)
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)``, both ``[M, D]`` packed bf16."""
+    m, d = x.shape
+    y = torch.empty_like(x)
+    _sigmoid_mul[(m, triton.cdiv(d, 1024))](x, gate, y, d, BLOCK=1024, num_warps=4)
+    return y
+
+
+def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Router logits in fp32 from bf16 operands through cuBLAS (GateLinear's tier 5)."""
+    try:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    except TypeError:  # a torch without mm's out_dtype: bf16 GEMM then a cast (one more kernel)
+        return torch.mm(x, w.t()).float()

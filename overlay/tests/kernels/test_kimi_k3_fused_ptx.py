@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""PDL order in the PTX of our fused GEMM and norm kernels, compiled for sm_90 on the CPU.
+
+Triton compiles for a GPU target without a GPU. What PDL buys depends on where the
+instructions sit: the trigger (``griddepcontrol.launch_dependents``) early, and
+nothing a previous kernel may have written read before ``griddepcontrol.wait``. In
+the fused GEMM only the weight's L2 prefetch may come before the wait (every load
+comes after it); in the norm kernel the norm weight's load may, the row's may not.
+Skipped, with the reason, where this Triton cannot compile for sm_90.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+from vllm.models.kimi_k3.nvidia import fused_gemm as fg  # noqa: E402
+from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
+from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
+
+_INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
+         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h"}  # fmt: skip
+_FLOATS = {"eps", "beta", "lin_beta"}
+_POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
+
+
+def _ptx(kernel, constexprs: dict) -> str:
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # pragma: no cover - Triton layout changed
+        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {e}")
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in _INTS:
+            sig[name] = "i32"
+        elif name in _FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = _POINTERS.get(name, "*bf16")
+    try:
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))  # fmt: skip
+    except Exception as e:  # no ptxas / no NVIDIA backend in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90 here: {type(e).__name__}: {str(e)[-300:]}")
+    return compiled.asm["ptx"]
+
+
+def _lines(ptx: str) -> list[str]:
+    return [ln.strip() for ln in ptx.splitlines()]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("prologue", sorted(fg.PROLOGUES))
+def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue, split) -> None:
+    ptx = _ptx(fg._fused_kernel, dict(
+        BLOCK_N=64, BLOCK_K=256, BLOCK_M=16, EVEN_K=not split, HAS_RESIDUAL=True, USE_PDL=True,
+        RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False))  # fmt: skip
+    lines = _lines(ptx)
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    trigger = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))
+    prefetch = [i for i, ln in enumerate(lines) if "prefetch.global.L2" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async" in ln]
+    assert prefetch and max(prefetch) < wait, "the weight prefetch must precede the wait"
+    assert trigger < wait, "the trigger must come before the wait"
+    assert loads and min(loads) > wait, f"{prologue}: a load precedes griddepcontrol.wait"
+    assert any("mma" in ln for ln in lines[wait:]), "no tensor-core MMA after the wait"
+
+
+@pytest.mark.parametrize("has_add", [False, True])
+def test_norm_triggers_first_and_reads_the_row_after_the_wait(has_add) -> None:
+    ptx = _ptx(norm._rms_norm_kernel, dict(BLOCK=8192, HAS_ADD=has_add, USE_PDL=True))
+    lines = _lines(ptx)
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = sum("ld.global" in ln for ln in lines[:wait])
+    after = sum("ld.global" in ln for ln in lines[wait:])
+    # The norm weight (8192 bf16 over 256 threads) is loaded before the wait, x (and the
+    # residual) after it: as many loads again after, twice as many with the add.
+    assert before > 0, "the norm weight should load before the wait"
+    assert after >= before * (2 if has_add else 1), (before, after)
+
+
+@pytest.mark.parametrize("kernel,constexprs", [
+    (pw._act_mul_kernel, dict(BLOCK=1024, SITU=True, LIN_CLIP=False, USE_PDL=True)),
+    (pw._sigmoid_mul_kernel, dict(BLOCK=1024, USE_PDL=True)),
+    (pw._mtp_input_kernel, dict(BLOCK=8192, USE_PDL=True)),
+], ids=["act_mul", "sigmoid_mul", "mtp_input"])  # fmt: skip
+def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexprs) -> None:
+    lines = _lines(_ptx(kernel, constexprs))
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = sum("ld.global" in ln for ln in lines[:wait])
+    after = sum("ld.global" in ln for ln in lines[wait:])
+    assert after > 0
+    if kernel is pw._mtp_input_kernel:  # the norm weights may load early, the rows may not
+        assert before > 0 and after >= before, (before, after)
+    else:
+        assert before == 0, f"{before} loads before griddepcontrol.wait"

@@ -1,0 +1,58 @@
+"""The decode-step replay's bookkeeping, on the CPU (k3lab/decode_step; the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3lab.decode_step import layers, replay
+
+
+class _Any:
+    """Stand-in for every kernel module: the op lists only take references at build time."""
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *a, **k):
+        return self
+
+
+def _ops(layer):
+    return layers.LAYERS[layer](layers.Kernels(*([_Any()] * 9)))
+
+
+@pytest.mark.parametrize("layer", sorted(layers.LAYERS))
+def test_ours_covers_every_stock_op_and_nothing_else(layer) -> None:
+    stock, ours = _ops(layer)
+    names = [op.name for op in stock]
+    assert len(names) == len(set(names)), "stock op names must be unique"
+    covered = [c for op in ours for c in op.covers]
+    assert set(covered) == set(names), set(covered) ^ set(names)
+    for op in stock:
+        assert op.where.startswith(("nvidia/", "common/")) and ":" in op.where, op
+        assert op.nbytes(1) > 0 and op.nbytes(16) > op.nbytes(1), op.name
+
+
+def test_roof_bytes_are_dominated_by_the_weights() -> None:
+    # M = 16: the activations are a few MB next to 200-450 MB of weights.
+    for layer in layers.LAYERS:
+        stock, _ = _ops(layer)
+        weight_bytes = sum(2 * s[0] * s[1] for s in layers.WEIGHTS[layer].values() if len(s) == 2)
+        total = sum(op.nbytes(16) for op in stock)
+        assert weight_bytes < total < 1.05 * weight_bytes, layer
+
+
+@pytest.mark.parametrize("text,want", [("1-4", [1, 2, 3, 4]), ("1,8,16", [1, 8, 16]), ("3", [3])])
+def test_token_counts_parse(text, want) -> None:
+    assert replay.parse_ms(text) == want
+
+
+@pytest.mark.parametrize("text", ["0-4", "15-17", "x"])
+def test_token_counts_outside_decode_are_refused(text) -> None:
+    with pytest.raises(ValueError):
+        replay.parse_ms(text)
+
+
+def test_bad_layer_name_exits_2(capsys) -> None:
+    assert replay.main(["--stock-dir", ".", "--layers", "mtp,dense"]) == 2
+    assert "--layers" in capsys.readouterr().err
