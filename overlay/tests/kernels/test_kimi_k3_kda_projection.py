@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vllm.models.kimi_k3.nvidia import kda_projection as kp
-from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
 # The capability pin and the CPU fast-path fixture of the low-latency GEMM tests.
 from .test_kimi_k3_low_latency_gemm import cpu_fast_path, pin_capability  # noqa: F401
@@ -339,13 +339,16 @@ def test_unmeasured_architecture_tunes_nothing(monkeypatch, warmups) -> None:
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
-def test_enable_step_runs_from_the_low_latency_enable(monkeypatch, warmups) -> None:
+def test_enable_step_runs_after_the_low_latency_enable(monkeypatch, warmups) -> None:
+    """The model's order (patch 0004): the dispatch's enable, then the KDA enable."""
     pin_capability(monkeypatch, SM90)
     pin_tokens(monkeypatch, SM90, {5})
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(llg, "LinearBase", FakeLinear)  # let the table plan the fakes
     model = _model()
     llg.enable_kimi_k3_low_latency_gemm(model, BF16)
+    assert model.layers[0].kda_overlap_tokens == frozenset()  # the dispatch leaves KDA alone
+    assert kp.enable_kda_projection_overlap(model, BF16) == 1
     assert model.layers[0].kda_overlap_tokens == {5}
     # The packed GEMM and F_B also got the table's planned method for their own forward.
     assert type(model.layers[0].in_proj_qkvgfab.quant_method) is llg.KimiK3LowLatencyLinearMethod
@@ -358,7 +361,7 @@ def test_enable_step_is_a_no_op_off_bf16_or_without_a_table(monkeypatch, capabil
     pin_tokens(monkeypatch, SM90, {5})
     model = _model()
     llg.enable_kimi_k3_low_latency_gemm(model, dtype)
-    assert kp.enable_kda_projection_overlap(model, torch.float16) == 0
+    assert kp.enable_kda_projection_overlap(model, dtype) == 0
     assert model.layers[0].kda_overlap_tokens == frozenset()
 
 

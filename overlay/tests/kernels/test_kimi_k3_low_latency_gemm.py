@@ -21,10 +21,16 @@ import torch
 from torch import nn
 
 from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import SkinnyGemmConfig
-from vllm.models.kimi_k3.nvidia import low_latency_gemm as k3
+from vllm.models.kimi_k3.nvidia import gemm_backends
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as k3
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_sm90 as sm90_data
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_spec as gemm_spec
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_tables as blackwell_data
 from vllm.models.kimi_k3.nvidia import swap_ab_gemm
+from vllm.models.kimi_k3.nvidia.gemm_backends import cute_skinny, dsv3_fused_a, tinygemm
+from vllm.models.kimi_k3.nvidia.gemm_backends import ll_bf16 as llb
+from vllm.models.kimi_k3.nvidia.gemm_backends import swap_ab as sab_backend
+from vllm.models.kimi_k3.nvidia.gemm_backends.ll_bf16 import LLBf16Config
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.platforms.interface import DeviceCapability
 
@@ -80,7 +86,7 @@ class FakeSkinnyGemm:
 @pytest.fixture
 def fake_cute(monkeypatch: pytest.MonkeyPatch) -> FakeSkinnyGemm:
     fake = FakeSkinnyGemm()
-    monkeypatch.setattr(k3, "shape_dynamic_skinny_gemm", fake)
+    monkeypatch.setattr(cute_skinny, "shape_dynamic_skinny_gemm", fake)
     return fake
 
 
@@ -99,9 +105,9 @@ class FakeDsv3Ops:
 @pytest.fixture
 def fake_dsv3(monkeypatch: pytest.MonkeyPatch) -> FakeDsv3Ops:
     fake = FakeDsv3Ops()
-    monkeypatch.setattr(k3, "ops", fake)
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
-    monkeypatch.setattr(k3, "_dsv3_use_pdl", lambda: False)
+    monkeypatch.setattr(dsv3_fused_a, "ops", fake)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: True)
+    monkeypatch.setattr(dsv3_fused_a, "_use_pdl", lambda: False)
     return fake
 
 
@@ -139,6 +145,16 @@ def cfg(m, block, outputs, unroll=1, width=8, static_k=None) -> SkinnyGemmConfig
     return SkinnyGemmConfig(m, block, outputs, unroll, width, static_k)
 
 
+def cute_configs(spec) -> tuple:
+    """``((M, config), ...)`` of the token counts CuTe won in ``spec``."""
+    return tuple((m, call.config) for m, call in spec.winners if call.backend == "cute")
+
+
+def cute_config(spec, m):
+    """CuTe config of ``spec`` at M = ``m``; None if CuTe did not win there."""
+    return dict(cute_configs(spec)).get(m)
+
+
 # The data modules, read here without the module under test: expectations of the
 # plan, routing and installation tests come from them, not from the tables built.
 DATA = {
@@ -156,8 +172,8 @@ def config_of(m: int, fields, backend: str = "cute"):
         return SwapAbConfig(*fields)
     if backend == "ll_bf16":
         if fields[0] == "splitk":
-            return k3.LLBf16Config("splitk", split_k=fields[1], num_stages=fields[2])
-        return k3.LLBf16Config("dotprod", block_size=fields[1])
+            return LLBf16Config("splitk", split_k=fields[1], num_stages=fields[2])
+        return LLBf16Config("dotprod", block_size=fields[1])
     return cfg(m, *fields)
 
 
@@ -190,7 +206,7 @@ def test_table_keys_match_specs(arch: str) -> None:
 @pytest.mark.parametrize("arch", ALL_TABLES)
 def test_every_cute_config_fits_its_shape(arch: str) -> None:
     for spec in ALL_TABLES[arch].values():
-        configs = [*spec.cute_configs, *spec.residual_configs]
+        configs = [*cute_configs(spec), *spec.residual_configs]
         for m, config in configs:
             assert config.num_rows == m
             assert spec.k % (config.block_size * config.vector_width) == 0, (spec, m)
@@ -204,10 +220,11 @@ def test_token_counts_are_decode_sized_and_routed_once(arch: str) -> None:
         token_counts = [m for m, _ in spec.winners]
         assert set(token_counts) <= set(range(1, 17))
         assert len(token_counts) == len(set(token_counts)), spec
-        cute = {m for m, _ in spec.cute_configs}
-        assert not cute & spec.dsv3_tokens
+        cute = {m for m, _ in cute_configs(spec)}
+        assert not cute & spec.tokens_of("dsv3_fused_a")
         assert cute == {m for m, call in spec.winners if call.backend == "cute"}
-        assert spec.dsv3_tokens == {m for m, c in spec.winners if c.backend == "dsv3_fused_a"}
+        dsv3 = {m for m, c in spec.winners if c.backend == "dsv3_fused_a"}
+        assert spec.tokens_of("dsv3_fused_a") == dsv3
         assert {m for m, _ in spec.residual_configs} <= set(range(1, 17))
 
 
@@ -242,7 +259,7 @@ def test_a_table_built_now_holds_every_data_row_and_its_source(capability) -> No
     the building (not only in its result at import) fails here."""
     rows, residual_rows = DATA[capability]
     arch, provenance, row_provenance = SOURCES[capability]
-    table = k3._table_from_rows(arch, rows, provenance, residual_rows, row_provenance)
+    table = gemm_spec._table_from_rows(arch, rows, provenance, residual_rows, row_provenance)
     assert table.arch == arch and set(table) == set(rows) and len(table) == len(rows)
     for shape in rows:
         spec = table[shape]
@@ -292,7 +309,7 @@ def test_selector_reads_each_data_row(rows, residual_rows, capability) -> None:
             )
             if entry is not None and entry[0] == "cute":
                 block, outputs, unroll, width, static_k = entry[1]
-                assert table[shape].cute_config(m) == SkinnyGemmConfig(
+                assert cute_config(table[shape], m) == SkinnyGemmConfig(
                     m, block, outputs, unroll, width, static_k
                 )
     for shape, row in residual_rows.items():
@@ -326,7 +343,7 @@ def test_every_dsv3_routed_shape_is_compiled_into_the_op() -> None:
         (arch, spec.n, spec.k)
         for arch, table in ALL_TABLES.items()
         for spec in table.values()
-        if spec.dsv3_tokens and (spec.k, spec.n) not in compiled
+        if spec.tokens_of("dsv3_fused_a") and (spec.k, spec.n) not in compiled
     }
     assert not missing
 
@@ -356,8 +373,8 @@ def test_every_dsv3_routed_shape_is_compiled_into_the_op() -> None:
         (((1, k3.PlannedCall("swap_ab", SwapAbConfig(48, 128, 1, 4, 4))),), (), "block_n"),
         (((1, k3.PlannedCall("swap_ab", SwapAbConfig(64, 128, 3, 4, 4))),), (), "split_k"),
         (((1, k3.PlannedCall("ll_bf16", None)),), (), "needs an LLBf16Config"),
-        (((1, k3.PlannedCall("ll_bf16", k3.LLBf16Config("other"))),), (), "LLBf16Config"),
-        (((1, k3.PlannedCall("tinygemm", k3.LLBf16Config("splitk", 2, 4))),), (), "no config"),
+        (((1, k3.PlannedCall("ll_bf16", LLBf16Config("other"))),), (), "LLBf16Config"),
+        (((1, k3.PlannedCall("tinygemm", LLBf16Config("splitk", 2, 4))),), (), "no config"),
         ((), ((1, cfg(1, 96, 2)),), "block_size"),
         ((), ((1, cfg(1, 32, 2)), (1, cfg(1, 64, 2))), "twice"),
     ],
@@ -392,7 +409,7 @@ def test_spec_rejects_tinygemm_shapes_it_cannot_run(n, k, message) -> None:
 
 
 def test_spec_rejects_ll_bf16_on_unaligned_k() -> None:
-    call = k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", 2, 4))
+    call = k3.PlannedCall("ll_bf16", LLBf16Config("splitk", 2, 4))
     with pytest.raises(ValueError, match="K % 8"):
         k3.ProjectionSpec(64, 260, ((1, call),))
 
@@ -401,7 +418,7 @@ def test_spec_rejects_ll_bf16_on_unaligned_k() -> None:
                                           (7168, 28, True), (7168, 29, False)])
 def test_spec_rejects_ll_bf16_splits_without_k_tiles(k, split_k, ok) -> None:
     # A split with no 256-wide K tile hung the H200 (K = 128, split_k = 2).
-    call = k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", split_k, 4))
+    call = k3.PlannedCall("ll_bf16", LLBf16Config("splitk", split_k, 4))
     if ok:
         k3.ProjectionSpec(64, k, ((1, call),))
     else:
@@ -412,23 +429,23 @@ def test_spec_rejects_ll_bf16_splits_without_k_tiles(k, split_k, ok) -> None:
 def test_new_backends_build_valid_specs() -> None:
     winners = (
         (1, k3.PlannedCall("swap_ab", SwapAbConfig(64, 128, 2, 4, 4))),
-        (2, k3.PlannedCall("ll_bf16", k3.LLBf16Config("splitk", 2, 4))),
-        (3, k3.PlannedCall("ll_bf16", k3.LLBf16Config("dotprod", block_size=256))),
+        (2, k3.PlannedCall("ll_bf16", LLBf16Config("splitk", 2, 4))),
+        (3, k3.PlannedCall("ll_bf16", LLBf16Config("dotprod", block_size=256))),
         (4, k3.PlannedCall("tinygemm", None)),
     )
     spec = k3.ProjectionSpec(64, 512, winners)
     assert [spec.winner(m).backend for m in (1, 2, 3, 4)] == [
         "swap_ab", "ll_bf16", "ll_bf16", "tinygemm"
     ]  # fmt: skip
-    assert spec.cute_configs == () and spec.cute_config(1) is None
+    assert cute_configs(spec) == () and cute_config(spec, 1) is None
 
 
 @pytest.mark.parametrize(
     "backend,data,expected",
     [
         ("swap_ab", (64, 256, 4, 4, 4), SwapAbConfig(64, 256, 4, 4, 4)),
-        ("ll_bf16", ("splitk", 2, 4), k3.LLBf16Config("splitk", split_k=2, num_stages=4)),
-        ("ll_bf16", ("dotprod", 256), k3.LLBf16Config("dotprod", block_size=256)),
+        ("ll_bf16", ("splitk", 2, 4), LLBf16Config("splitk", split_k=2, num_stages=4)),
+        ("ll_bf16", ("dotprod", 256), LLBf16Config("dotprod", block_size=256)),
         ("cute", (32, 2, 1, 8, None), SkinnyGemmConfig(3, 32, 2, 1, 8, None)),
         ("tinygemm", None, None),
     ],
@@ -457,7 +474,7 @@ def test_tables_are_read_only() -> None:
 
 def test_residual_rows_need_a_table_row() -> None:
     with pytest.raises(ValueError, match="no row"):
-        k3._table_from_rows("SMX", {}, {}, {(64, 256): {1: (32, 2, 1, 8, None)}})
+        gemm_spec._table_from_rows("SMX", {}, {}, {(64, 256): {1: (32, 2, 1, 8, None)}})
 
 
 # ---------------------------------------------------------- capability routing
@@ -530,10 +547,10 @@ def test_eh_proj_sm103_stops_at_m2() -> None:
 
 def test_eh_proj_configs_on_sm103() -> None:
     spec = k3.KIMI_K3_PROJECTIONS[EH_PROJ]
-    assert spec.cute_config(1) == SkinnyGemmConfig(
+    assert cute_config(spec, 1) == SkinnyGemmConfig(
         1, 256, 2, vector_width=4, static_k=14336
     )
-    assert spec.cute_config(2) == SkinnyGemmConfig(
+    assert cute_config(spec, 2) == SkinnyGemmConfig(
         2, block_size=224, outputs_per_block=4, k_unroll=2, vector_width=8
     )
 
@@ -574,6 +591,110 @@ def test_routed_rows_include_residual_epilogue_on_sm103() -> None:
     assert not [r for r in k3.routed_rows(SM90) if r.has_residual]
 
 
+# ---------------------------------------------------------------------- registry
+
+BACKEND_MODULES = Path(gemm_backends.__file__).parent
+
+
+def test_every_backend_module_is_registered_under_its_table_name() -> None:
+    modules = sorted(p.stem for p in BACKEND_MODULES.glob("*.py") if p.stem not in
+                     ("__init__", "base"))  # fmt: skip
+    assert len(modules) == len(gemm_backends.BACKENDS) == len(k3.BACKENDS) >= 5
+    for name, backend in gemm_backends.BACKENDS.items():
+        assert isinstance(backend, gemm_backends.base.GemmBackend)
+        assert backend.name == name and gemm_backends.get(name) is backend
+        assert type(backend).__module__.rpartition(".")[2] in modules
+    with pytest.raises(KeyError):
+        gemm_backends.get("cublas")
+
+
+def test_every_table_names_only_registered_backends() -> None:
+    named = {backend for rows, _ in DATA.values() for row in rows.values()
+             for backend, _ in row.values()}  # fmt: skip
+    assert named <= set(gemm_backends.BACKENDS)
+    for table in ALL_TABLES.values():
+        assert table.backends() <= set(gemm_backends.BACKENDS)
+
+
+def test_one_backend_fuses_the_residual_and_owns_the_residual_rows() -> None:
+    fusing = [b for b in gemm_backends.BACKENDS.values() if b.fuses_residual]
+    assert fusing == [gemm_backends.residual_backend()]
+    assert gemm_backends.residual_backend().name == "cute"
+    with pytest.raises(NotImplementedError):
+        gemm_backends.get("swap_ab").launch_residual(None, bf16(1, K), WEIGHT, bf16(1, N))
+
+
+@pytest.mark.parametrize("capability,supported", [(None, False), ((8, 9), False), (SM90, True),
+                                                  (SM100, True), ((12, 0), True)])
+def test_backends_run_from_sm90(capability, supported) -> None:
+    assert all(b.is_supported(capability) is supported for b in gemm_backends.BACKENDS.values())
+
+
+def test_a_table_routing_an_unsupported_backend_fails_at_import() -> None:
+    table = gemm_spec._table_from_rows("SM80", {(64, 256): {1: ("dsv3_fused_a", None)}}, {})
+    with pytest.raises(ValueError, match="SM80 table routes dsv3_fused_a, unsupported on"):
+        gemm_spec._by_capability({(8, 0): table})
+    assert dict(gemm_spec._by_capability({SM90: table})) == {SM90: table}
+
+
+def test_tables_by_capability_are_the_four_tables() -> None:
+    assert dict(k3.TABLES_BY_CAPABILITY) == {
+        SM103: k3.KIMI_K3_PROJECTIONS, SM107: k3.KIMI_K3_PROJECTIONS,
+        SM100: k3.KIMI_K3_PROJECTIONS_SM100, SM90: k3.KIMI_K3_PROJECTIONS_SM90,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("capability", [SM103, SM107, SM100, SM90])
+def test_every_route_of_every_row_is_the_data_row(monkeypatch, capability) -> None:
+    """Every (N, K) of the data and every M 0..17, each way the dispatch answers: the
+    selector, the plan, the plan with every backend built, and the routed rows. Written
+    before the backend registry existed and kept, so that the registry routes exactly
+    what the if/elif dispatch it replaced did."""
+    data_cap = SM103 if capability == SM107 else capability
+    rows, residual_rows = DATA[data_cap]
+    for backend in gemm_backends.BACKENDS.values():
+        monkeypatch.setattr(type(backend), "is_available", lambda self: True)
+    table = k3.table_for_capability(capability)
+    routed = {(r.n, r.k, r.num_tokens, r.has_residual): (r.backend, r.config)
+              for r in k3.routed_rows(capability)}  # fmt: skip
+    expected_routed = {}
+    for shape, row in rows.items():
+        plan = data_plan(data_cap, shape)
+        residual = data_residual_plan(data_cap, shape)
+        assert k3._build_plan(table[shape]) == plan
+        assert k3._runnable_plan(table[shape]) == plan
+        assert k3._runnable_residual_plan(table[shape]) == residual
+        for m in range(0, 18):
+            picked = k3.select_kimi_k3_backend(m, *shape, capability=capability)
+            assert picked == (row[m][0] if m in row else None), (shape, m)
+            with_residual = k3.select_kimi_k3_backend(m, *shape, has_residual=True,
+                                                      capability=capability)  # fmt: skip
+            assert with_residual == ("cute" if m in residual else None), (shape, m)
+        expected_routed.update({(*shape, m, False): tuple(c) for m, c in plan.items()})
+        expected_routed.update({(*shape, m, True): ("cute", c) for m, c in residual.items()})
+    assert set(residual_rows) <= set(rows)
+    assert routed == expected_routed
+
+
+def test_sm103_table_keeps_upstreams_figures() -> None:
+    """Our SM103 rows are those of upstream's own module (which the tree keeps, unused by
+    the model since patch 0002) plus the MTP eh_proj row: a release that re-measures
+    upstream's SM103 table fails here, naming the shapes to take again."""
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm as upstream
+
+    ours = k3.KIMI_K3_PROJECTIONS
+    differ = [
+        shape
+        for shape, spec in upstream.KIMI_K3_PROJECTIONS.items()
+        if shape not in ours
+        or {m: tuple(c) for m, c in upstream._build_plan(spec).items()}
+        != {m: tuple(c) for m, c in k3._build_plan(ours[shape]).items()}
+        or upstream._build_residual_plan(spec) != k3._build_residual_plan(ours[shape])
+    ]
+    assert not differ
+    assert set(ours) - set(upstream.KIMI_K3_PROJECTIONS) <= {EH_PROJ}
+
+
 # -------------------------------------------------------------------------- plans
 
 
@@ -589,9 +710,9 @@ def test_build_plan_is_the_data_row(capability) -> None:
 
 def test_runnable_plan_drops_backends_not_built(monkeypatch, fake_cute) -> None:
     spec = k3.KIMI_K3_PROJECTIONS[(768, 7168)]  # CuTe M1..4, dsv3 M5..16
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: False)
     assert set(k3._runnable_plan(spec)) == {1, 2, 3, 4}
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: True)
     assert set(k3._runnable_plan(spec)) == set(range(1, 17))
     fake_cute.available = False
     assert set(k3._runnable_plan(spec)) == set(range(5, 17))
@@ -678,7 +799,7 @@ def test_installs_by_type_exact_method_and_shape(monkeypatch, fake_cute) -> None
 @pytest.mark.usefixtures("fake_layers")
 def test_installed_plans_are_the_runnable_table_rows(monkeypatch, fake_cute) -> None:
     pin_capability(monkeypatch, SM103)
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: False)
     model = tp8_model()
     k3.enable_kimi_k3_low_latency_gemm(model, BF16)
     for layer in (model.attn.o_proj, model.mlp, model.eh_proj, model.lm_head):
@@ -706,7 +827,7 @@ def test_module_name_plays_no_role(monkeypatch, fake_cute) -> None:
 def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
     # dense_down_proj (7168, 4224): the two tables route it differently, so the
     # installed plan shows which table was read.
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: True)
     # Only CuTe (faked) and dsv3 are built here: rows of other backends stay on cuBLAS.
     built = ("cute", "dsv3_fused_a")
     monkeypatch.setattr(k3, "_backend_available", lambda backend: backend in built)
@@ -763,7 +884,7 @@ def test_warmup_covers_only_installed_shapes(monkeypatch, fake_cute) -> None:
 
     table = k3.KIMI_K3_PROJECTIONS
     installed = [(7168, 3072), (2112, 7168), (7168, 3584), EH_PROJ, (20480, 7168)]
-    expected = {c for s in installed for _, c in table[s].cute_configs}
+    expected = {c for s in installed for _, c in cute_configs(table[s])}
     assert fake_cute.warmed(has_residual=False) == expected
     assert fake_cute.warmed(has_residual=True) == {
         c for _, c in table[(7168, 3584)].residual_configs
@@ -773,9 +894,9 @@ def test_warmup_covers_only_installed_shapes(monkeypatch, fake_cute) -> None:
     tp16_only = {
         c
         for shape in [(3216, 7168), (768, 7168), (1152, 1536), (4224, 7168)]
-        for _, c in table[shape].cute_configs
+        for _, c in cute_configs(table[shape])
     } - {c for spec in table.values() if (spec.n, spec.k) in installed
-         for _, c in spec.cute_configs}  # fmt: skip
+         for _, c in cute_configs(spec)}  # fmt: skip
     assert tp16_only
     assert not tp16_only & fake_cute.warmed(has_residual=False)
 
@@ -795,7 +916,7 @@ def test_request_warmup_for_an_unowned_weight(monkeypatch, fake_cute) -> None:
     weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
     assert k3.request_low_latency_warmup(weight) is True
     assert fake_cute.warmed(has_residual=False) == {
-        c for _, c in k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)].cute_configs
+        c for _, c in cute_configs(k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)])
     }
     assert fake_cute.warmed(has_residual=True) == set()
 
@@ -829,14 +950,17 @@ def test_request_warmup_counts_a_compiled_non_cute_call(monkeypatch, fake_cute) 
     """No CuTe warm-up to ask for, but the row's other kernels were compiled: True."""
     pin_capability(monkeypatch, SM90)
     fake_cute.available = False
-    spec = k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)]
     compiled = []
-    monkeypatch.setattr(
-        k3, "_compile_ahead", lambda s, device: compiled.append((s, device)) or 1
-    )
+
+    def warm_up(self, calls, dtype, *, residual=False):
+        compiled.extend((call.n, call.k, call.num_tokens, call.device) for call in calls)
+        return len(calls)
+
+    monkeypatch.setattr(sab_backend, "HAS_TRITON", True)
+    monkeypatch.setattr(sab_backend.SwapAb, "warm_up", warm_up)
     weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
     assert k3.request_low_latency_warmup(weight) is True
-    assert compiled == [(spec, weight.device)]
+    assert compiled == [(6288, 7168, m, weight.device) for m in range(4, 17)]
 
 
 # ----------------------------------------------------------------- runtime guard
@@ -993,7 +1117,7 @@ def test_row_strided_x_takes_the_compiled_kernel(monkeypatch, base_apply, m) -> 
     # KDA's F_A: [M, 128] columns of a wider output. The kernel takes a row stride that
     # is a multiple of vector_width; the wrapper (and a packed copy) are bypassed.
     fake = FakeCompiledSkinnyGemm()
-    monkeypatch.setattr(k3, "shape_dynamic_skinny_gemm", fake)
+    monkeypatch.setattr(cute_skinny, "shape_dynamic_skinny_gemm", fake)
     plan = {m: k3.PlannedCall("cute", cfg(m, 32, 2))}
     x = bf16(m, K + 16)[:, :K]
     method = k3.KimiK3LowLatencyLinearMethod(plan)
@@ -1078,18 +1202,18 @@ class FakeLLBf16:
 @pytest.mark.parametrize(
     "config,key",
     [
-        (k3.LLBf16Config("splitk", 2, 4), ("splitk", 0, 0, 0, 2, 4)),
-        (k3.LLBf16Config("dotprod", block_size=256), ("dotprod", 4, K, 256, 0, 0)),
+        (LLBf16Config("splitk", 2, 4), ("splitk", 0, 0, 0, 2, 4)),
+        (LLBf16Config("dotprod", block_size=256), ("dotprod", 4, K, 256, 0, 0)),
     ],
 )
 def test_ll_bf16_runs_its_pinned_config_and_casts(monkeypatch, base_apply, config, key):
-    monkeypatch.setattr(k3.ll_bf16, "LLBf16Gemm", FakeLLBf16)
-    k3._ll_bf16_runner.cache_clear()
+    monkeypatch.setattr(llb.ll_bf16, "LLBf16Gemm", FakeLLBf16)
+    llb.runner.cache_clear()
     FakeLLBf16.keys = []
     x = bf16(4, K)
     plan = {4: k3.PlannedCall("ll_bf16", config)}
     out = k3.KimiK3LowLatencyLinearMethod(plan).apply(linear_layer(), x)
-    k3._ll_bf16_runner.cache_clear()
+    llb.runner.cache_clear()
     assert [tuple(key_) for key_ in FakeLLBf16.keys] == [key]
     assert out.dtype is BF16
     torch.testing.assert_close(out, product(x, WEIGHT))
@@ -1107,8 +1231,8 @@ def test_swap_ab_and_tinygemm_calls(monkeypatch, base_apply) -> None:
         seen.append(("tinygemm", x.shape[0], use_pdl))
         out.copy_(product(x, weight))
 
-    monkeypatch.setattr(k3.swap_ab_gemm, "swap_ab_gemm", fake_swap_ab)
-    monkeypatch.setattr(k3, "_tinygemm_op", lambda: fake_tinygemm)
+    monkeypatch.setattr(sab_backend.swap_ab_gemm, "swap_ab_gemm", fake_swap_ab)
+    monkeypatch.setattr(tinygemm, "_op", lambda: fake_tinygemm)
     config = SwapAbConfig(64, 128, 2, 4, 4)
     plan = {1: k3.PlannedCall("swap_ab", config), 2: k3.PlannedCall("tinygemm", None)}
     method = k3.KimiK3LowLatencyLinearMethod(plan)
@@ -1121,34 +1245,34 @@ def test_swap_ab_and_tinygemm_calls(monkeypatch, base_apply) -> None:
 
 
 def test_availability_of_the_new_backends(monkeypatch) -> None:
-    monkeypatch.setattr(k3, "HAS_TRITON", False)
+    monkeypatch.setattr(sab_backend, "HAS_TRITON", False)
     assert not k3._backend_available("swap_ab")
-    monkeypatch.setattr(k3, "HAS_TRITON", True)
+    monkeypatch.setattr(sab_backend, "HAS_TRITON", True)
     assert k3._backend_available("swap_ab")
-    monkeypatch.setattr(k3, "_tinygemm_op", lambda: None)
+    monkeypatch.setattr(tinygemm, "_op", lambda: None)
     assert not k3._backend_available("tinygemm")
-    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: False)
+    monkeypatch.setattr(llb.ll_bf16, "is_available", lambda: False)
     assert not k3._backend_available("ll_bf16")
-    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: True)
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)  # ll_bf16's own answer counts
+    monkeypatch.setattr(llb.ll_bf16, "is_available", lambda: True)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: False)  # ll_bf16's own answer counts
     assert k3._backend_available("ll_bf16")
 
 
-def test_compile_ahead_compiles_only_on_cuda(monkeypatch) -> None:
+def test_warm_up_compiles_only_on_cuda(monkeypatch) -> None:
     warmed = []
-    monkeypatch.setattr(k3.swap_ab_gemm, "warmup", lambda *a, **kw: warmed.append(a))
-    monkeypatch.setattr(k3, "HAS_TRITON", True)
+    monkeypatch.setattr(sab_backend.swap_ab_gemm, "warmup", lambda *a, **kw: warmed.append(a))
+    monkeypatch.setattr(sab_backend, "HAS_TRITON", True)
     config = SwapAbConfig(64, 128, 2, 4, 4)
     spec = k3.ProjectionSpec(N, K, ((1, k3.PlannedCall("swap_ab", config)),))
-    assert k3._compile_ahead(spec, torch.device("cpu")) == 0
-    assert k3._compile_ahead(spec, torch.device("meta")) == 0
+    assert k3._warm_up([(spec, torch.device("cpu"))], BF16) == 0
+    assert k3._warm_up([(spec, torch.device("meta"))], BF16) == 0
     assert not warmed
-    assert k3._compile_ahead(spec, torch.device("cuda", 0)) == 1
+    assert k3._warm_up([(spec, torch.device("cuda", 0))], BF16) == 1
     assert warmed == [(config, N, K, torch.device("cuda", 0))]
 
 
 def test_swap_ab_module_is_the_one_dispatched() -> None:
-    assert k3.swap_ab_gemm is swap_ab_gemm
+    assert sab_backend.swap_ab_gemm is swap_ab_gemm
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
@@ -1277,11 +1401,26 @@ def test_try_low_latency_gemm_without_table(monkeypatch, fake_cute, capability):
 @pytest.mark.usefixtures("cpu_fast_path")
 def test_try_low_latency_gemm_skips_unbuilt_backend(monkeypatch, fake_cute) -> None:
     pin_capability(monkeypatch, SM100)
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: False)
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: False)
     assert k3.try_low_latency_gemm(bf16(1, 128), bf16(1536, 128)) is None
 
 
 # ------------------------------------------------------------------------ callers
+
+
+def test_no_kimi_k3_module_calls_upstreams_dispatch() -> None:
+    """The model reaches our dispatch, not upstream's ``low_latency_gemm.py`` (left as
+    upstream has it): a module of the tree that imports upstream's (v0.29.0's ``mla.py``
+    does) fails here until a patch routes it to ours, instead of silently running
+    upstream's tables."""
+    root = Path(__file__).resolve().parents[2] / "vllm" / "models" / "kimi_k3"
+    pattern = re.compile(r"\blow_latency_gemm\s+import\b|\bimport\s+low_latency_gemm\b")
+    callers = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.name != "low_latency_gemm.py" and pattern.search(path.read_text("utf-8"))
+    )
+    assert callers == []
 
 
 def test_v0_28_callers_still_import_the_entry_point() -> None:
@@ -1291,41 +1430,48 @@ def test_v0_28_callers_still_import_the_entry_point() -> None:
     assert mtp.enable_kimi_k3_low_latency_gemm is k3.enable_kimi_k3_low_latency_gemm
 
 
-def test_compile_ahead_on_cuda_compiles_each_non_cute_call_once(monkeypatch) -> None:
+class FakeCudaDevice:
+    """A hashable stand-in for a CUDA device: only its ``type`` is read."""
+
+    type = "cuda"
+
+
+def test_warm_up_on_cuda_compiles_each_non_cute_call_once(monkeypatch) -> None:
     """The CUDA branch, driven on CPU: a device that says it is CUDA, every backend said
     to be built, and each backend's compile step replaced by a recorder."""
-    cuda = SimpleNamespace(type="cuda")
+    cuda = FakeCudaDevice()
     seen = []
-    monkeypatch.setattr(k3, "HAS_TRITON", True)
-    monkeypatch.setattr(k3.ll_bf16, "is_available", lambda: True)
-    monkeypatch.setattr(k3, "_tinygemm_op", lambda: object())
-    monkeypatch.setattr(k3, "_dsv3_fused_a_built", lambda: True)
+    monkeypatch.setattr(sab_backend, "HAS_TRITON", True)
+    monkeypatch.setattr(llb.ll_bf16, "is_available", lambda: True)
+    monkeypatch.setattr(tinygemm, "_op", lambda: object())
+    monkeypatch.setattr(dsv3_fused_a, "_built", lambda: True)
     monkeypatch.setattr(
-        k3.swap_ab_gemm, "warmup",
+        sab_backend.swap_ab_gemm, "warmup",
         lambda config, n, k, device: seen.append(("swap_ab", config, n, k, device)),
     )
 
     class Runner(NamedTuple):
-        config: k3.LLBf16Config
+        config: LLBf16Config
 
         def warmup(self, *, shapes, m_values):
             seen.append(("ll_bf16", self.config, shapes, m_values))
 
-    monkeypatch.setattr(k3, "_ll_bf16_runner", Runner)
+    monkeypatch.setattr(llb, "runner", Runner)
     zeros = torch.zeros
 
     def cpu_zeros(shape, *, dtype, device):
         assert device is cuda
         return zeros(shape, dtype=dtype)
 
-    monkeypatch.setattr(k3.torch, "zeros", cpu_zeros)
+    monkeypatch.setattr(tinygemm.torch, "zeros", cpu_zeros)
     monkeypatch.setattr(
-        k3, "_launch",
-        lambda call, x, w: seen.append(("tinygemm", tuple(x.shape), tuple(w.shape), x.dtype)),
+        tinygemm.TinyGemm, "launch",
+        lambda self, config, x, w: seen.append(("tinygemm", tuple(x.shape), tuple(w.shape),
+                                                 x.dtype)),
     )
     swap = SwapAbConfig(64, 128, 2, 4, 4)
-    splitk = k3.LLBf16Config("splitk", 2, 4)
-    dotprod = k3.LLBf16Config("dotprod", block_size=256)
+    splitk = LLBf16Config("splitk", 2, 4)
+    dotprod = LLBf16Config("dotprod", block_size=256)
     spec = k3.ProjectionSpec(64, 512, (
         (1, k3.PlannedCall("swap_ab", swap)),
         (2, k3.PlannedCall("ll_bf16", splitk)),
@@ -1333,7 +1479,7 @@ def test_compile_ahead_on_cuda_compiles_each_non_cute_call_once(monkeypatch) -> 
         (4, k3.PlannedCall("tinygemm", None)),
         (5, k3.PlannedCall("dsv3_fused_a", None)),  # compiled into vllm._C: nothing to do
     ))
-    assert k3._compile_ahead(spec, cuda) == 4
+    assert k3._warm_up([(spec, cuda), (spec, cuda)], BF16) == 4  # one weight twice: once
     assert seen == [
         ("swap_ab", swap, 64, 512, cuda),
         ("ll_bf16", splitk, [(512, 64)], [2]),
