@@ -5,8 +5,7 @@
 At decode, M (the token count of a step) is 1..16 and every dense BF16 projection of
 Kimi-K3 is bound by streaming its weight from HBM. cuBLAS picks kernels built for
 larger M and leaves 10-60% of that bandwidth unused; the backends of ``gemm_backends/``
-(one module each: vLLM's CuTe DSL skinny GEMM, ``dsv3_fused_a``, ``ll_bf16``,
-FlashInfer's ``tinygemm_bf16``, our swap-AB Triton kernel) can do better. Which one wins
+(one module each, vLLM's, FlashInfer's and our own kernels) can do better. Which one wins
 depends on the GPU, the weight shape and M, so the decision is a table of measurements
 per GPU architecture (``low_latency_gemm_spec``, each figure with its source); anything
 a table does not route keeps cuBLAS.
