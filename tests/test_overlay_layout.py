@@ -41,8 +41,8 @@ def _strings(path: Path) -> set[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
-def test_the_registry_has_the_five_backends() -> None:
-    assert set(_backend_names()) == {"cute", "swap_ab", "ll_bf16", "tinygemm", "dsv3_fused_a"}
+def test_the_registry_has_the_five_gemm_backends() -> None:
+    assert set(_backend_names()) >= {"cute", "swap_ab", "ll_bf16", "tinygemm", "dsv3_fused_a"}
 
 
 @pytest.mark.parametrize("name", sorted(_backend_names()))

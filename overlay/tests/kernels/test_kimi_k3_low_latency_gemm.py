@@ -599,9 +599,12 @@ BACKEND_MODULES = Path(gemm_backends.__file__).parent
 def test_every_backend_module_is_registered_under_its_table_name() -> None:
     modules = sorted(p.stem for p in BACKEND_MODULES.glob("*.py") if p.stem not in
                      ("__init__", "base"))  # fmt: skip
-    assert len(modules) == len(gemm_backends.BACKENDS) == len(k3.BACKENDS) >= 5
+    all_ops = [b for op in gemm_backends._BY_OP for b in gemm_backends.backends_for(op).values()]
+    assert len(modules) == len(all_ops) == len(k3.BACKENDS) >= 5
+    assert dict(gemm_backends.backends_for("gemm")) == dict(gemm_backends.BACKENDS)
+    assert dict(gemm_backends.backends_for("no such op")) == {}
     for name, backend in gemm_backends.BACKENDS.items():
-        assert isinstance(backend, gemm_backends.base.GemmBackend)
+        assert isinstance(backend, gemm_backends.base.GemmBackend) and backend.op == "gemm"
         assert backend.name == name and gemm_backends.get(name) is backend
         assert type(backend).__module__.rpartition(".")[2] in modules
     with pytest.raises(KeyError):

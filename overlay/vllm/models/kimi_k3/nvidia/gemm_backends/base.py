@@ -1,16 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
-"""The interface every Kimi-K3 decode GEMM backend implements (vllm-k3-overlay).
+"""The interfaces the Kimi-K3 decode kernel backends implement (vllm-k3-overlay).
 
-A backend computes ``y[M, N] = x[M, K] @ weight[N, K]^T`` in BF16 for the decode token
-counts M = 1..16. The dispatch (``low_latency_gemm_dispatch``) never names one: it looks
-a table entry's backend name up in the registry (``gemm_backends``) and asks it, in this
-order, the questions of :class:`GemmBackend`:
+:class:`KernelBackend` is what every backend of any op answers: its name in the tables,
+whether it runs here, how its configs are read and checked, how it is warmed up.
+:class:`GemmBackend` adds the op of this package's dispatch: ``y[M, N] = x[M, K] @
+weight[N, K]^T`` in BF16 for the decode token counts M = 1..16. A backend of another op
+(e.g. a GEMM with a fused RMSNorm prologue) subclasses :class:`KernelBackend` with its own
+``op`` and launch, in a module of its own; the registry keeps each op's backends apart
+(``gemm_backends.backends_for``).
 
-1. at table construction: :meth:`~GemmBackend.config_from_data` and
-   :meth:`~GemmBackend.config_error` (a table row it cannot run raises ``ValueError``);
-2. at install: :meth:`~GemmBackend.is_supported` and :meth:`~GemmBackend.is_available`
-   (a row whose backend is missing keeps cuBLAS), then :meth:`~GemmBackend.warm_up`;
+The GEMM dispatch (``low_latency_gemm_dispatch``) never names a backend: it looks a table
+entry's backend name up in the registry and asks it, in this order:
+
+1. at table construction: :meth:`~KernelBackend.config_from_data`,
+   :meth:`~KernelBackend.config_error` (a row it cannot run raises ``ValueError``) and
+   :meth:`~KernelBackend.is_supported` on the table's capability (likewise);
+2. at install: :meth:`~KernelBackend.is_available` (a row whose backend this build lacks
+   keeps cuBLAS), then :meth:`~KernelBackend.warm_up`;
 3. per forward, after the dispatch's own checks (BF16 ``x`` (M, K) row-major and
    ``weight`` (N, K) packed row-major on one CUDA device, equal K):
    :meth:`~GemmBackend.operands_ok`, then :meth:`~GemmBackend.launch`.
@@ -57,22 +64,23 @@ class WarmupCall(NamedTuple):
     device: torch.device
 
 
-class GemmBackend(ABC):
-    """One decode GEMM kernel the dispatch may route a (shape, M) to.
+class KernelBackend(ABC):
+    """One decode kernel a table may route a (shape, M) of its op to.
 
-    Subclasses set :attr:`name` (the string tables use) and implement the abstract
-    methods; a module under ``gemm_backends/`` exports one instance as ``BACKEND``.
+    Subclasses set :attr:`name` (the string tables use) and :attr:`op`, and implement the
+    abstract methods; a module under ``gemm_backends/`` exports one instance as
+    ``BACKEND``.
 
     Attributes:
         name: the backend's name in the tables' data (``(N, K) -> {M: (name, cfg)}``).
-        min_capability: the oldest compute capability it runs on.
-        fuses_residual: True for the one backend that adds ``+ residual`` in its
-            epilogue (:meth:`launch_residual`); the tables' residual rows are its.
+        op: what it computes; the registry groups backends by it.
+        min_capability: the oldest compute capability it runs on (no table routes a
+            backend below it: checked when the tables are built).
     """
 
     name: ClassVar[str]
+    op: ClassVar[str]
     min_capability: ClassVar[Capability] = (9, 0)
-    fuses_residual: ClassVar[bool] = False
 
     def is_supported(self, capability: Capability | None) -> bool:
         """Whether the kernel exists for ``capability`` (None: no CUDA device)."""
@@ -94,7 +102,35 @@ class GemmBackend(ABC):
 
     @abstractmethod
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """Why ``config`` cannot run a (M, K) x (N, K)^T GEMM at M = ``num_tokens``; None if it can."""
+        """Why ``config`` cannot run the op for a (N, K) weight at M = ``num_tokens``; None if it can."""
+
+    def warm_up(
+        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
+    ) -> int:
+        """Compile (or request the compilation of) what ``calls`` need, before capture.
+
+        Kernels that compile on first use must not do so inside CUDA-graph capture. By
+        default there is nothing to compile (a prebuilt op).
+
+        Returns:
+            How many of ``calls`` were compiled or requested.
+        """
+        return 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.op}:{self.name}>"
+
+
+class GemmBackend(KernelBackend):
+    """A backend of the dispatch's op, ``x @ weight.T`` (optionally ``+ residual``).
+
+    Attributes:
+        fuses_residual: True for the one backend that adds ``+ residual`` in its
+            epilogue (:meth:`launch_residual`); the tables' residual rows are its.
+    """
+
+    op: ClassVar[str] = "gemm"
+    fuses_residual: ClassVar[bool] = False
 
     def operands_ok(self, config: Any, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the kernel accepts these operands; by default packed ``x`` and 16-byte
@@ -123,22 +159,6 @@ class GemmBackend(ABC):
             NotImplementedError: for a backend without a residual epilogue.
         """
         raise NotImplementedError(f"{self.name} has no residual epilogue")
-
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile (or request the compilation of) what ``calls`` need, before capture.
-
-        Kernels that compile on first use must not do so inside CUDA-graph capture. By
-        default there is nothing to compile (a prebuilt op).
-
-        Returns:
-            How many of ``calls`` were compiled or requested.
-        """
-        return 0
-
-    def __repr__(self) -> str:
-        return f"<GemmBackend {self.name}>"
 
 
 # ------------------------------------------------------------------ operand predicates
