@@ -39,7 +39,7 @@ import json
 import sys
 from collections import namedtuple
 
-# The Kimi-K3 model's dispatch: ours where the overlay added it (patch 0002 points the
+# The Kimi-K3 model's dispatch: ours where the overlay added it (patches 0002/0004 point the
 # model at it), else upstream's.
 MODULES = ("vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch",
            "vllm.models.kimi_k3.nvidia.low_latency_gemm")

@@ -681,7 +681,7 @@ def test_every_route_of_every_row_is_the_data_row(monkeypatch, capability) -> No
 
 def test_sm103_table_keeps_upstreams_figures() -> None:
     """Our SM103 rows are those of upstream's own module (which the tree keeps, unused by
-    the model since patch 0002) plus the MTP eh_proj row: a release that re-measures
+    the model since patches 0002 and 0004) plus the MTP eh_proj row: a release that re-measures
     upstream's SM103 table fails here, naming the shapes to take again."""
     from vllm.models.kimi_k3.nvidia import low_latency_gemm as upstream
 

@@ -12,7 +12,7 @@ a table does not route keeps cuBLAS.
 
 This module replaces, for the Kimi-K3 model, vLLM's ``low_latency_gemm.py``, which stays
 upstream's own: the model and its MTP layer import :func:`enable_kimi_k3_low_latency_gemm`
-from here (patch 0002). It keeps upstream's public API (:func:`select_kimi_k3_backend`,
+from here (patches 0002 and 0004). It keeps upstream's public API (:func:`select_kimi_k3_backend`,
 :func:`try_low_latency_gemm`, :func:`enable_kimi_k3_low_latency_gemm`, the methods it
 installs) and the dispatch core:
 
