@@ -31,7 +31,8 @@ def _backend_names() -> dict[str, Path]:
     names = {}
     for path in sorted(BACKENDS_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):
-            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["name"]:
+            targets = [getattr(t, "id", None) for t in getattr(node, "targets", ())]
+            if isinstance(node, ast.Assign) and targets == ["name"]:
                 names[node.value.value] = path
     return names
 

@@ -102,7 +102,7 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """Why ``config`` cannot run the op for a (N, K) weight at M = ``num_tokens``; None if it can."""
+        """Why ``config`` cannot run the op on a (N, K) weight at M = ``num_tokens``, or None."""
 
     def warm_up(
         self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False

@@ -108,7 +108,9 @@ class CuteSkinny(GemmBackend):
             return False
         return is_packed_row_major(x) or _rows_launchable()
 
-    def launch(self, config: SkinnyGemmConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def launch(
+        self, config: SkinnyGemmConfig, x: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
         if not is_packed_row_major(x):
             return _launch_rows(config, x, weight)
         return shape_dynamic_skinny_gemm(x, weight, config)
