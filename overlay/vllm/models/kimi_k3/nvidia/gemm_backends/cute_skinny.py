@@ -16,9 +16,9 @@ by ``vector_width`` and its data pointer assumed aligned to ``vector_width`` ele
 raises "Misaligned Tensor data" otherwise, seen on the H200 for views at element offsets
 1, 2 and 4); its Python wrapper also wants contiguous operands, so an ``x`` whose row
 stride exceeds K (KDA's F_A slice) goes to the compiled entry point itself
-(:func:`_launch_rows`). At M = 2 that strided F_B call measured 1.77 µs on the H200,
-against 2.85 µs for cuBLAS and 3.65 µs for a packed copy plus CuTe (run
-``h200-20261130-1316-kda``, ``ci/gpu/results/tune_sm90_kda.json``).
+(:func:`_launch_rows`). On the H200 at M = 2, F_B on the strided view this way takes
+1.77 µs, against 2.85 µs for cuBLAS and 3.65 µs for a packed copy plus CuTe (figures of
+the README's KDA section; the CuTe one is the 1536x128 row of ``ci/gpu/RESULTS.md``).
 """
 
 from __future__ import annotations
