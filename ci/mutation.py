@@ -47,6 +47,8 @@ pytest_add_cli_args=-p
     no:cacheprovider
     -q
 pytest_add_cli_args_test_selection=tests/kernels/test_kimi_k3_low_latency_gemm.py
+    tests/kernels/test_kimi_k3_gemm_tables.py
+    tests/kernels/test_kimi_k3_gemm_guards.py
 process_isolation=forkserver
 """
 KILLED = {"killed", "timeout", "caught by type check"}
