@@ -287,7 +287,7 @@ def _tune_flashinfer_qkvg(qkvg_weight: torch.Tensor, tokens: Collection[int]) ->
 
 
 def _request_table_warmup(packed_weight: torch.Tensor, f_b_weight: torch.Tensor) -> None:
-    """Ask the CuTe warm-up (before graph capture) for the three GEMMs' table configs."""
+    """Warm up, before graph capture, the table's kernels of the three GEMMs' rows."""
     proj = f_b_weight.shape[0]
     for weight in (packed_weight[: 4 * proj], packed_weight[4 * proj :], f_b_weight):
         llg.request_low_latency_warmup(weight)
@@ -298,8 +298,8 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
 
     Per layer: the QKVG backend, FlashInfer's ``cute-dsl`` BF16 GEMM where the installed
     FlashInfer offers it for this GPU (warmed and tuned by its autotuner at each M the
-    overlap runs at), else our table (CuTe warm-up requested for the QKVG, F_A/beta and
-    F_B configs); ``kda_overlap_tokens``, this architecture's measured set of M
+    overlap runs at), else our table (its kernels warmed up for the QKVG, F_A/beta and
+    F_B rows); ``kda_overlap_tokens``, this architecture's measured set of M
     (:func:`overlap_tokens`; empty where nothing was measured: overlap off); and, where
     the architecture measured it faster, ``aux_stream`` replaced by
     :func:`high_priority_aux_stream`.
