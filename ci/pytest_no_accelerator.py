@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 
 _MARKER = "skip_global_cleanup"
+GPU_MARKER = "gpu: needs a CUDA GPU (our overlay's GPU test files); skipped without one"
 
 
 def _has_accelerator() -> bool:
@@ -32,6 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # vLLM's pyproject registers the marker; register it too so that strict-marker
     # runs from another rootdir do not reject it.
     config.addinivalue_line("markers", f"{_MARKER}: skip global cleanup after the test")
+    # Our overlay's GPU test files are marked ``gpu``; vLLM's tree does not register it.
+    config.addinivalue_line("markers", GPU_MARKER)
 
 
 def pytest_collection_modifyitems(

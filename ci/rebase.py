@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The CI rebase job: re-apply the overlay on new upstream refs and report per ref.
 
-    python ci/rebase.py --onto v0.29.0 --onto v0.33.0 --json out.json \\
-        [--junit out.xml] [--markdown out.md] [--vllm-repo URL] [--no-tests] [--wheels DIR]
+    python -m ci.rebase --onto v0.29.0 --onto v0.33.0 --json reports/rebase.json \\
+        [--junit reports/rebase.xml] [--markdown reports/rebase.md] [--vllm-repo URL]
+        [--no-tests] [--wheels DIR]
         [--gpu | --gpu-results DIR] [--gpu-export DIR]
 
 For each ref, in a throwaway clone (the user's checkout is never touched):
@@ -14,6 +15,8 @@ low-latency GEMM tables (``ci/table_diff.py``) and the CPU test tier (vLLM's
 skinny-GEMM test file and ours, see ``ci/cpu_tier.py``) on what applied. With
 ``--wheels DIR``, each ref that applied also gets its internal wheel built
 into DIR (``apply.py --build-wheel``'s repack), reported as ``wheel``.
+Everything past patching is ``JobStages``, called by ``k3overlay.rebase.run_rebase``
+once per ref through the tool's one typed interface (``k3overlay/stages.py``).
 
 GPU stage (``ci/gpu_stage/``): ``--gpu`` runs it on this machine's GPU for each
 target; ``--gpu-results DIR`` attaches what an air-gapped GPU runner measured on
@@ -33,10 +36,7 @@ INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
     import sys
     from pathlib import Path
-
-    HERE = Path(__file__).resolve().parent
-    sys.path.insert(0, str(HERE.parent))
-    sys.path.insert(0, str(HERE))
+    from types import SimpleNamespace
 
     from k3overlay import errors, git, progress
     from k3overlay.cli import OneLineParser, job_done, report_console, stop_like_ctrl_c
@@ -52,6 +52,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
         write_text,
     )
     from k3overlay.source import default_mirror
+    from k3overlay.stages import StageResults, Target, TestRun
     from k3overlay.wheel import WheelOptions
 except KeyboardInterrupt:
     print(INTERRUPTED, file=__import__("sys").stderr)
@@ -61,74 +62,75 @@ LLG_PACKAGE = "vllm/models/kimi_k3/nvidia"
 LLG = f"{LLG_PACKAGE}/low_latency_gemm.py"
 
 
-class TargetRun:
-    """What the job does on each target's trees beyond patching (one ref at a time).
+class JobStages:
+    """The job's stages on each target (``k3overlay.stages.Stages``), called once per ref.
 
-    On the pristine tree: build (or reuse) the target's environment, read upstream's
-    tables. On the patched tree: the CPU tier, our tables and the diff, the GPU stage.
+    On the released tree: build (or reuse) the target's environment, read upstream's
+    tables. On the built tree: the CPU tier (our test files only where the tree holds our
+    whole overlay), our tables and the diff, the GPU stage.
     """
 
-    def __init__(self, project: Project, *, gpu: bool, gpu_results: dict[str, dict] | None,
-                 gpu_export: Path | None) -> None:
-        self.project, self.gpu = project, gpu
+    def __init__(self, project: Project, *, tests: bool, gpu: bool,
+                 gpu_results: dict[str, dict] | None, gpu_export: Path | None) -> None:
+        self.project, self.tests, self.gpu = project, tests, gpu
         self.gpu_results, self.gpu_export = gpu_results, gpu_export
-        self.env = self.env_error = self.upstream = None
 
-    def pristine(self, tree: Path, report) -> None:
-        import target_env
-        from table_diff import TableReadError, read_tables
+    def __call__(self, target: Target) -> StageResults:
+        from ci import target_env
+        from ci.cpu_tier import run_cpu_tier
 
-        self.env = self.env_error = self.upstream = None
+        results = StageResults()
         try:
-            self.env = target_env.ensure(tree)
+            env = target_env.ensure(target.released)
         except target_env.EnvError as err:
-            self.env_error = str(err)
-            return
-        if (tree / LLG).is_file():
-            try:
-                self.upstream = read_tables(tree, self.env.python)
-            except TableReadError as err:
-                report.tables = {"error": f"upstream's tables: {err}"}
+            if self.tests:
+                results.runs.append(TestRun(env_error=str(err)))
+            return results
+        if self.tests:
+            run = run_cpu_tier(target.built, env.python, lacks_overlay="; ".join(target.missing))
+            run.env = env.describe()
+            results.runs.append(run)
+        if (target.released / LLG).is_file():
+            self._tables_and_gpu(target, env, results)
+        return results
 
-    def tests(self, tree: Path) -> dict:
-        from cpu_tier import run_cpu_tier
+    def _tables_and_gpu(self, target: Target, env, results: StageResults) -> None:
+        from ci.gpu_report import ab_section, gpu_run
+        from ci.gpu_stage import stage
+        from ci.table_diff import TableReadError, as_section, read_tables, section
 
-        if self.env is None:
-            return {"passed": 0, "failed": 0, "skipped": 0, "errors": 0,
-                    "env_error": self.env_error}
-        return {**run_cpu_tier(tree, self.env.python), "env": self.env.describe()}
-
-    def patched(self, tree: Path, report) -> None:
-        if self.upstream is None:
-            return
-        from gpu_stage import stage
-        from table_diff import TableReadError, read_tables, section
-
-        prefer = self._prefer(report)
+        # Our module where the job's merge of it conflicted: the built tree holds upstream's.
+        prefer = (self.project.overlay_dir / LLG_PACKAGE
+                  if any(p.startswith(LLG_PACKAGE + "/") for p in target.overlay_conflicts) else None)
         try:
-            ours = read_tables(tree, self.env.python, prefer)
+            upstream = read_tables(target.released, env.python)
         except TableReadError as err:
-            report.tables = {"error": f"our tables: {err}"}
+            results.sections.append(as_section({"error": f"upstream's tables: {err}"}, target.ref))
             return
-        report.tables = section(self.upstream, ours, tree, tree, prefer)
-        tree_sha = git.run(git.Repo(tree), "rev-parse", "HEAD").strip()
-        meta = stage.meta(report, tree_sha, self.upstream, ours, prefer, self.env.cute_dsl)
+        try:
+            ours = read_tables(target.built, env.python, prefer)
+        except TableReadError as err:
+            results.sections.append(as_section({"error": f"our tables: {err}"}, target.ref))
+            return
+        results.sections.append(
+            as_section(section(upstream, ours, target.released, target.built, prefer), target.ref))
+        tree_sha = git.run(git.Repo(target.built), "rev-parse", "HEAD").strip()
+        meta = stage.meta(target, tree_sha, upstream, ours, prefer, env.cute_dsl)
         if self.gpu_export is not None:
-            stage.export(tree, meta, self.gpu_export, report.ref)
+            stage.export(target.built, meta, self.gpu_export, target.ref)
+        if not self.gpu and self.gpu_results is None:
+            return
+        got = SimpleNamespace(gpu=None, ab=None)  # what ``stage.attach`` fills
         if self.gpu:
-            stage.attach(report, stage.run_here(tree, meta), tree_sha)
-        elif self.gpu_results is not None:
-            result = self.gpu_results.get(report.ref)
-            if result is None:
-                report.gpu = {"env_error": f"no GPU results for {report.ref} in --gpu-results"}
-            else:
-                stage.attach(report, result, tree_sha)
-
-    def _prefer(self, report) -> Path | None:
-        """Our overlay package folder when the job's merge of our module conflicted."""
-        conflicted = any(f.status == "conflict" and f.path.startswith(LLG_PACKAGE + "/")
-                         for f in report.overlay)
-        return self.project.overlay_dir / LLG_PACKAGE if conflicted else None
+            stage.attach(got, stage.run_here(target.built, meta), tree_sha)
+        elif target.ref not in self.gpu_results:
+            got.gpu = {"env_error": f"no GPU results for {target.ref} in --gpu-results"}
+        else:
+            stage.attach(got, self.gpu_results[target.ref], tree_sha)
+        if got.gpu is not None:
+            results.runs.append(gpu_run(got.gpu))
+        if got.ab is not None:
+            results.sections.append(ab_section(got.ab))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,14 +181,13 @@ def _main(argv: list[str] | None) -> int:
         refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
         results = None
         if args.gpu_results:
-            from gpu_stage.stage import load_results
+            from ci.gpu_stage.stage import load_results
 
             results = load_results(args.gpu_results)
-        target = TargetRun(Project(), gpu=args.gpu, gpu_results=results,
-                           gpu_export=args.gpu_export)
+        stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,
+                           gpu_results=results, gpu_export=args.gpu_export)
         reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                             tests=None if args.no_tests else target.tests,
-                             pristine=target.pristine, patched=target.patched,
+                             stages=stages,
                              wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
     except errors.OverlayError as err:
         print(f"rebase.py: error: {err}", file=sys.stderr)

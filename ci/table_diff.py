@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 CI_DIR = Path(__file__).resolve().parent
+from k3overlay.stages import Section
+
 DUMP = CI_DIR / "table_dump.py"
 KINDS = ("upstream_only", "ours_only", "different")
 
@@ -98,24 +100,66 @@ def section(upstream: dict, ours: dict, pristine: Path, patched: Path,
         ``{"upstream": {"module", "accessor"}, "ours": {"module", "accessor"},
         "archs": diff(...)}``.
     """
-    return {"upstream": _where(upstream, pristine, "released tree"),
-            "ours": _where(ours, patched, "built tree", ours_from and ours_from.resolve()),
+    return {"upstream": _where(upstream, pristine),
+            "ours": _where(ours, patched, ours_from and ours_from.resolve()),
             "archs": diff(upstream, ours)}
 
 
-def _where(dump: dict, tree: Path, tree_label: str, prefer: Path | None = None) -> dict:
+def _where(dump: dict, tree: Path, prefer: Path | None = None) -> dict:
+    """The module a dump read, as the maintainer finds it: tree-relative, or under overlay/."""
     module = Path(dump["module"])
-    for root, label in ((prefer, "overlay/vllm/models/kimi_k3/nvidia"), (tree, tree_label)):
+    for root, label in ((prefer, "overlay/vllm/models/kimi_k3/nvidia"), (tree, "")):
         if root is not None and module.is_relative_to(root):
             module = Path(label) / module.relative_to(root)
             break
-    return {"module": str(module), "accessor": dump["accessor"]}
+    return {"module": module.as_posix(), "accessor": dump["accessor"]}
 
 
 def summary(tables: dict) -> dict[str, dict[str, int]]:
     """``{arch: {kind: row count, "same": n}}`` of a ``tables`` section."""
     return {arch: {**{kind: len(s[kind]) for kind in KINDS}, "same": s["same"]}
             for arch, s in tables.get("archs", {}).items()}
+
+
+DETAIL_ROWS = 40  # rows listed in the report's collapsed table; the JSON report has them all
+
+
+def as_section(tables: dict, ref: str) -> Section:
+    """The report's section for ``section()``'s result (or ``{"error": why}``): a line per
+    architecture, the counts and the rows that differ (clipped) as collapsed markdown."""
+    if tables.get("error"):
+        return Section("tables", "table diff", [f"not read: {tables['error']}"], tables,
+                       error=tables["error"])
+    parts = [f"{arch} {s['same']} same" if not any(s[kind] for kind in KINDS) else
+             f"{arch} {len(s['upstream_only'])} upstream only, {len(s['ours_only'])} ours only, "
+             f"{len(s['different'])} different, {s['same']} same"
+             for arch, s in tables["archs"].items()]
+    lines = ["; ".join(parts)]  # one line: the first screen is short
+    rows = [f"| {arch} | {kind.replace('_', ' ')} | {d['N']}x{d['K']} M{d['M']}"
+            f"{' +residual' if d['residual'] else ''} | {choice(d['upstream'])} | {choice(d['ours'])} |"
+            for arch, s in tables["archs"].items() for kind in KINDS for d in s[kind]]
+    details = [f"Upstream's `{tables['upstream']['module']}` as {ref} released it vs ours, "
+               f"`{tables['ours']['module']}`. Rows are (N, K, M); config = block_size, "
+               f"outputs_per_block, k_unroll, vector_width, static_k.", ""]
+    if rows:
+        details += ["| arch | kind | row | upstream | ours |", "|---|---|---|---|---|",
+                    *rows[:DETAIL_ROWS]]
+        if len(rows) > DETAIL_ROWS:
+            details.append(f"\n{len(rows) - DETAIL_ROWS} more rows in the JSON report's `tables`.")
+    return Section("tables", "table diff", lines, tables, "\n".join(details))
+
+
+def choice(side: dict | None) -> str:
+    """A side's choice for a row: ``cuBLAS`` (no row), the backend, or backend + CuTe config."""
+    if side is None:
+        return "cuBLAS"
+    config = side.get("config")
+    if not config:
+        return side["backend"]
+    cfg = ",".join("-" if config.get(k) is None else str(config[k])
+                   for k in ("block_size", "outputs_per_block", "k_unroll", "vector_width",
+                             "static_k"))
+    return f"{side['backend']} {cfg}"
 
 
 if __name__ == "__main__":  # python ci/table_diff.py PRISTINE PATCHED [OURS_DIR]

@@ -37,10 +37,9 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from k3overlay.files import read_regular  # noqa: E402
-from k3overlay.lock import held  # noqa: E402
-from k3overlay.project import cache_dir  # noqa: E402
+from k3overlay.files import read_regular
+from k3overlay.lock import held
+from k3overlay.project import cache_dir
 
 FORMAT = 1  # bump when what goes into an environment changes
 CUTE_DSL = "nvidia-cutlass-dsl"

@@ -5,11 +5,17 @@ Modules, one concept each:
   git       project-agnostic git verbs, each run with the user's git config shut out
   files     writing files: into a tree without following links, reports whole or not at all;
             opening the tool's own files: never through a link, never waiting on a FIFO
-  lock      one run at a time per work directory; the cache's lock files
+  lock      one run at a time per work directory; the cache's lock files; scratch folders
+            a killed run's successor can tell from a live run's
+  reaper    a watchdog process: no git child outlives the tool, however it dies
+  journal   the steps a run takes that outlive a kill, written ahead; the next run recovers
+  recovery  how each such step is finished or undone
+  publish   switching the user's checkout to the work branch: all or nothing
   interrupts  where Ctrl-C/SIGTERM may stop the tool, and where it waits
   project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
   downloads vLLM's release files (sdists, wheels), cached, checked against the index on every use
   mirror    a local git mirror of vLLM release sdists, one tagged root commit per release
+  releases  upstream vLLM's commit id of each release (releases.json): --vllm-ref <upstream sha>
   source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)
   series    the patch series: read, check headers, apply with a 3-way fallback, classify
   manifest  the overlay manifest: drift against recorded upstream blobs, laying files, 3-way merge
@@ -18,5 +24,7 @@ Modules, one concept each:
   job       the apply job wiring the above together
   export    regenerate patches/ and the manifest from a maintainer's work branch
   wheel     internal vLLM wheels from the patched tree (repack, or vLLM's precompiled build)
+  wheelrelease  the release wheel a build reuses: fetched or given, proven to be the release
+  wheelentries  what a wheel may hold: the release's files and ours, plain files, safe names
   wheelcheck  checks of a built wheel against its release wheel and the tree
 """

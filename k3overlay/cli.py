@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import errors, git, progress
+from . import errors, git, progress, releases, source
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
@@ -38,7 +39,9 @@ def parser(project: Project) -> argparse.ArgumentParser:
         prog="apply.py", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Apply the Kimi-K3 patch series and overlay onto a vLLM checkout.")
     p.add_argument("--vllm-ref", metavar="REF",
-                   help="vLLM tag, branch or sha to patch (default: the pinned base in overlay.json)")
+                   help="vLLM ref to patch: a release tag, upstream's commit id of a release (full or "
+                        "abbreviated; see --list-releases), or a tag, branch or sha of --vllm-repo "
+                        "(default: the pinned base in overlay.json)")
     p.add_argument("--vllm-repo", metavar="PATH_OR_URL",
                    help="vLLM git repository (default: $VLLM_REPO, else a local mirror of "
                         "release sdists under ~/.cache/vllm-k3-overlay)")
@@ -57,6 +60,9 @@ def parser(project: Project) -> argparse.ArgumentParser:
                            "landed patches, 3-way merging drifted overlay files, stopping at conflicts")
     mode.add_argument("--export", action="store_true",
                       help="maintainers: regenerate patches/ and overlay.json from the work branch")
+    mode.add_argument("--list-releases", action="store_true",
+                      help="list the vLLM releases --vllm-ref knows, with upstream's commit id of each "
+                           "and the release mirror's sha (offline)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     wheel = p.add_argument_group("internal wheels (README: Internal vLLM wheels)")
     wheel.add_argument("--build-wheel", action="store_true",
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
     args = None
     try:
+        line_by_line()
         stop_like_ctrl_c()
         project = Project()
         args = parser(project).parse_args(argv)
@@ -118,18 +125,30 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
                                     "work branch)")
+        if args.rebase_to and (args.vllm_ref or args.allow_drift):
+            # Both name the ref to build on (and --rebase-to 3-way merges drift): one of the
+            # two would be dropped without a word.
+            given = "--vllm-ref" if args.vllm_ref else "--allow-drift"
+            raise errors.UsageError(f"--rebase-to REF takes no {given}: REF is the ref the work "
+                                    f"branch is rebuilt on, and drifted files are 3-way merged")
+        if args.list_releases:
+            return _list_releases(args)
         _refuse_workdir_holding_project(project, args.workdir)
         wheel_opts = _wheel_options(args, project)
         if args.json:
             check_writable(args.json, "--json")
         if args.export:
             return _export(project, args.workdir or project.default_workdir)
-        opts = Options(ref=args.vllm_ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
+        upstream = _upstream_release(args.rebase_to or args.vllm_ref, args.vllm_repo)
+        ref = upstream.release.tag if upstream else args.vllm_ref
+        opts = Options(ref=ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
                        branch=args.branch, check=args.check, allow_drift=args.allow_drift)
         if args.rebase_to:
-            report = rebase_to(project, replace(opts, ref=args.rebase_to))
+            report = rebase_to(project, replace(opts, ref=ref if upstream else args.rebase_to))
         else:
             report = run_apply(project, opts)
+        if upstream:
+            report.notes.insert(0, upstream.note())
     except errors.OverlayError as err:
         print(f"apply.py: error: {err}", file=sys.stderr)
         if json_to:
@@ -162,6 +181,27 @@ def _json_report(report: Report, path: Path) -> int:
         print(f"apply.py: error: {err}", file=sys.stderr)
         return report.exit_code or err.exit_code
     return report.exit_code
+
+
+def _upstream_release(ref: str | None, vllm_repo: str | None) -> releases.Resolved | None:
+    """``ref`` as upstream's commit id of a release, when the source is the release mirror
+    (no ``--vllm-repo``/``$VLLM_REPO``: a git clone's own shas are upstream's already)."""
+    if not ref or vllm_repo or os.environ.get("VLLM_REPO"):
+        return None
+    source.check_ref(ref)
+    return releases.upstream_release(ref, source.default_mirror())
+
+
+def _list_releases(args: argparse.Namespace) -> int:
+    given = [name for name in ("vllm_ref", "vllm_repo", "workdir", "branch", "json", "build_wheel",
+                               "wheel_dir", "release_wheel", "wheel_build", "allow_drift")
+             if getattr(args, name)]
+    if given:
+        raise errors.UsageError(f"--list-releases takes no other option (got --"
+                                f"{given[0].replace('_', '-')})")
+    for line in releases.listing(source.default_mirror()):
+        print(line)
+    return errors.OK
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
@@ -206,15 +246,24 @@ def _build_wheel(project: Project, report: Report, opts: WheelOptions) -> dict:
     if "error" in result:
         print(f"apply.py: error: {result['error']}", file=sys.stderr)
     else:
-        report.notes.append(f"its provenance record, where it is installed: {PRINT_RECORD}")
+        report.wheel_hint = f"its provenance record, where it is installed: {PRINT_RECORD}"
     return result
 
 
+def line_by_line() -> None:
+    """stdout written line by line even into a pipe, as stderr is: with both going into one
+    log (``2>&1 | tee``), lines come in the order they were printed."""
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
 def stop_like_ctrl_c() -> None:
-    """A cancelled CI job (SIGTERM) and a reader gone mid-run (SIGPIPE: ``apply.py 2>&1 |
-    head -1``, progress then written to a closed pipe) clean up like Ctrl-C: no scratch
-    clone, worktree or half-packed wheel is left behind. See ``job_done`` for after."""
+    """A cancelled CI job (SIGTERM), a closed terminal (SIGHUP) and a reader gone mid-run
+    (SIGPIPE: ``apply.py 2>&1 | head -1``, progress then written to a closed pipe) clean
+    up like Ctrl-C: no scratch clone, worktree or half-packed wheel is left behind. See
+    ``job_done`` for after."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)  # the terminal or ssh session closed mid-run
     signal.signal(signal.SIGPIPE, _interrupt)
 
 
@@ -225,8 +274,15 @@ def job_done() -> None:
 
 
 def report_console() -> Console:
-    """stdout for reports: wide when piped, so CI logs keep one line per patch or file."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    """stdout for reports. Piped (a CI log, ``| grep``), no line is ever wrapped: a sha256, a
+    path or a command stays whole on its line, and the status table has one line per patch
+    or file, as wide as its longest entry."""
+    if sys.stdout.isatty():
+        return Console(highlight=False)
+    return Console(highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+
+
+PIPE_WIDTH = 100_000  # columns when piped: wider than any line the reports make
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

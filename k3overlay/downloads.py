@@ -33,7 +33,7 @@ from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError
 from .errors import SourceError, UsageError
 from .files import open_regular
 from .lock import held
-from .progress import ByteBar, say, step
+from .progress import ByteBar, megabytes, say, step
 
 PROJECT = "vllm"
 T = TypeVar("T")
@@ -146,7 +146,8 @@ class ReleaseFiles:
         # pypi-simple opens it by name, following a link: be sure it is a plain file first
         os.close(open_regular(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         try:
-            with step(f"downloading {pkg.filename}"), self._index() as index:
+            size = f" ({megabytes(pkg.size)})" if pkg.size else ""
+            with step(f"downloading {pkg.filename}{size}"), self._index() as index:
                 index.download_package(pkg, partial, verify=True,
                                        progress=lambda total: ByteBar(total, pkg.filename))
         except BaseException as err:

@@ -167,15 +167,20 @@ def _write_patches(repo: git.Repo, commits: list[str], old: list[series_mod.Patc
                    out: Path) -> list[Path]:
     """Format each commit; a patch whose subject the old series had keeps its file name
     (stable names, no churn), a new one is numbered after the highest number in use."""
-    names = {p.subject: p.name for p in old}
+    olds = {p.subject: p for p in old}
     number = max((int(p.name[:4]) for p in old if p.name[:4].isdigit()), default=0)
     paths = []
     for sha in commits:
         staged = out / "staged"
         path = git.format_patch(repo, sha, staged, number + 1)
         subject = series_mod.read_patch(path).subject
-        if subject in names:
-            final = out / names[subject]
+        if subject in olds:
+            final = out / olds[subject].name
+            # Notes below ``---`` never reach a commit (git am drops them): carried over
+            # from the old file, byte for byte.
+            _, notes, _ = series_mod.split_notes(olds[subject].path.read_bytes())
+            if notes:
+                path.write_bytes(series_mod.with_notes(path.read_bytes(), notes))
         else:
             number += 1
             final = out / path.name
@@ -199,8 +204,10 @@ def _applied(repo: git.Repo, base: str, patches: list[series_mod.Patch]) -> str 
     sha = git.resolve(repo, base)
     if sha is None:
         return None
-    with git.temporary_worktree(repo, sha) as tree:
-        series_mod.apply(tree, patches, env=git.environ(**COMMITTER), ref_sha=sha)
+    with git.temporary_worktree(repo, sha) as tree, \
+            tempfile.TemporaryDirectory(prefix="k3-notes-") as tmp:
+        with_notes = [series_mod.notes_in_message(p, Path(tmp)) for p in patches]
+        series_mod.apply(tree, with_notes, env=git.environ(**COMMITTER), ref_sha=sha)
         return git.resolve(tree, "HEAD")
 
 

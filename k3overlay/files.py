@@ -53,6 +53,16 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
     disk or Ctrl-C before the renames leaves every destination as it was (a folder made on
     the way may stay, empty). Raises UsageError as ``write_in_tree``.
     """
+    from . import journal  # (the journal opens its own file with ``open_regular``)
+
+    # A killed run's temporary files are found by the next run (``recovery.write``).
+    with journal.step("write", root=str(root), folders=sorted({r.rpartition("/")[0] for r in files})):
+        _write_files(root, files)
+
+
+def _write_files(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
+    from . import journal
+
     folders: dict[str, int] = {}  # folder (relative to root) -> its descriptor, opened once
     staged: list[tuple[int, str, str]] = []  # (folder descriptor, name, temporary name)
     try:
@@ -62,6 +72,7 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
                 staged.append((dirfd, name, _stage(dirfd, name, data, 0o777 if executable else 0o666)))
             except OSError as err:
                 raise UsageError(f"cannot write {rel}: {err.strerror}") from err
+        journal.point("write.staged")
         try:
             with deferred():  # Ctrl-C waits for the last rename: all of them, or none
                 while staged:
@@ -264,6 +275,9 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
             os.unlink(temp, dir_fd=dirfd)
         raise
     os.fsync(dirfd)  # the rename itself survives a crash
+
+
+TEMPORARY = re.compile(r"^\..*\.[0-9a-f]{8}\.k3-tmp$")  # what ``_stage`` names its files
 
 
 def _stage(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> str:

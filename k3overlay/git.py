@@ -21,7 +21,7 @@ still opens repositories. Each git runs in a session of its own (no terminal:
 nothing prompts; a private repository needs an ssh agent or a credential
 helper). On an interrupt the child's whole process group is terminated and
 waited for before the interrupt goes on, so no git keeps writing after the tool
-has cleaned up.
+has cleaned up; if the tool is killed outright, its watchdog (``reaper``) stops them.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 import git as gitpython
 from git.exc import InvalidGitRepositoryError, NoSuchPathError
 
+from . import journal, reaper
 from .errors import OverlayError
 from .files import read_regular
 from .interrupts import deferred
@@ -182,11 +183,14 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
                 stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as err:
             raise GitError(f"cannot run git {args[0]} in {cwd}: {err.strerror}") from err
+        reaper.watch(proc.pid)  # if the tool is killed, its watchdog stops this group
         try:
             out, err = proc.communicate()
         except BaseException:
             _stop(proc)
             raise
+        finally:
+            reaper.forget(proc.pid)
     return proc.returncode, out, err
 
 
@@ -361,11 +365,18 @@ def temporary_worktree(repo: Repo, sha: str) -> Iterator[Repo]:
     owner = os.open(parent / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         flock(owner, parent / "owner.lock", fcntl.LOCK_EX, moved_by="TMPDIR")
-        run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
-        yield Repo(parent / "tree")
+        with journal.step("worktree", repo=_cwd(repo), parent=str(parent)):  # for a killed run's
+            try:
+                run(repo, "worktree", "add", "--quiet", "--detach", str(parent / "tree"), sha)
+                journal.point("worktree.added")
+                yield Repo(parent / "tree")
+            finally:
+                with deferred():
+                    _remove_worktree(repo, parent)
     finally:
         with deferred():
-            _remove_worktree(repo, parent)
+            if parent.exists():  # the journal could not be written
+                _remove_worktree(repo, parent)
             os.close(owner)
 
 
@@ -738,6 +749,28 @@ def format_patch(repo: Repo, sha: str, outdir: Path, number: int = 1) -> Path:
 def range_diff(repo: Repo, old: str, new: str) -> str:
     """``git range-diff`` of two commit ranges (``A..B`` strings)."""
     return run(repo, "range-diff", "--no-color", old, new)
+
+
+def patch_ids(repo: Repo, *, patch: Path | None = None, rev_range: str = "",
+              paths: list[str] | None = None) -> dict[str, str]:
+    """``{patch-id: commit}`` by ``git patch-id --stable`` (whitespace and line numbers
+    ignored): of one mailbox ``patch`` file (commit all zeros), or of each non-merge
+    commit in ``rev_range`` that touches ``paths`` (its whole diff counts, as for
+    ``git cherry``). Empty when ``rev_range`` does not resolve."""
+    if patch is not None:
+        text = patch.read_bytes()
+    else:
+        status, text, _ = _execute(["log", "--no-merges", "--no-color", "-p", "--full-diff",
+                                    rev_range, "--", *literal(paths or [])], cwd=_cwd(repo))
+        if status != 0:
+            return {}
+    out = _text(_execute(["patch-id", "--stable"], cwd=_cwd(repo), stdin=text)[1])
+    return {pid: commit for pid, commit in (line.split() for line in out.splitlines())}
+
+
+def is_ancestor(repo: Repo, old: str, new: str) -> bool:
+    """True if commit ``old`` is in ``new``'s history."""
+    return _execute(["merge-base", "--is-ancestor", old, new], cwd=_cwd(repo))[0] == 0
 
 
 def environ(**extra: str) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""Ctrl-C (SIGINT), a cancelled CI job (SIGTERM) and a reader gone mid-run (SIGPIPE): where
-they may stop the tool and where not.
+"""Ctrl-C (SIGINT), a cancelled CI job (SIGTERM), a closed terminal or ssh session (SIGHUP) and
+a reader gone mid-run (SIGPIPE): where they may stop the tool and where not.
 
 Anywhere, an interrupt is a ``KeyboardInterrupt``; the git layer then stops its
 child before passing it on (see ``git``). Steps that must not be cut in half
@@ -14,12 +14,12 @@ import signal
 import threading
 from collections.abc import Iterator
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
 
 
 @contextlib.contextmanager
 def deferred(*, then_raise: bool = True) -> Iterator[list[int]]:
-    """Hold SIGINT/SIGTERM/SIGPIPE until the block is done; yield the list of those that arrived.
+    """Hold SIGINT/SIGTERM/SIGHUP/SIGPIPE until the block is done; yield the list of those that arrived.
 
     With ``then_raise`` a held signal becomes a ``KeyboardInterrupt`` once the
     block is done; without it the caller reads the list and decides. Outside

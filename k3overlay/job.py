@@ -16,27 +16,27 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.markup import escape
 
-from . import errors, git, progress, source
+from . import errors, git, journal, progress, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
 from .files import read_regular
 from .interrupts import deferred
-from .lock import workdir_lock
+from .lock import workdir_lock, workdir_lock_path
 from .progress import step
 from .project import COMMITTER, IDENTITY, Project
+from .publish import BASE_KEY, TIP_KEY, publish, record
 from .report import Report
 from .verify import VerifyResult, verify
 
-# Recorded in the checkout's git config for each work branch we write:
-TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote: proof we own the branch
-BASE_KEY = "branch.{}.k3overlaybase"  # the upstream ref the branch is built on (for --export)
+__all__ = ["BASE_KEY", "TIP_KEY", "record"]  # (the work branch's record: ``publish``)
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,14 @@ def work_branch(project: Project, opts: Options) -> str:
 
 @contextlib.contextmanager
 def locked(workdir: Path) -> Iterator[None]:
-    """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it."""
-    with workdir_lock(workdir, say=lambda text: progress.console.print(f"[dim]…[/dim] {escape(text)}")):
-        yield  # (said even with -q: a run that waits must say why)
+    """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it; first finish
+    or undo what a killed run left (``journal``), then record this run's steps."""
+    def say(text: str) -> None:  # (said even with -q: a run that waits must say why)
+        progress.console.print(f"[dim]…[/dim] {escape(text)}")
+
+    with workdir_lock(workdir, say=say):
+        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), say):
+            yield
 
 
 def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manifest,
@@ -101,7 +106,7 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
         if opts.check and repo is existing:
             report.ref_sha = git.resolve(repo, ref)  # --check reads the checkout's own REF
         else:
-            report.ref_sha = source.ensure_ref(repo, origin, ref)
+            report.ref_sha = fetched(repo, origin, ref)
         if git.resolve(repo, manifest.base) is None:
             report.notes.append(f"note: base {manifest.base} is not in this checkout (shallow or "
                                 f"foreign clone?): no upstream diff of drifted files")
@@ -133,10 +138,15 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
     if check:
         scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
         try:
-            yield source.clone(origin, scratch / "vllm")
+            with journal.step("check", scratch=str(scratch)):
+                try:
+                    yield source.clone(origin, scratch / "vllm")
+                finally:
+                    with deferred():
+                        shutil.rmtree(scratch, ignore_errors=True)
         finally:
             with deferred():
-                shutil.rmtree(scratch, ignore_errors=True)
+                shutil.rmtree(scratch, ignore_errors=True)  # (the journal could not be written)
         return
     repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
     try:
@@ -145,6 +155,13 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         with deferred():
             shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+def fetched(repo: git.Repo, origin: str, ref: str) -> str:
+    """``source.ensure_ref`` into the checkout, recorded in the journal: git writes refs
+    whole, but a killed fetch leaves lock files that every later fetch stops at."""
+    with journal.step("fetch", repo=repo.working_tree_dir, since=time.time() - 1):
+        return source.ensure_ref(repo, origin, ref)
 
 
 def build(project: Project, manifest: manifest_mod.Manifest, patches: list[series_mod.Patch],
@@ -158,15 +175,18 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
     With ``best_effort`` (the rebase job), conflicting patches and files are
     left out and the rest is still committed and verified, so tests can run.
     """
-    report.patches = apply_patches(tree, patches, report.ref_sha)
+    report.patches = apply_patches(tree, patches, report.ref_sha,
+                                   git.resolve(tree, manifest.base))
     report.overlay = classify_overlay(tree, project, manifest, report.ref_sha, merge=merge)
     blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
     if blocked and not best_effort:
         return None
     laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
     sha = commit_overlay(tree, project, report, laid)
+    if blocked:  # what applied is built for the tests, never verified (``VerifyResult``)
+        return None
     report.verify = verify_change(tree, report.ref_sha, sha)
-    return None if blocked or not report.verify.ok else sha
+    return sha if report.verify.ok else None
 
 
 def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:
@@ -176,12 +196,13 @@ def verify_change(repo: git.Repo, old: str, new: str) -> VerifyResult:
     return verify(Path(repo.working_tree_dir), touched, before)
 
 
-def apply_patches(tree: git.Repo, patches: list[series_mod.Patch],
-                  ref_sha: str) -> list[series_mod.PatchResult]:
-    """Apply the series onto ``tree`` (see ``series.apply``), committer = the tool."""
+def apply_patches(tree: git.Repo, patches: list[series_mod.Patch], ref_sha: str,
+                  base_sha: str | None = None) -> list[series_mod.PatchResult]:
+    """Apply the series onto ``tree`` (see ``series.apply``: ``base_sha`` lets it find
+    patches upstream took by patch-id), committer = the tool."""
     env = git.environ(**COMMITTER)
     with step(f"applying {len(patches)} patch(es) with git am --3way"):
-        return series_mod.apply(tree, patches, env=env, ref_sha=ref_sha)
+        return series_mod.apply(tree, patches, env=env, ref_sha=ref_sha, base_sha=base_sha)
 
 
 def classify_overlay(tree: git.Repo, project: Project, manifest: manifest_mod.Manifest,
@@ -263,12 +284,5 @@ def _publish(repo: git.Repo, branch: str, sha: str, report: Report) -> None:
         report.notes.append(f"branch {branch} already at {sha[:12]}: nothing to do")
         report.published = True
         return
-    git.set_branch(repo, branch, sha)
-    record(repo, branch, report.ref)
+    publish(repo, branch, sha, report.ref)
     report.published = True
-
-
-def record(repo: git.Repo, branch: str, ref: str) -> None:
-    """Remember that we wrote ``branch`` (its tip now) on top of upstream ``ref``."""
-    git.config_set(repo, TIP_KEY.format(branch), git.branch_tip(repo, branch))
-    git.config_set(repo, BASE_KEY.format(branch), ref)

@@ -6,7 +6,9 @@ would clone into the same folder. So every job holds an exclusive ``flock``
 keyed by the work directory's absolute path (the folder need not exist yet),
 and a second run waits, saying for whom. The lock files live in the cache
 directory, never in the user's checkout; the kernel drops a lock when its
-holder dies, so a killed run never leaves a stale lock behind.
+holder dies, so a killed run never leaves a stale lock behind; but not before the
+killed run's git children are gone: a copy of each lock is held by its watchdog
+(``reaper``) until then, so the next run waits for them instead of racing them.
 
 ``held`` is the same exclusive lock for the cache's own files (downloads, the
 release mirror, test environments). Every lock file is opened without following
@@ -20,11 +22,16 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from . import reaper
 from .errors import UsageError
 from .files import open_regular
+from .interrupts import deferred
 from .project import cache_dir
 
 
@@ -35,9 +42,7 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
     If another run holds it, ``say`` is told once and the call waits (Ctrl-C
     stops the wait). Raises UsageError if the lock file cannot be made.
     """
-    workdir = workdir.resolve()  # one folder, one lock, however it was named
-    key = hashlib.sha256(os.fsencode(workdir)).hexdigest()[:32]
-    path = cache_dir() / "locks" / f"{key}.lock"
+    path = workdir_lock_path(workdir)
     fd = lock_file(path)
     try:
         try:
@@ -46,11 +51,20 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
             say(f"waiting for {holder} to finish with {workdir}")
             flock(fd, path, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
-        yield
+        with contextlib.suppress(OSError):  # who holds it, for a run that waits: not on a full disk
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
+        with _watched(fd, path):
+            yield
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)
+
+
+def workdir_lock_path(workdir: Path) -> Path:
+    """The lock file of ``workdir`` (one folder, one lock, however it was named); its
+    journal (``journal``) is the same path ending in ``.journal``."""
+    key = hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:32]
+    return cache_dir() / "locks" / f"{key}.lock"
 
 
 @contextlib.contextmanager
@@ -60,9 +74,22 @@ def held(path: Path) -> Iterator[None]:
     fd = lock_file(path)
     try:
         flock(fd, path, fcntl.LOCK_EX)
+        with _watched(fd, path):
+            yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _watched(fd: int, path: Path) -> Iterator[None]:
+    """The lock on ``fd`` held for the block, a copy of it with the watchdog (``reaper``):
+    if the tool is killed, the lock is free only once its git children are gone."""
+    reaper.hold(str(path), fd)
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        fcntl.flock(fd, fcntl.LOCK_UN)  # every copy: the watchdog's too
+        reaper.drop(str(path))
 
 
 def flock(fd: int, path: Path, operation: int, *, moved_by: str = "XDG_CACHE_HOME") -> None:
@@ -89,3 +116,54 @@ def lock_file(path: Path) -> int:
         return open_regular(path, os.O_RDWR | os.O_CREAT)
     except OSError as err:
         raise UsageError(f"cannot make the lock file {path}: {err.strerror}") from err
+
+
+STALE_AFTER_S = 60  # a folder younger than this may belong to a run that has not locked it yet
+
+
+@contextlib.contextmanager
+def owned_scratch(parent: Path, prefix: str) -> Iterator[Path]:
+    """A fresh folder ``parent/<prefix>XXXX`` for the block, removed after (not cut short by
+    Ctrl-C). It holds ``owner.lock``, locked while the block runs: a folder a killed run
+    left (its lock free, the kernel dropped it) is removed by the next call for the same
+    ``parent`` and ``prefix``; a live run's is left alone. Raises OSError as ``mkdtemp``."""
+    remove_stale(parent, prefix)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            flock(fd, folder / "owner.lock", fcntl.LOCK_EX, moved_by="--wheel-dir")
+            yield folder
+        finally:
+            os.close(fd)
+    finally:
+        with deferred():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale(parent: Path, prefix: str) -> list[Path]:
+    """Remove each ``parent/<prefix>*`` folder whose ``owner.lock`` nobody holds and that is
+    older than ``STALE_AFTER_S``; a folder without one is not ours and is left. Returns them."""
+    removed = []
+    for folder in sorted(parent.glob(glob_escape(prefix) + "*")):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or \
+                    time.time() - folder.stat().st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live run's
+        finally:
+            os.close(fd)
+        with deferred():
+            shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)

@@ -32,17 +32,32 @@ def step(message: str) -> Iterator[None]:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")
 
 
+def megabytes(size: int | None) -> str:
+    """``"40.0 MB"`` (10**6 bytes; below 0.1 MB, ``"12,345 bytes"``), or ``""`` when the
+    size is not known."""
+    if not size:
+        return ""
+    return f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size:,} bytes"
+
+
+LOG_EVERY_S = 10.0  # where there is no bar (a CI log), a line this often on a long transfer
+
+
 class ByteBar:
     """A rich bar counting bytes: a download (it is a pypi-simple ProgressTracker),
-    or the members of a wheel being packed or checked."""
+    or the members of a wheel being packed or checked. Where stderr is no terminal (a CI
+    log), a bar is only noise: a line every ``LOG_EVERY_S`` seconds says how far it got."""
 
     def __init__(self, total: int | None, label: str) -> None:
         self._progress = Progress(
             "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
             TransferSpeedColumn(), console=console, transient=True,
-            disable=quiet or not console.is_terminal,  # a bar in a CI log is only noise
+            disable=quiet or not console.is_terminal,
         )
         self._task = self._progress.add_task(label, total=total)
+        self._log = not quiet and not console.is_terminal
+        self._label, self._total, self._done = label, total, 0
+        self._said = time.monotonic()
 
     def __enter__(self) -> ByteBar:
         self._progress.start()
@@ -53,3 +68,8 @@ class ByteBar:
 
     def update(self, increment: int) -> None:
         self._progress.advance(self._task, increment)
+        self._done += increment
+        if self._log and time.monotonic() - self._said >= LOG_EVERY_S:
+            self._said = time.monotonic()
+            of = f" of {megabytes(self._total)}" if self._total else ""
+            console.print(f"[dim]  {escape(self._label)}: {megabytes(self._done) or '0 MB'}{of}[/dim]")

@@ -1,9 +1,9 @@
 """Rebasing the overlay onto newer upstream refs.
 
-``run_rebase`` is the CI job: for each target ref, in a throwaway clone and
-worktree, classify every patch, 3-way merge every drifted overlay file, verify,
-and run the tests on what applied, so one report says what landed, what
-drifted and what broke.
+``run_rebase`` is the CI job's core: for each target ref, in a throwaway clone
+and worktree, classify every patch, 3-way merge every drifted overlay file,
+verify, and hand the trees to the job's stages (tests and more, module
+``stages``), so one report says what landed, what drifted and what broke.
 
 ``rebase_to`` is the maintainer's step: rebuild the work branch on a new ref
 in the checkout itself, stopping where a human must resolve a conflict;
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from . import errors, git, source
@@ -27,7 +26,9 @@ from .job import (
     build,
     classify_overlay,
     commit_overlay,
+    fetched,
     locked,
+    publish,
     record,
     refuse_merge_attributes,
     refuse_unsafe,
@@ -36,25 +37,20 @@ from .job import (
 )
 from .project import COMMITTER, Project
 from .report import Report
+from .stages import Stages, Target
 from .wheel import WheelOptions, build_for
 
-TestRunner = Callable[[Path], dict]
-TreeHook = Callable[[Path, Report], None]
-
-
 def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
-               tests: TestRunner | None = None, pristine: TreeHook | None = None,
-               patched: TreeHook | None = None, wheels: WheelOptions | None = None) -> list[Report]:
+               stages: Stages | None = None, wheels: WheelOptions | None = None) -> list[Report]:
     """One report per ref in ``refs``; nothing of the user's is touched.
 
-    ``tests(tree)`` runs the test tier on the patched tree and returns counts
-    (``passed``, ``failed``, ``skipped``, ``errors``). ``pristine(tree, report)``
-    sees the target tree as released, before anything is applied;
-    ``patched(tree, report)`` the tree the job built, after ``tests``; both may
-    fill the report. With ``wheels``, each ref whose series and overlay applied
-    and verified gets its wheel built (``wheel.build_for``; the report's
-    ``wheel``). A ref that cannot be found yields a report with ``error``
-    rather than stopping the others.
+    Per ref: every patch classified, every drifted overlay file 3-way merged,
+    what went in committed (and verified when all of it did: ``VerifyResult``).
+    ``stages`` (the CI job's, module ``stages``) then gets the ``Target`` once
+    and its ``StageResults`` go into the report as they are. With ``wheels``,
+    each ref whose series and overlay applied and verified gets its wheel
+    built (``wheel.build_for``; the report's ``wheel``). A ref that cannot be
+    found yields a report with ``error`` rather than stopping the others.
     Raises OverlayError for a bad series/manifest or an unreachable source.
     """
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
@@ -64,16 +60,14 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     try:
         repo = source.clone(origin, scratch / "vllm")
         source.ensure_ref(repo, origin, manifest.base)  # drift merges read upstream's base blobs
-        hooks = (tests, pristine, patched)
-        return [_one(project, manifest, patches, repo, vllm_repo, ref, hooks, wheels)
+        return [_one(project, manifest, patches, repo, vllm_repo, ref, stages, wheels)
                 for ref in refs]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _one(project, manifest, patches, repo, vllm_repo, ref, hooks, wheels) -> Report:
-    tests, pristine, patched = hooks
-    report = Report(project.version, manifest.base, ref)
+def _one(project, manifest, patches, repo, vllm_repo, ref, stages, wheels) -> Report:
+    report = Report(project.version, manifest.base, ref, vllm_repo=vllm_repo or "")
     try:  # one bad or unknown ref must not cost the other refs their reports
         origin = source.locate(vllm_repo, [ref])
         report.ref_sha = source.ensure_ref(repo, origin, ref)
@@ -81,14 +75,15 @@ def _one(project, manifest, patches, repo, vllm_repo, ref, hooks, wheels) -> Rep
         report.error, report.error_code = str(err), err.exit_code
         return report
     with git.temporary_worktree(repo, report.ref_sha) as tree:
-        tree_dir = Path(tree.working_tree_dir)
-        if pristine is not None:
-            pristine(tree_dir, report)
         sha = build(project, manifest, patches, tree, report, merge=True, best_effort=True)
-        if tests is not None:
-            report.tests = tests(tree_dir)
-        if patched is not None:
-            patched(tree_dir, report)
+        if stages is not None:
+            with git.temporary_worktree(repo, report.ref_sha) as released:
+                conflicts = tuple(f.path for f in report.overlay
+                                  if f.status == manifest_mod.CONFLICT)
+                found = stages(Target(report.ref, report.ref_sha,
+                                      Path(released.working_tree_dir), Path(tree.working_tree_dir),
+                                      tuple(report.missing), conflicts))
+            report.runs, report.sections = list(found.runs), list(found.sections)
         if wheels is not None and sha is not None:
             report.wheel = build_for(project, tree, report, sha, wheels)
     return report
@@ -122,8 +117,8 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
                                 f"or abort it, then run --rebase-to again")
-    report.ref_sha = source.ensure_ref(repo, origin, opts.ref)
-    source.ensure_ref(repo, origin, manifest.base)  # drift merges read upstream's base blobs
+    report.ref_sha = fetched(repo, origin, opts.ref)
+    fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
     continuing = (git.current_branch(repo) == branch
                   and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
     if not continuing:
@@ -133,18 +128,19 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     _refuse_untracked_in_the_way(repo, patches, manifest)
     if not continuing:
         with deferred():  # switched but not recorded, the branch would be refused as not ours
-            git.set_branch(repo, branch, report.ref_sha)
-            record(repo, branch, opts.ref)
+            publish(repo, branch, report.ref_sha, opts.ref)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
-    # landed-upstream is proven against REF's tree alone.
+    # landed-upstream is proven against REF's tree, or by an upstream commit's patch-id.
     done = {subject for _, subject in git.log_subjects(repo, f"{report.ref_sha}..HEAD")}
+    base_sha = git.resolve(repo, manifest.base)
     env = git.environ(**COMMITTER)
     for patch in patches:
         if patch.subject in done:
             report.patches.append(series_mod.PatchResult(patch.name, series_mod.APPLIED))
             continue
-        result = series_mod.apply_one(repo, patch, env=env, ref_sha=report.ref_sha, keep_conflict=True)
+        result = series_mod.apply_one(repo, patch, env=env, ref_sha=report.ref_sha,
+                                      keep_conflict=True, base_sha=base_sha)
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
             report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "

@@ -1,14 +1,16 @@
 """The result of one job on one ref, and its renderings.
 
 ``to_json`` is the schema CI parses (README documents it); ``write_human``
-is for a person at a terminal; ``junit`` and ``markdown`` are for CI
-systems and pull-request comments.
+is for a person at a terminal; ``junit_xml`` is for CI systems (the markdown
+summary is module ``markdown``). What the rebase job's stages found comes in
+typed (``stages``) and is rendered as given.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from .files import stream_target, write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .series import CONFLICT as PATCH_CONFLICT
-from .series import PatchResult
+from .series import PatchResult, conflict_regions
+from .stages import Section, TestRun
 from .verify import VerifyResult
 
 
@@ -31,12 +34,9 @@ class Report:
     """Everything one job found for one ref.
 
     ``allow_drift``: drift was accepted by the user, so it does not fail the job.
-    ``tests``: pass/fail/skip counts of the CPU tier, when the job ran one
-    (``env_errors``: failures it could not attribute to the tree; ``env``: the
-    environment they ran in; ``env_error``: why there was none).
-    ``tables``: ours-vs-upstream diff of the low-latency GEMM tables (``ci/table_diff.py``).
-    ``gpu``: counts of the GPU stage's test suites; ``ab``: its ours/upstream/cuBLAS timing.
+    ``runs``/``sections``: what the rebase job's stages returned (``stages``), in order.
     ``wheel``: the wheel built from the result (``wheel.build_for``), or why none was.
+    ``vllm_repo``: the source the job was given (the next commands name it again).
     ``error``: a one-line reason when the job stopped early (bad input etc.).
     """
 
@@ -50,22 +50,27 @@ class Report:
     overlay: list[FileResult] = field(default_factory=list)
     verify: VerifyResult | None = None
     allow_drift: bool = False
-    tests: dict | None = None
-    tables: dict | None = None
-    gpu: dict | None = None
-    ab: dict | None = None
+    runs: list[TestRun] = field(default_factory=list)
+    sections: list[Section] = field(default_factory=list)
     wheel: dict | None = None
+    vllm_repo: str = ""
     error: str = ""
     error_code: int = errors.OK
     notes: list[str] = field(default_factory=list)
+    wheel_hint: str = ""  # said right after the wheel line (how to read its record where installed)
     published: bool = False  # the work branch in ``workdir`` holds the result
+
+    def run(self, key: str) -> TestRun | None:
+        """The test run whose JSON key is ``key`` (``tests``: the CPU tier), if one ran."""
+        return next((r for r in self.runs if r.key == key), None)
 
     @property
     def exit_code(self) -> int:
-        """0 ok, 2 usage, 3 patch conflict, 4 overlay drift/conflict, 5 verify, 6 source."""
+        """0 ok, 2 usage, 3 patch conflict, 4 overlay drift/conflict, 5 verify or tests,
+        6 source, 7 environment (README's table)."""
         if self.error_code:
             return self.error_code
-        if any(p.status == PATCH_CONFLICT for p in self.patches):
+        if self.conflicting_patches:
             return errors.CONFLICT
         if any(f.status == FILE_CONFLICT for f in self.overlay):
             return errors.DRIFT
@@ -73,29 +78,47 @@ class Report:
             return errors.DRIFT
         if self.verify is not None and not self.verify.ok:
             return errors.VERIFY
-        runs = [r for r in (self.tests, self.gpu) if r is not None]
-        if any(r.get("failed") or r.get("errors") for r in runs):
+        codes = [r.exit_code for r in self.runs] + [s.exit_code for s in self.sections]
+        if errors.VERIFY in codes:
             return errors.VERIFY
         if self.wheel is not None and "error" in self.wheel:
             return self.wheel["exit_code"]
-        if any(r.get("env_errors") or r.get("env_error") for r in runs):
-            return errors.ENVIRONMENT
-        return errors.OK
+        return max(codes, default=errors.OK)
 
     @property
     def ok(self) -> bool:
         return self.exit_code == errors.OK
 
+    @property
+    def conflicting_patches(self) -> list[PatchResult]:
+        return [p for p in self.patches if p.status == PATCH_CONFLICT]
+
+    @property
+    def missing(self) -> list[str]:
+        """What of ours the tree the job built lacks, by kind: ``patches 0002, 0003
+        conflict``, ``overlay PATH conflicts`` (``drifts``, when drift was not accepted)."""
+        out = []
+        patches = [short_name(p.name) for p in self.conflicting_patches]
+        if patches:
+            out.append(f"patch {patches[0]} conflicts" if len(patches) == 1
+                       else f"patches {', '.join(patches)} conflict")
+        for status, verb in ((FILE_CONFLICT, "conflict"), (DRIFT, "drift")):
+            files = [f.path for f in self.overlay if f.status == status
+                     and (status == FILE_CONFLICT or not self.allow_drift)]
+            if files:
+                out.append(f"overlay {', '.join(files)} {verb}{'s' if len(files) == 1 else ''}")
+        return out
+
+    @property
+    def verification(self) -> VerifyResult:
+        """``verify`` as every rendering shows it: the result, or why it was not run."""
+        return self.verify or VerifyResult.skipped(self._why_not_verified())
+
     def _why_not_verified(self) -> str:
-        if self.error:
-            return self.error
-        if self.exit_code == errors.CONFLICT:
-            return "a patch conflicts"
-        return "overlay drift" if self.exit_code == errors.DRIFT else "stopped before verification"
+        return self.error or "; ".join(self.missing) or "stopped before verification"
 
     def to_json(self) -> dict:
         """The report as the JSON object documented in README.md."""
-        verify = self.verify or VerifyResult(False, [f"not run: {self._why_not_verified()}"])
         data = {
             "overlay_version": self.overlay_version,
             "base_ref": self.base_ref,
@@ -106,18 +129,28 @@ class Report:
             "ok": self.ok,
             "patches": [_patch_json(p) for p in self.patches],
             "overlay": [_file_json(f) for f in self.overlay],
-            "verify": {"ok": verify.ok, "errors": verify.errors},
+            "verify": self.verification.to_json(),
         }
-        for key in ("tests", "tables", "gpu", "ab", "wheel"):
-            if getattr(self, key) is not None:
-                data[key] = getattr(self, key)
+        for run in self.runs:
+            data[run.key] = run.to_json()
+        for section in self.sections:
+            data[section.key] = section.data
+        if self.wheel is not None:
+            data["wheel"] = self.wheel
         if self.error:
             data["error"] = self.error
         return data
 
 
+def short_name(patch: str) -> str:
+    """``0002`` for ``0002-some-subject.patch`` (the series' numbers are unique), else the name."""
+    return patch[:4] if re.match(r"\d{4}-", patch) else patch
+
+
 def _patch_json(p: PatchResult) -> dict:
     data = {"name": p.name, "status": p.status}
+    if p.upstream_commit:
+        data["upstream_commit"] = p.upstream_commit
     if p.status == PATCH_CONFLICT:
         data.update(files=p.files, hunks=p.hunks)
     return data
@@ -127,6 +160,8 @@ def _file_json(f: FileResult) -> dict:
     data = {"path": f.path, "status": f.status}
     if f.detail:
         data["detail"] = f.detail
+    if f.status == FILE_CONFLICT and f.merged:
+        data["regions"] = conflict_regions(f.path, f.merged)
     if f.upstream_diff:
         data["upstream_diff"] = f.upstream_diff
     return data
@@ -193,6 +228,8 @@ def write_human(report: Report, console: Console) -> None:
     table.add_column("status")
     for p in report.patches:
         table.add_row("patch", Text(p.name), _styled(p.status))
+        if p.upstream_commit:
+            table.add_row("", Text(f"  as upstream's {p.upstream_commit[:12]}"), "")
         for line in p.hunks or p.files:
             table.add_row("", Text(f"  {line}"), "")
     for f in report.overlay:
@@ -201,24 +238,28 @@ def write_human(report: Report, console: Console) -> None:
             table.add_row("", Text(f"  {f.detail}"), "")
     if report.patches or report.overlay:
         console.print(table)
-    if report.verify is not None:
-        console.print(Text.assemble("verify: ", ("ok", "") if report.verify.ok else ("failed", "red")))
-        for error in report.verify.errors:
+    if report.verify is not None or not report.error:
+        verify = report.verification
+        console.print(Text.assemble("verify: ", (verify.line(), "" if verify.ok else "red")))
+        for error in verify.errors:
             console.print(Text(f"  {error}"))
-    if report.tests is not None:
-        console.print(Text(f"tests: {counts_line(report.tests)}"))
-    for arch, line in table_lines(report.tables):
-        console.print(Text(f"table diff {arch}: {line}"))
-    if report.gpu is not None:
-        console.print(Text(f"gpu tests: {counts_line(report.gpu)}"))
-    if report.ab is not None:
-        console.print(Text(f"gpu a/b: {ab_line(report.ab)}"))
+    for run in report.runs:
+        console.print(Text(f"{run.name}: {run.line()}"))
+        for problem in run.problems:
+            console.print(Text(f"  {problem.test}: {problem.first_line}"))
+        for left_out in run.not_run:
+            console.print(Text(f"  not run: {left_out}"))
+    for section in report.sections:
+        for line in section.lines:
+            console.print(Text(f"{section.title}: {line}"))
+    for note in report.notes:  # (before the wheel: each says what happened before it was built)
+        console.print(Text(note))
     if report.wheel is not None:
         w = report.wheel
         console.print(Text.assemble("wheel: ", ("not built", "red"), f": {w['error']}") if "error" in w
                       else Text(f"wheel: {w['path']} ({w['size']:,} bytes, sha256 {w['sha256']})"))
-    for note in report.notes:
-        console.print(Text(note))
+        if "error" not in w and report.wheel_hint:
+            console.print(Text(report.wheel_hint))
     if report.ok:
         where = f" -> branch {report.branch} in {report.workdir}" if report.published else ""
         console.print(Text.assemble(("ok", "green"), where))
@@ -231,57 +272,26 @@ def _styled(status: str) -> Text:
     return Text(status, style=_STYLE.get(status, "white"))
 
 
-COUNTS = ("passed", "failed", "skipped", "errors")
-
-
-def counts_line(run: dict) -> str:
-    """``"3 passed, 0 failed, 1 skipped, 0 errors"`` (+ environment errors, if any)."""
-    if run.get("env_error"):
-        return f"not run: environment error: {run['env_error']}"
-    line = ", ".join(f"{run.get(k, 0)} {k}" for k in COUNTS)
-    return line + (f", {run['env_errors']} environment errors" if run.get("env_errors") else "")
-
-
-def table_lines(tables: dict | None) -> list[tuple[str, str]]:
-    """``[(arch, "2 upstream only, 5 ours only, 1 different, 30 same")]``; ("-", error)."""
-    if tables is None:
-        return []
-    if tables.get("error"):
-        return [("-", f"not read: {tables['error']}")]
-    return [(arch, f"{len(s['upstream_only'])} upstream only, {len(s['ours_only'])} ours only, "
-                   f"{len(s['different'])} different, {s['same']} same")
-            for arch, s in tables["archs"].items()]
-
-
-def ab_line(ab: dict) -> str:
-    """One line: rows, geo-mean speedups over cuBLAS, who wins how often."""
-    if ab.get("error"):
-        return f"not run: {ab['error']}"
-    s = ab["summary"]
-    wins = s["wins"]
-    return (f"{ab.get('arch', '?')} {s['measured']}/{s['rows']} rows measured; geo-mean x cuBLAS "
-            f"ours {s['geomean_ours']} upstream {s['geomean_upstream']} (ours/upstream "
-            f"{s['geomean_ours_over_upstream']}); wins ours {wins['ours']}, upstream "
-            f"{wins['upstream']}, tie {wins['tie']}"
-            + (f" (partial: {ab['partial']})" if ab.get("partial") else ""))
-
-
 def junit_xml(reports: list[Report]) -> str:
     """JUnit XML text (junit-xml): one testsuite per ref; one testcase per patch, overlay
-    file, verification, CPU test run, table-diff architecture, GPU test run and GPU A/B;
-    a failure for each item that needs a human, an error for each that could not run."""
+    file, verification, test run and section; a failure for each item that needs a human,
+    an error for each that could not run for reasons outside the tree, a skip for each
+    that did not run because of another (verify on a tree that lacks a patch)."""
     suites = []
     for report in reports:
         ref = _xml_text(report.ref)
         classname = f"rebase.{ref.replace('.', '_')}"
         cases = []
-        for name, status, failure, error in _junit_cases(report):
-            failure, error = failure and _xml_text(failure), error and _xml_text(error)
-            case = TestCase(_xml_text(name), classname=classname, stdout=_xml_text(status))
-            if failure:
+        for item in _junit_cases(report):
+            case = TestCase(_xml_text(item.name), classname=classname, stdout=_xml_text(item.status))
+            if item.failure:
+                failure = _xml_text(item.failure)
                 case.add_failure_info(message=failure[:500], output=failure)
-            if error:
+            if item.error:
+                error = _xml_text(item.error)
                 case.add_error_info(message=error[:500], output=error)
+            if item.skipped:
+                case.add_skipped_info(message=_xml_text(item.skipped))
             cases.append(case)
         suites.append(TestSuite(f"rebase onto {ref}", cases))
     return to_xml_report_string(suites, encoding="utf-8")
@@ -298,155 +308,214 @@ def _xml_text(text: str) -> str:
     return _NOT_XML.sub("\ufffd", text)
 
 
-def _junit_cases(report: Report) -> list[tuple[str, str, str | None, str | None]]:
-    """(name, status, failure or None, error or None) for each item of one report."""
+@dataclass(frozen=True)
+class _Case:
+    name: str
+    status: str
+    failure: str | None = None
+    error: str | None = None
+    skipped: str | None = None
+
+
+def _junit_cases(report: Report) -> list[_Case]:
+    """One case for each item of one report."""
     cases = []
     for p in report.patches:
         failure = "; ".join(p.hunks or p.files) or "conflict" if p.status == PATCH_CONFLICT else None
-        cases.append((f"patch {p.name}", p.status, failure, None))
+        cases.append(_Case(f"patch {p.name}", p.status, failure))
     for f in report.overlay:
         bad = f.status == FILE_CONFLICT or (f.status == DRIFT and not report.allow_drift)
-        cases.append((f"overlay {f.path}", f.status, (f.detail or f.status) if bad else None, None))
-    if report.verify is not None:
-        cases.append(("verify", "ok" if report.verify.ok else "failed",
-                      None if report.verify.ok else "; ".join(report.verify.errors), None))
-    for name, run in (("cpu tests", report.tests), ("gpu tests", report.gpu)):
-        if run is not None:
-            cases.append(_run_case(name, run))
-    for arch, line in table_lines(report.tables):
-        cases.append((f"table diff {arch}", line, None, line if arch == "-" else None))
-    if report.ab is not None:
-        line = ab_line(report.ab)
-        bad = report.ab.get("error") or report.ab.get("summary", {}).get("errors")
-        cases.append(("gpu a/b ours vs upstream vs cuBLAS", line, None, line if bad else None))
+        cases.append(_Case(f"overlay {f.path}", f.status, (f.detail or f.status) if bad else None))
+    if report.verify is not None or not report.error:
+        verify = report.verification
+        cases.append(_Case("verify", verify.line(), "; ".join(verify.errors) or None,
+                           skipped=verify.not_run or None))
+    for run in report.runs:
+        cases.append(_run_case(run))
+    for section in report.sections:
+        cases.append(_Case(section.title, "; ".join(section.lines), error=section.error or None))
     if report.wheel is not None:
         w = report.wheel
-        cases.append(("wheel", w.get("error") or w.get("name", ""), w.get("error"), None))
+        cases.append(_Case("wheel", w.get("error") or w.get("name", ""), w.get("error")))
     if report.error:
-        cases.append(("job", "error", None, report.error))
+        cases.append(_Case("job", "error", error=report.error))
     return cases
 
 
-def _run_case(name: str, run: dict) -> tuple[str, str, str | None, str | None]:
-    line = counts_line(run)
-    failed = bool(run.get("failed") or run.get("errors"))
-    env = bool(run.get("env_error") or run.get("env_errors"))
-    return (name, line, line if failed else None, line if env and not failed else None)
+def _run_case(run: TestRun) -> _Case:
+    """A failure for tests that failed (each explained), an error when only the environment did."""
+    why = "\n".join([run.line()] + [f"{p.test}: {p.first_line}" for p in run.problems])
+    code = run.exit_code
+    return _Case(run.name, run.line(), why if code == errors.VERIFY else None,
+                 why if code == errors.ENVIRONMENT else None)
+
+
+# The markdown summary: GitHub shows it as the job summary (1 MiB at most) and in comments
+# (64 KiB); the first screen must answer the maintainer, the rest is collapsed and clipped.
+MARKDOWN_DIFF_LINES = 60  # of upstream's diff of a drifted file; the JSON has it whole
+_REGION = re.compile(r"^\S.*:\d+-\d+$")
 
 
 def markdown(reports: list[Report]) -> str:
-    """A short summary for a CI comment: one table row per ref, then per-ref details."""
-    lines = ["## vllm-k3-overlay rebase report", "",
-             "| ref | verdict | patches | overlay | verify | tests |",
-             "|---|---|---|---|---|---|"]
+    """The rebase job's summary for a person, in GitHub markdown.
+
+    First, per ref: the verdict in words; each conflict with its regions
+    (``path:first-last``); verify and each test run, every problem with its first
+    line; each section's summary lines; the exact commands to run next. Then,
+    collapsed: each section's details and upstream's diff of each drifted file
+    (clipped to ``MARKDOWN_DIFF_LINES``; the JSON report has everything).
+    """
+    lines = ["## vllm-k3-overlay rebase report", ""]
+    if reports:
+        r0 = reports[0]
+        lines.append(f"Overlay {r0.overlay_version} (base {r0.base_ref}) onto "
+                     + ", ".join(f"{r.ref}: **{verdict(r).split(':')[0]}**"
+                                 + ("" if r.ok else f" (exit {r.exit_code})") for r in reports)
+                     + ".")
     for r in reports:
-        patches = ", ".join(f"{p.name.split('-')[0]} {p.status}" for p in r.patches) or "-"
-        overlay = ", ".join(f"`{Path(f.path).name}` {f.status}" for f in r.overlay) or "-"
-        verify = "-" if r.verify is None else ("ok" if r.verify.ok else "failed")
-        tests = "-" if r.tests is None else counts_line(r.tests)
-        verdict = "ok" if r.ok else f"**exit {r.exit_code}**"
-        sha = f" `{r.ref_sha[:10]}`" if r.ref_sha else ""
-        lines.append(f"| {r.ref}{sha} | {verdict} | {patches} | {overlay} "
-                     f"| {verify} | {tests} |")
-    for r in reports:
-        lines += _markdown_tables(r) + _markdown_gpu(r)
-        drifted = [f for f in r.overlay if f.upstream_diff]
-        for f in drifted:
-            lines += ["", f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> "
-                      f"since {r.base_ref} ({f.status})</summary>", "", "```diff",
-                      *_clip(f.upstream_diff), "```", "</details>"]
-        if r.wheel is not None:
-            w = r.wheel
-            lines += ["", f"{r.ref}: wheel not built: {w['error']}" if "error" in w else
-                      f"{r.ref}: wheel `{w['name']}`, {w['size']:,} bytes, sha256 `{w['sha256']}`"]
-        if r.error:
-            lines += ["", f"{r.ref}: {r.error}"]
+        lines += ["", *_first_screen(r)]
+    details = [line for r in reports for line in _details(r)]
+    if details:
+        lines += ["", "---", "", *details]
     return "\n".join(lines) + "\n"
 
 
-def _choice(choice: dict | None) -> str:
-    if choice is None:
-        return "cuBLAS"
-    config = choice.get("config")
-    if not config:
-        return choice["backend"]
-    cfg = ",".join("-" if config.get(k) is None else str(config[k])
-                   for k in ("block_size", "outputs_per_block", "k_unroll", "vector_width",
-                             "static_k"))
-    return f"{choice['backend']} {cfg}"
+def verdict(r: Report) -> str:
+    """What a ref's outcome means, in words (``clean``, ``needs a maintainer: …``)."""
+    if r.error:
+        return f"not run: {r.error}"
+    blocked = [b for b in (_count(r.conflicting_patches, "patch", "patches"),
+                           _count([f for f in r.overlay if f.status == FILE_CONFLICT],
+                                  "overlay file", "overlay files")) if b]
+    if blocked:
+        many = len(blocked) > 1 or not blocked[0].startswith("1 ")
+        return f"needs a maintainer: {' and '.join(blocked)} conflict{'' if many else 's'}"
+    drift = [f.path for f in r.overlay if f.status == DRIFT and not r.allow_drift]
+    if drift:
+        return f"needs a maintainer: upstream changed {', '.join(drift)} (drift)"
+    if r.verify is not None and not r.verify.ok:
+        return "needs a maintainer: the patched tree fails verification"
+    code = r.exit_code
+    failed = [run.name for run in r.runs if run.exit_code == errors.VERIFY]
+    if failed:
+        return f"needs a maintainer: {' and '.join(failed)} failed"
+    if r.wheel is not None and "error" in r.wheel:
+        return "the wheel could not be built"
+    if code == errors.ENVIRONMENT:
+        return "applies and verifies; the tests could not run here (the environment, not the tree)"
+    if code:
+        return f"failed ({', '.join(s.title for s in r.sections if s.exit_code) or 'see below'})"
+    moved = [p for p in r.patches if p.status != "applied"] or [
+        f for f in r.overlay if f.status == "merged"]
+    return "clean: applies, verifies and passes" + (
+        "; rebase and export to record what moved" if moved else "")
 
 
-def _markdown_tables(r: Report) -> list[str]:
-    """Per-architecture counts of the table diff, and its rows (clipped) in a details block."""
-    if r.tables is None:
-        return []
-    if r.tables.get("error"):
-        return ["", f"**{r.ref}: table diff not read**: {r.tables['error']}"]
-    lines = ["", f"### {r.ref}: low-latency GEMM tables, ours vs upstream",
-             f"Upstream: `{r.tables['upstream']['module']}`; ours: `{r.tables['ours']['module']}`. "
-             f"Rows are (N, K, M); config = block_size, outputs_per_block, k_unroll, "
-             f"vector_width, static_k.", "",
-             "| arch | upstream only | ours only | different | same |", "|---|--:|--:|--:|--:|"]
-    rows = []
-    for arch, s in r.tables["archs"].items():
-        lines.append(f"| {arch} | {len(s['upstream_only'])} | {len(s['ours_only'])} "
-                     f"| {len(s['different'])} | {s['same']} |")
-        for kind in ("upstream_only", "ours_only", "different"):
-            rows += [f"| {arch} | {kind.replace('_', ' ')} | {d['N']}x{d['K']} M{d['M']}"
-                     f"{' +residual' if d['residual'] else ''} | {_choice(d['upstream'])} "
-                     f"| {_choice(d['ours'])} |" for d in s[kind]]
-    if rows:
-        lines += ["", f"<details><summary>{r.ref}: the {len(rows)} rows that differ</summary>",
-                  "", "| arch | kind | row | upstream | ours |", "|---|---|---|---|---|",
-                  *_clip_rows(rows), "</details>"]
+def _count(items: list, one: str, many: str) -> str:
+    return f"{len(items)} {one if len(items) == 1 else many}" if items else ""
+
+
+def _first_screen(r: Report) -> list[str]:
+    sha = f" `{r.ref_sha[:10]}`" if r.ref_sha else ""
+    code = "" if r.ok else f" (exit {r.exit_code})"
+    lines = [f"### {r.ref}{sha}: {verdict(r)}{code}", ""]
+    if r.error:
+        return lines[:-1]
+    for p in r.conflicting_patches:
+        regions = [h for h in p.hunks if _REGION.match(h)]
+        where = regions or p.hunks[:3] or p.files
+        lines.append(f"- patch `{p.name}` **conflicts**: " + ", ".join(f"`{w}`" for w in where))
+    for f in r.overlay:
+        if f.status == FILE_CONFLICT:
+            regions = conflict_regions(f.path, f.merged or b"")
+            where = (f" in {_count(regions, 'region', 'regions')}: "
+                     + ", ".join(f"`{x}`" for x in regions)) if regions else f": {f.detail}"
+            lines.append(f"- overlay `{f.path}` **conflicts**{where}")
+        elif f.status == DRIFT:
+            lines.append(f"- overlay `{f.path}` drifted: {f.detail}")
+    lines += _went_in(r)
+    lines.append(f"- verify: {r.verification.line()}")
+    lines += [f"  - {error}" for error in r.verification.errors]
+    for run in r.runs:
+        lines.append(f"- {run.name}: {run.line()}")
+        lines += [f"  - `{p.test}`: {p.first_line}" for p in run.problems]
+        lines += _not_run(run.not_run)
+    for section in r.sections:
+        lines += [f"- {section.title}: {line}" for line in section.lines]
+    if r.wheel is not None:
+        w = r.wheel
+        lines.append(f"- wheel not built: {w['error']}" if "error" in w else
+                     f"- wheel `{w['name']}`, {w['size']:,} bytes, sha256 `{w['sha256']}`")
+    commands = next_commands(r)
+    if commands:
+        lines += ["", "```bash", *commands, "```"]
     return lines
 
 
-def _markdown_gpu(r: Report) -> list[str]:
-    """GPU test counts, A/B geo-means and the A/B rows (clipped)."""
-    if r.gpu is None and r.ab is None:
+def _went_in(r: Report) -> list[str]:
+    """One line for what went in: patches by status, overlay files by status."""
+    parts: dict[str, list[str]] = {}
+    for p in r.patches:
+        if p.status != PATCH_CONFLICT:
+            label = short_name(p.name) + (f" (as {p.upstream_commit[:12]})" if p.upstream_commit else "")
+            parts.setdefault(f"patches {p.status}", []).append(label)
+    files: dict[str, list[str]] = {}
+    for f in r.overlay:
+        if f.status not in (FILE_CONFLICT, DRIFT):
+            files.setdefault(f.status, []).append(f"`{Path(f.path).name}`")
+    items = [f"{k}: {', '.join(v)}" for k, v in parts.items()]
+    items += [f"overlay {k}: {', '.join(v) if k == 'merged' else len(v)}" for k, v in files.items()]
+    return [f"- went in: {'; '.join(items)}"] if items else []
+
+
+def _not_run(not_run: list[str]) -> list[str]:
+    """Files left out, grouped by why (one reason usually covers all of ours)."""
+    why: dict[str, list[str]] = {}
+    for item in not_run:
+        name, _, reason = item.partition(": ")
+        why.setdefault(reason, []).append(f"`{Path(name).name}`")
+    return [f"  - not run: {', '.join(names)}: {reason}" for reason, names in why.items()]
+
+
+def next_commands(r: Report) -> list[str]:
+    """The commands a maintainer runs next for this ref, exact (comments say the manual steps)."""
+    if r.error or r.exit_code == errors.ENVIRONMENT:
         return []
-    lines = ["", f"### {r.ref}: GPU stage"]
-    if r.gpu is not None:
-        env = r.gpu.get("env", {})
-        where = ", ".join(f"{k} {v}" for k, v in env.items() if isinstance(v, str))
-        lines.append(f"- tests: {counts_line(r.gpu)}" + (f" ({where})" if where else ""))
-        for suite, counts in r.gpu.get("suites", {}).items():
-            lines.append(f"  - {suite}: {counts_line(counts)}")
-    if r.ab is not None:
-        lines.append(f"- A/B: {ab_line(r.ab)}")
-        if r.ab.get("provenance"):
-            p = r.ab["provenance"]
-            lines.append(f"  - measured on {p.get('gpu')} {p.get('date')}, torch {p.get('torch')}, "
-                         f"nvidia-cutlass-dsl {p.get('cutlass_dsl')}; {r.ab.get('method', '')}")
-        # A row the stage never timed (cut at its deadline) has no cuBLAS time: its status.
-        rows = [f"| {x['N']}x{x['K']} | {x['M']} | {x.get('cublas_us', x.get('status'))} "
-                f"| {_choice(x['upstream'])} "
-                f"| {_us(x['upstream'])} | {_choice(x['ours'])} | {_us(x['ours'])} | {x['winner']} |"
-                for x in r.ab.get("rows", [])]
-        if rows:
-            lines += ["", f"<details><summary>{r.ref}: A/B per row (µs per call)</summary>", "",
-                      "| N x K | M | cuBLAS | upstream | µs | ours | µs | faster |",
-                      "|---|--:|--:|---|--:|---|--:|---|", *_clip_rows(rows), "</details>"]
+    source = f" --vllm-repo {shlex.quote(r.vllm_repo)}" if r.vllm_repo else ""
+    rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}"
+    git = "git -C work/vllm"
+    lines = [rebase]
+    for p in r.conflicting_patches:
+        lines += [f"# stops at {p.name}: resolve {', '.join(p.files) or 'it'}, then",
+                  f"{git} am --continue && {rebase}"]
+    conflicted = [f for f in r.overlay if f.status == FILE_CONFLICT]
+    for f in conflicted:
+        regions = conflict_regions(f.path, f.merged or b"")
+        lines.append(f"# resolve the conflict markers in {f.path}"
+                     + (f" ({_count(regions, 'region', 'regions')})" if regions else ""))
+    # Tests of a tree that lacks part of the series say little: resolve first, then see.
+    problems = [run.name for run in r.runs if run.exit_code == errors.VERIFY and not r.missing]
+    if (r.verify is not None and not r.verify.ok) or problems:
+        found = ["verify"] * bool(r.verify and not r.verify.ok) + problems
+        lines.append(f"# fix what {' and '.join(found)} found (above) on the work branch")
+    if len(lines) > 1 and not lines[-1].startswith(git):
+        return lines + [f"{git} commit -a && python apply.py --export"]
+    return lines + ["python apply.py --export"]
+
+
+def _details(r: Report) -> list[str]:
+    """The collapsed part of one ref: sections' details, then upstream's diffs."""
+    lines = []
+    for section in r.sections:
+        if section.details:
+            lines += [f"<details><summary>{r.ref}: {section.title}</summary>", "",
+                      section.details.rstrip(), "", "</details>", ""]
+    for f in r.overlay:
+        if f.upstream_diff:
+            lines += [f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> since "
+                      f"{r.base_ref} ({f.status})</summary>", "", "```diff",
+                      *_clip(f.upstream_diff), "```", "</details>", ""]
     return lines
-
-
-def _us(choice: dict | None) -> str:
-    if choice is None:
-        return "="
-    return str(choice.get("us", choice.get("status", "n/a")))
-
-
-MARKDOWN_ROWS = 400  # rows of a details table in the CI comment; the JSON has them all
-
-
-def _clip_rows(rows: list[str]) -> list[str]:
-    if len(rows) <= MARKDOWN_ROWS:
-        return rows
-    return rows[:MARKDOWN_ROWS] + [f"| ... {len(rows) - MARKDOWN_ROWS} more rows in the JSON |"]
-
-
-MARKDOWN_DIFF_LINES = 150  # a CI comment is capped (64 KiB on GitHub); the JSON has it all
 
 
 def _clip(diff: str) -> list[str]:

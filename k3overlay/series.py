@@ -39,12 +39,14 @@ class Patch:
 
 @dataclass
 class PatchResult:
-    """What happened to one patch on one ref. ``files``/``hunks`` only for a conflict."""
+    """What happened to one patch on one ref. ``files``/``hunks`` only for a conflict
+    (``hunks``: ``path:first-last`` regions between conflict markers, then git's own lines)."""
 
     name: str
     status: str
     files: list[str] = field(default_factory=list)
     hunks: list[str] = field(default_factory=list)
+    upstream_commit: str = ""  # landed-upstream by patch-id: the upstream commit that has it
 
 
 def load(patches_dir: Path) -> list[Patch]:
@@ -114,8 +116,54 @@ def read_patch(path: Path) -> Patch:
     return Patch(path.name, path, headers.get("Subject", ""), status.group(0).split(": ", 1)[1].strip())
 
 
+# A diffstat as format-patch writes it, at the end of the text between ``---`` and the diff.
+_DIFFSTAT = re.compile(rb"(?:^ [^\n]*\|[^\n]*\n)+^ \d+ files? changed[^\n]*\n\n?\Z", re.M)
+
+
+def split_notes(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """A mailbox patch as ``(head, notes, rest)``, ``head + notes + rest == data``.
+
+    ``head`` ends with the ``---`` line that ends the commit message (``git am`` keeps
+    nothing after it); ``notes`` is what a person wrote below it (version notes,
+    measurements), before the diffstat; ``rest`` is the diffstat and the diff. A patch
+    without a ``---`` line has no notes (``(data, b"", b"")``).
+    """
+    sep = data.find(b"\n---\n")
+    if sep < 0:
+        return data, b"", b""
+    body = sep + len(b"\n---\n")
+    diff = data.find(b"\ndiff ", body - 1)
+    diff = len(data) if diff < 0 else diff + 1
+    between = data[body:diff]
+    stat = _DIFFSTAT.search(between)
+    end = body + (stat.start() if stat else len(between))
+    return data[:body], data[body:end], data[end:]
+
+
+def with_notes(data: bytes, notes: bytes) -> bytes:
+    """``data`` (a mailbox patch) with its notes below ``---`` replaced by ``notes``."""
+    head, _, rest = split_notes(data)
+    return head + notes + rest if head != data else data
+
+
+def notes_in_message(patch: Patch, folder: Path) -> Patch:
+    """A copy of ``patch`` in ``folder`` whose notes are in its commit message, indented
+    under ``Notes:`` (as ``git log --notes`` shows them): applied, its commit then
+    carries them, so a range-diff tells a change in them apart from none."""
+    data = patch.path.read_bytes()
+    head, notes, rest = split_notes(data)
+    if not notes.strip():
+        return patch
+    indented = b"".join(b"    " + line if line.strip() else line
+                        for line in notes.splitlines(keepends=True))
+    message = head[:-len(b"---\n")]
+    copy = folder / patch.name
+    copy.write_bytes(message + b"\nNotes:\n" + indented.rstrip(b"\n") + b"\n---\n" + rest)
+    return Patch(patch.name, copy, patch.subject, patch.upstream_status)
+
+
 def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
-          ref_sha: str) -> list[PatchResult]:
+          ref_sha: str, base_sha: str | None = None) -> list[PatchResult]:
     """Apply ``patches`` in order onto ``repo``'s work tree (HEAD at REF, ``ref_sha``), one
     commit each, in one ``git am --3way`` run.
 
@@ -127,15 +175,58 @@ def apply(repo: git.Repo, patches: list[Patch], *, env: dict[str, str],
     ``conflict`` otherwise, with the files and hunks that failed. A
     conflicting patch is skipped and the rest are still tried, so one run
     classifies the whole series. No commit is left that changes nothing.
+
+    With ``base_sha`` (upstream at our base) and history from it to REF (a git
+    clone, not a release mirror), a patch whose patch-id equals an upstream
+    commit's there is ``landed-upstream`` first of all, naming that commit, and
+    is not applied: upstream took it, whatever it did to those lines later
+    (``git rebase`` drops such a commit the same way).
     """
-    return _run(repo, patches, env, ref_sha, keep_conflict=False)
+    return _by_patch_id(repo, patches, base_sha, ref_sha,
+                        lambda rest: _run(repo, rest, env, ref_sha, keep_conflict=False))
 
 
 def apply_one(repo: git.Repo, patch: Patch, *, env: dict[str, str], ref_sha: str,
-              keep_conflict: bool = False) -> PatchResult:
+              keep_conflict: bool = False, base_sha: str | None = None) -> PatchResult:
     """Apply and classify one patch (see ``apply``). With ``keep_conflict`` a
     conflicting am is left in progress for a maintainer to resolve."""
-    return _run(repo, [patch], env, ref_sha, keep_conflict)[0]
+    return _by_patch_id(repo, [patch], base_sha, ref_sha,
+                        lambda rest: _run(repo, rest, env, ref_sha, keep_conflict))[0]
+
+
+def landed_by_patch_id(repo: git.Repo, patches: list[Patch], base_sha: str | None,
+                       ref_sha: str) -> dict[str, str]:
+    """``{patch name: upstream commit}`` for each patch an upstream commit in
+    ``base_sha..ref_sha`` carries, by ``git patch-id --stable``; empty without
+    ``base_sha`` or without history between the two."""
+    if not base_sha or base_sha == ref_sha or not git.is_ancestor(repo, base_sha, ref_sha):
+        return {}
+    found = {}
+    for patch in patches:
+        mine = git.patch_ids(repo, patch=patch.path)
+        if not mine:
+            continue  # no diff git can id (a mode change alone, say): the tree rule decides
+        theirs = git.patch_ids(repo, rev_range=f"{base_sha}..{ref_sha}",
+                               paths=git.patch_paths(repo, patch.path))
+        commit = next((theirs[pid] for pid in mine if pid in theirs), None)
+        if commit:
+            found[patch.name] = commit
+    return found
+
+
+def _by_patch_id(repo, patches, base_sha, ref_sha, run) -> list[PatchResult]:
+    """``run`` on the patches upstream has not taken by patch-id; the results in series order."""
+    taken = landed_by_patch_id(repo, patches, base_sha, ref_sha)
+    rest = iter(run([p for p in patches if p.name not in taken]) if len(taken) < len(patches)
+                else [])
+    results = []
+    for patch in patches:
+        result = (PatchResult(patch.name, LANDED, upstream_commit=taken[patch.name])
+                  if patch.name in taken else next(rest, None))
+        if result is None:
+            break  # a conflict left in progress (``keep_conflict``): nothing after it ran
+        results.append(result)
+    return results
 
 
 def _run(repo: git.Repo, patches: list[Patch], env: dict[str, str], ref_sha: str,
@@ -225,16 +316,21 @@ def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:
     regions = []
     for path in paths:
         data = read_regular(tree / path)  # a link git left there is not followed
-        if data is None:
-            continue
-        lines = data.decode(errors="replace").splitlines()
-        start = None
-        for number, line in enumerate(lines, 1):
-            if line.startswith("<<<<<<< "):
-                start = number
-            elif line.startswith(">>>>>>> ") and start is not None:
-                regions.append(f"{path}:{start}-{number}")
-                start = None
+        if data is not None:
+            regions += conflict_regions(path, data)
+    return regions
+
+
+def conflict_regions(path: str, data: bytes) -> list[str]:
+    """``path:first-last`` (1-based lines, markers included) for each conflict region in
+    ``data``, the text of ``path`` as a 3-way merge left it."""
+    regions, start = [], None
+    for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+        if line.startswith("<<<<<<< "):
+            start = number
+        elif line.startswith(">>>>>>> ") and start is not None:
+            regions.append(f"{path}:{start}-{number}")
+            start = None
     return regions
 
 

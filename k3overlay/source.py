@@ -13,13 +13,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import git
+from . import git, journal
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
 from .interrupts import deferred
 from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
+from .releases import unknown_ref_hint
 
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 # What git says when the remote answered but has no such ref (bad input, not a network fault).
@@ -109,18 +110,25 @@ def clone(origin: str, workdir: Path) -> git.Repo:
     except OSError as err:
         raise UsageError(f"cannot create --workdir {workdir}: {err.strerror}") from err
     try:
-        with step(f"cloning {origin} into {workdir}"):
+        with journal.step("clone", scratch=str(scratch), prefix=f".{workdir.name}.k3-clone-"):
             try:
-                git.clone(origin, scratch / "vllm")
-            except git.GitError as err:
-                raise _classify(str(err)) from err
-        try:
-            os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
-        except OSError as err:
-            raise UsageError(f"cannot put the clone at --workdir {workdir}: {err.strerror}") from err
+                with step(f"cloning {origin} into {workdir}"):
+                    try:
+                        git.clone(origin, scratch / "vllm")
+                    except git.GitError as err:
+                        raise _classify(str(err)) from err
+                journal.point("clone.cloned")
+                try:
+                    os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
+                except OSError as err:
+                    raise UsageError(f"cannot put the clone at --workdir {workdir}: "
+                                     f"{err.strerror}") from err
+            finally:
+                with deferred():
+                    shutil.rmtree(scratch, ignore_errors=True)
     finally:
         with deferred():
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)  # (the journal could not be written)
     return git.open_repo(workdir)
 
 
@@ -154,6 +162,8 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
         return git.resolve(repo, fetched)
     if local:
         return local
+    if Path(source) == default_mirror().path:  # the user's sha is likely upstream's: say what works
+        raise _classify(output, what=unknown_ref_hint(ref))
     raise _classify(output, what=f"ref {ref!r} not found in {source}")
 
 

@@ -24,10 +24,42 @@ from .files import read_regular
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", "build", "dist"}
 
 
+OK, FAILED, NOT_RUN = "ok", "failed", "not run"
+
+
 @dataclass
 class VerifyResult:
+    """``verify``, with one meaning everywhere (apply.py, the rebase job, every report):
+    the static checks of the tree holding the whole series and overlay.
+
+    ``ok``: that tree passed; ``failed``: it did not (``errors``); ``not run``
+    (``not_run`` says why): there was no such tree, because a patch or overlay
+    file did not go in (conflict, refused drift) or the job stopped before.
+    The rebase job's tree of "what applied" is never verified: an ``ok`` there
+    would vouch for a tree nobody will ship.
+    """
+
     ok: bool = True
     errors: list[str] = field(default_factory=list)
+    not_run: str = ""
+
+    @classmethod
+    def skipped(cls, reason: str) -> VerifyResult:
+        return cls(False, [], reason)
+
+    @property
+    def status(self) -> str:
+        return NOT_RUN if self.not_run else OK if self.ok else FAILED
+
+    def line(self) -> str:
+        """``ok``, ``failed: N error(s)`` or ``not run: REASON`` (one line, for any report)."""
+        if self.status == FAILED:
+            return f"failed: {len(self.errors)} error(s)"
+        return f"not run: {self.not_run}" if self.not_run else OK
+
+    def to_json(self) -> dict:
+        data = {"ok": self.ok, "status": self.status, "errors": self.errors}
+        return {**data, "not_run": self.not_run} if self.not_run else data
 
     def fail(self, message: str) -> None:
         self.ok = False

@@ -31,7 +31,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import tomllib
 import zipfile
 from collections.abc import Iterator
@@ -39,14 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.utils import parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 from wheel.wheelfile import WheelError, WheelFile
 
-from . import git, source, wheelcheck
+from . import git, releases, source, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
+from .wheelrelease import PACKAGE, RECORD_PATH, check_release, readable
+from .wheelrelease import opened as _opened
+from .wheelrelease import release_wheel as _release_wheel
 from .errors import BuildError, OverlayError, SourceError, UsageError
 from .files import write_in_tree
+from .lock import owned_scratch
 from .mirror import release_of
 from .progress import ByteBar, step
 from .project import Project
@@ -56,8 +59,6 @@ from .series import load as load_series
 REPACK, VLLM = "repack", "vllm"
 METHODS = (REPACK, VLLM)
 LABEL = "k3ov"  # the local version label: X.Y.Z+k3ov.<VERSION>
-PACKAGE = "vllm/"
-RECORD_PATH = "vllm/k3_overlay.json"
 VERSION_PY = "vllm/_version.py"
 RECORD_FORMAT = 1
 # Paths that feed vLLM's compiled code or its wheel's metadata: a change to any of them
@@ -130,9 +131,9 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
         opts.wheel_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"wheel folder {opts.wheel_dir}: cannot create it ({err.strerror})") from err
-    with _writing_in(opts.wheel_dir):
-        scratch = tempfile.TemporaryDirectory(prefix=".k3-wheel-", dir=opts.wheel_dir)
-    with scratch as tmp:
+    with contextlib.ExitStack() as stack:
+        with _writing_in(opts.wheel_dir):  # (a killed build's scratch folder is removed first)
+            tmp = stack.enter_context(owned_scratch(opts.wheel_dir, ".k3-wheel-"))
         with _writing_in(opts.wheel_dir):
             if opts.method == VLLM:
                 built = _vllm_build(repo, result_sha, p, Path(tmp))
@@ -151,7 +152,7 @@ def build(project: Project, repo: git.Repo, report: Report, result_sha: str, opt
 def _writing_in(wheel_dir: Path) -> Iterator[None]:
     """A write error in the wheel folder (a full disk, a read-only mount) as one line naming
     the folder, exit 2 like a report that cannot be written. Errors reading the release
-    wheel are not these: ``_opened`` and ``_read`` name that wheel."""
+    wheel are not these: ``wheelrelease.opened`` and ``_read`` name that wheel."""
     try:
         yield
     except OSError as err:
@@ -172,7 +173,12 @@ def plan(project: Project, repo: git.Repo, report: Report, result_sha: str, opts
     release_wheel = _release_wheel(opts.release_wheel, files, release)
     check_release(repo, report.ref_sha, release_wheel, release)
     record = provenance(project, repo, report, result_sha, version, opts.method, release_wheel)
-    stamp = {VERSION_PY: versioned(_member(release_wheel, VERSION_PY).decode(), version).encode(),
+    release_py = _member(release_wheel, VERSION_PY).decode()
+    # _version.py names what the wheel is built from (the patched commit); the release's own
+    # upstream commit id stays in the provenance record.
+    recorded = releases.recorded_commit(release_py)
+    record["target"]["commit_id"] = recorded and f"g{recorded}"  # as the release's file says it
+    stamp = {VERSION_PY: releases.with_commit(versioned(release_py, version), result_sha).encode(),
              RECORD_PATH: record_bytes(record)}
     put = {p: data for p, data in changes.items() if p.startswith(PACKAGE)} | stamp
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or git.commit_time(repo, result_sha))
@@ -229,74 +235,12 @@ def check_sound(changes: dict[str, bytes | None]) -> None:
                              f"feeds vLLM's compiled build or its wheel's metadata")
 
 
-def check_release(repo: git.Repo, ref_sha: str, wheel: Path, release: Version) -> None:
-    """Refuse (UsageError) unless ``wheel`` is vLLM ``release`` and holds every file under
-    ``vllm/`` at ``ref_sha`` byte for byte: the proof it is the release the tree came from."""
-    try:
-        name, version, _, _ = parse_wheel_filename(wheel.name)
-    except InvalidWheelFilename as err:
-        raise UsageError(f"{wheel.name} is not a wheel file name") from err
-    if name != "vllm" or version != release:
-        raise UsageError(f"{wheel.name} is not vLLM {release}'s wheel")
-    expected = git.tree_files(repo, ref_sha, PACKAGE)
-    width = len(ref_sha)
-    with _opened(wheel) as archive:
-        members = {i.filename: i for i in archive.infolist()}
-        if RECORD_PATH in members:
-            raise UsageError(f"{wheel.name} already holds {RECORD_PATH}")
-        if any(p.startswith(f"{archive.parsed_filename.group('namever')}.data/") for p in members):
-            raise UsageError(f"{wheel.name} has a .data folder; repacking handles wheels without one")
-        bad = [f"{p} is not in it" if p not in members else f"{p} differs"
-               for p, blob in sorted(expected.items())
-               if p not in members or git.blob_id(archive.read(members[p]), width=width) != blob]
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise UsageError(f"{wheel.name} is not the vLLM {release} the tree came from: {bad[0]}{more}")
-
-
 def _member(wheel: Path, path: str) -> bytes:
     """The bytes of ``path`` in ``wheel``; UsageError if it has none."""
     with _opened(wheel) as archive:
         if path not in archive.namelist():  # (WheelFile.read would blame its RECORD instead)
             raise UsageError(f"{wheel.name} has no {path}")
         return archive.read(path)
-
-
-def _release_wheel(local: Path | None, files: ReleaseFiles, release: Version) -> Path:
-    """The release wheel: ``local`` (``--release-wheel``) or the index's, cached and verified."""
-    if local is None:
-        try:
-            return files.use(files.wheel(release), readable)
-        except SourceError as err:
-            raise SourceError(f"{err} (offline, give the release wheel with --release-wheel)") from err
-    if not local.is_file():
-        raise UsageError(f"--release-wheel {local}: no such file")
-    try:
-        return readable(local)
-    except SourceError as err:
-        raise UsageError(f"--release-wheel {local}: {err}") from err
-
-
-def readable(path: Path) -> Path:
-    """``path`` if it opens as a wheel with a RECORD; SourceError if not."""
-    with _opened(path):
-        return path
-
-
-@contextlib.contextmanager
-def _opened(path: Path) -> Iterator[WheelFile]:
-    """``path`` opened as a wheel. SourceError if it cannot be opened or read as one; an
-    error of the block's own (writing another file, say) is passed on as it is, never
-    blamed on this wheel."""
-    try:
-        archive = WheelFile(path)
-    except (WheelError, zipfile.BadZipFile, OSError, EOFError) as err:
-        raise SourceError(f"{path.name} cannot be read as a wheel: {err}") from err
-    with archive:
-        try:
-            yield archive
-        except (WheelError, zipfile.BadZipFile, EOFError) as err:
-            raise SourceError(f"{path.name} cannot be read as a wheel: {err}") from err
 
 
 def wheel_name(release_name: str, version: Version) -> str:

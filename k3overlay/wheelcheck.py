@@ -3,6 +3,9 @@
 Kept apart from the builder (``wheel``), sharing none of its code, so a mistake
 in how a wheel is written shows up here. Checked, in one pass over both wheels:
 
+- nothing ``wheelentries`` refuses: every entry a regular file with a safe name, under
+  ``vllm/`` or the dist-info, no ``.pth`` file, no link, RECORD listing exactly the entries;
+- the dist-info's other files (entry points, licenses) are the release's, byte for byte;
 - every entry of both matches its RECORD hash (``wheel``'s WheelFile checks
   it as an entry is read), and RECORD lists exactly the entries;
 - one dist-info, ``vllm-<version>.dist-info``; the file name's name and version,
@@ -33,6 +36,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 from wheel.wheelfile import WheelError, WheelFile
 
+from . import wheelentries
 from .errors import BuildError
 from .progress import ByteBar
 
@@ -65,7 +69,9 @@ def _problems(built: Path, release: Path, version: Version, put: dict[str, bytes
     want_info = f"vllm-{version}.dist-info"
     if new_info != [want_info]:
         return [f"dist-info folders {new_info}, not [{want_info!r}]"]
+    problems += wheelentries.problems(built, wheelentries.Expected("vllm", want_info, None))
     problems += _metadata(built, want_info, version, {str(t) for t in tags})
+    problems += _info_files(new, old, want_info)
     payload = {p: d for p, d in new.items() if not p.startswith(want_info + "/")}
     released = {p: d for p, d in old.items() if ".dist-info/" not in p}
     expected = (set(released) | {p for p, d in put.items() if d is not None}) - \
@@ -79,6 +85,18 @@ def _problems(built: Path, release: Path, version: Version, put: dict[str, bytes
             problems.append(f"{path} is not {source}")
     problems += _version_py(built, version)
     return problems
+
+
+def _info_files(new: dict[str, str], old: dict[str, str], info: str) -> list[str]:
+    """The dist-info's other files (entry_points.txt, top_level.txt, licenses) are the
+    release's, byte for byte: none added, none dropped, none changed."""
+    rewritten = {"METADATA", "WHEEL", "RECORD"}
+    ours = {p.split("/", 1)[1]: d for p, d in new.items() if p.startswith(info + "/")}
+    theirs = {p.split("/", 1)[1]: d for p, d in old.items()
+              if p.split("/")[0].endswith(".dist-info") and "/" in p}
+    names = (set(ours) | set(theirs)) - rewritten - {"RECORD.jws", "RECORD.p7s"}
+    return [f"{info}/{name} is not the release's" for name in sorted(names)
+            if ours.get(name) != theirs.get(name)]
 
 
 def _digests(path: Path, problems: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -111,15 +112,50 @@ def project(tmp_path, upstream) -> Project:
     return Project(root)
 
 
+# The suite's own git identity: every git a test starts (directly or through the tool) commits
+# as this, never as the person running the tests.
+TEST_IDENTITY = {
+    "GIT_AUTHOR_NAME": "k3 test suite", "GIT_AUTHOR_EMAIL": "tests@vllm-k3-overlay.invalid",
+    "GIT_COMMITTER_NAME": "k3 test suite", "GIT_COMMITTER_EMAIL": "tests@vllm-k3-overlay.invalid",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_git(tmp_path_factory):
+    """No test depends on the git config or ``GIT_*`` variables of whoever runs it.
+
+    For the whole session (session fixtures such as ``upstream`` included, and every
+    subprocess a test starts): the global config is an empty file, the system config is
+    off, no inherited ``GIT_*`` variable is left, and author and committer are the suite's
+    own (``TEST_IDENTITY``). A machine without a git identity (README command 2 on a fresh
+    clone, ``.ci/run``) then runs the suite exactly as a developer's machine does.
+    """
+    empty = tmp_path_factory.mktemp("git-home") / "gitconfig"
+    empty.write_text("")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("GIT_")]:
+            mp.delenv(key)
+        mp.setenv("GIT_CONFIG_GLOBAL", str(empty))
+        mp.setenv("GIT_CONFIG_NOSYSTEM", "1")
+        for key, value in TEST_IDENTITY.items():
+            mp.setenv(key, value)
+        yield empty
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(request, tmp_path, monkeypatch):
-    """No synthetic test touches the real cache or picks up $VLLM_REPO by accident.
+    """No synthetic test touches the real cache, reads pip's config or ``PIP_*`` variables, or
+    picks up $VLLM_REPO by accident.
 
-    End-to-end tests (marked ``e2e``) keep the real cache: the release mirror
-    there is what saves them from downloading vLLM again.
+    End-to-end tests (marked ``e2e``) keep the real cache (the release mirror there is what
+    saves them from downloading vLLM again) and pip's config (it says where this machine's
+    package index is; they build environments from it).
     """
     if request.node.get_closest_marker("e2e") is None:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        for key in [k for k in os.environ if k.startswith("PIP_")]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # pip then reads no config file
     monkeypatch.delenv("VLLM_REPO", raising=False)
 
 
@@ -128,6 +164,29 @@ def progress_said(monkeypatch):
     """Progress messages on, as apply.py says them without -q: a test that ran apply.py's
     main with -q must not silence the ones after it (``progress.quiet`` is module state)."""
     monkeypatch.setattr(progress, "quiet", False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Life in a CI log: an e2e test (one can take minutes, and -q prints nothing until it
+    ends) says when it starts and how long it took, on lines of its own. Off with -qq, and
+    with -v (pytest names every test itself)."""
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    verbosity = item.config.get_verbosity()
+    if reporter is None or verbosity > 0 or verbosity < -1 or item.get_closest_marker("e2e") is None:
+        yield
+        return
+    _own_line(reporter, f"{item.nodeid} …")
+    start = time.monotonic()
+    yield
+    _own_line(reporter, f"{item.nodeid}: done in {time.monotonic() - start:.0f} s")
+
+
+def _own_line(reporter, text: str) -> None:
+    """``text`` on a line of its own, after -q's dots (which ``write_line`` does not end)."""
+    if reporter._tw.width_of_current_line:
+        reporter.write("\n")
+    reporter.write_line(text)
 
 
 def snapshot(repo: Path) -> dict:

@@ -32,7 +32,7 @@ class FakeIndex:
     def page(self, base: str) -> dict:
         files = []
         for name in sorted(self.digests):
-            entry = {"filename": name, "url": f"{base}/files/{name}",
+            entry = {"filename": name, "url": f"{base}/files/{name}", "size": len(self.files.get(name, b"")),
                      "hashes": {"sha256": self.digests[name]} if self.digests[name] else {}}
             if self.upload_times[name]:
                 entry["upload-time"] = self.upload_times[name]

@@ -176,7 +176,7 @@ def test_cli_json_report_shape_and_exit_codes(project, upstream, tmp_path, monke
                           "ok", "patches", "overlay", "verify"]
     assert data["ok"] is True and data["ref"] == "v1.0.0" and data["base_ref"] == "v1.0.0"
     assert data["patches"] == [{"name": "0001-model-line-4.patch", "status": "applied"}]
-    assert data["verify"] == {"ok": True, "errors": []}
+    assert data["verify"] == {"ok": True, "status": "ok", "errors": []}
     assert cli.main([*base, "--vllm-ref", "v1.3.0"]) == errors.CONFLICT
     assert cli.main([*base, "--vllm-ref", "v1.2.0"]) == errors.DRIFT
     assert cli.main([*base, "--vllm-ref", "nope"]) == errors.USAGE

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -13,8 +15,8 @@ from rich.console import Console
 from k3overlay import cli, errors, git, progress
 from k3overlay.project import ROOT, cache_dir
 
-from .conftest import g
-
+from .conftest import g, snapshot
+from .test_rebase import load_ci_rebase
 
 def test_help_names_every_mode_and_the_exit_codes(project, monkeypatch, capsys):
     monkeypatch.setattr(cli, "Project", lambda: project)
@@ -47,7 +49,8 @@ def test_export_takes_only_workdir(project, monkeypatch, capsys):
 
 def test_reports_are_wide_when_piped(monkeypatch):
     monkeypatch.setattr("sys.stdout.isatty", lambda: False)
-    assert cli.report_console().width == 160  # one line per patch or file in a CI log
+    console = cli.report_console()  # one line per patch or file in a CI log, never wrapped
+    assert console.width == cli.PIPE_WIDTH and console.soft_wrap
 
 
 def test_cache_lives_under_xdg_cache_home_or_home(monkeypatch, tmp_path):
@@ -76,8 +79,11 @@ def test_every_option_is_explained(project, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for line in ("--vllm-ref REF vLLM tag, branch or sha to patch (default: the pinned base in "
-                 "overlay.json)",
+    for line in ("--vllm-ref REF vLLM ref to patch: a release tag, upstream's commit id of a release "
+                 "(full or abbreviated; see --list-releases), or a tag, branch or sha of --vllm-repo "
+                 "(default: the pinned base in overlay.json)",
+                 "--list-releases list the vLLM releases --vllm-ref knows, with upstream's commit id "
+                 "of each and the release mirror's sha (offline)",
                  "--vllm-repo PATH_OR_URL vLLM git repository (default: $VLLM_REPO, else a local "
                  "mirror of release sdists under ~/.cache/vllm-k3-overlay)",
                  "--json FILE also write the report as JSON",
@@ -113,6 +119,22 @@ def test_wheel_options_alone_are_bad_usage(project, monkeypatch, capsys, args, m
     monkeypatch.setattr(cli, "Project", lambda: project)
     assert cli.main(args) == errors.USAGE
     assert capsys.readouterr().err == f"apply.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("extra, given", [(["--vllm-ref", "v1.2.0"], "--vllm-ref"),
+                                           (["--allow-drift"], "--allow-drift")])
+def test_rebase_to_refuses_what_it_would_drop(project, upstream, monkeypatch, capsys, tmp_path,
+                                              extra, given):
+    # --vllm-ref X --rebase-to Y used to rebuild on Y and drop X without a word.
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(wd),
+                     "--rebase-to", "v1.1.0", *extra])
+    assert code == errors.USAGE
+    assert capsys.readouterr().err == (
+        f"apply.py: error: --rebase-to REF takes no {given}: REF is the ref the work branch is "
+        f"rebuilt on, and drifted files are 3-way merged\n")
+    assert not wd.exists()  # refused before anything was cloned
 
 
 def test_json_that_cannot_be_written_is_named(project, monkeypatch, capsys, tmp_path):
@@ -180,8 +202,293 @@ def test_usage_errors_are_one_line(project, monkeypatch, capsys, args, message):
 
 def test_rebase_job_usage_errors_are_one_line():
     # The rebase job's own options go through the same parser: no usage block either.
-    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "rebase.py"), "--gpu", "--gpu-results", "x",
-                           "--onto", "v0.28.0"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "ci.rebase", "--gpu", "--gpu-results", "x",
+                           "--onto", "v0.28.0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == errors.USAGE
     assert proc.stderr.splitlines() == [
         "rebase.py: error: argument --gpu-results: not allowed with argument --gpu (see --help)"]
+
+
+# -- Found by the adversarial pass: ``--workdir`` naming this repository's own checkout (or a
+# folder holding it) published vLLM's branch there, switching patches/, overlay/ and apply.py
+# out of the user's work tree.
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_workdir_holding_the_project_is_refused_and_left_as_it_was(project, upstream, tmp_path,
+                                                                  monkeypatch, capsys, where):
+    root = project.root
+    (root / ".gitignore").write_text("work/\n")
+    g(root, "init", "-q", "-b", "main")
+    g(root, "add", "-A")
+    g(root, "commit", "-qm", "the overlay project")
+    before = snapshot(root)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    workdir = root if where == "root" else root.parent
+    for mode in ([], ["--check"], ["--export"], ["--rebase-to", "v1.1.0"]):
+        extra = [] if mode == ["--export"] else ["--vllm-repo", str(upstream)]
+        assert cli.main(["-q", "--workdir", str(workdir), *extra, *mode]) == errors.USAGE
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"apply.py: error: --workdir {workdir} holds this repository "
+                       f"({root.resolve()}); give a folder of its own (default: work/vllm)"], mode
+    assert snapshot(root) == before and (root / "overlay.json").is_file()
+
+
+@pytest.mark.parametrize("branch", ["HEAD", "-f", "@{-1}", "a b", "x.lock", "a..b"])
+@pytest.mark.parametrize("mode", [["--check"], [], ["--rebase-to", "v1.1.0"]])
+def test_a_branch_name_git_refuses_is_refused_before_any_work(project, upstream, tmp_path,
+                                                             monkeypatch, capsys, branch, mode):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), f"--branch={branch}", *mode])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: --branch {branch!r} is not a valid git branch name"]
+    assert not wd.exists()
+
+
+def test_a_version_that_makes_no_branch_name_is_refused(project, upstream, tmp_path, monkeypatch,
+                                                       capsys):
+    (project.root / "VERSION").write_text("1.0 rc1\n")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "apply.py: error: the work branch (from VERSION) 'k3-overlay/1.0 rc1' is not a valid git "
+        "branch name"]
+
+
+def _make(path, kind):
+    path.unlink()
+    if kind == "missing":
+        return
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "empty":
+        path.write_text("\n")
+    else:
+        path.write_bytes(b"\xff\xfe0.1\n")
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "fifo", "empty", "not utf-8"])
+@pytest.mark.parametrize("args", [["--help"], ["--check"], ["--export"]])
+def test_an_unreadable_version_file_is_one_line_never_a_traceback_or_a_hang(project, monkeypatch,
+                                                                          capsys, kind, args):
+    _make(project.root / "VERSION", kind)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["-q", *args]) == errors.USAGE  # a FIFO read would block here forever
+    assert capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: {project.root / 'VERSION'} is missing, empty, not UTF-8 text or not a "
+        f"regular file; it holds the overlay version (restore it with git)"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder", "fifo"])
+def test_an_unreadable_manifest_is_one_line_never_a_hang(project, upstream, tmp_path, monkeypatch,
+                                                         capsys, kind):
+    _make(project.manifest_path, kind)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: cannot read overlay manifest {project.manifest_path}: overlay.json is "
+        f"missing or not a regular file"]
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_a_relative_vllm_repo_is_read_from_the_current_folder(project, upstream, tmp_path,
+                                                              monkeypatch, how):
+    here = tmp_path / "here"
+    here.mkdir()
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(here / "up.git"))
+    wd = tmp_path / "work" / "vllm"
+    decoy = tmp_path / "work" / "up.git"  # where git would have looked, beside the workdir
+    decoy.parent.mkdir()
+    g(tmp_path, "init", "-q", "--bare", str(decoy))
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    repo = ["--vllm-repo", "up.git"] if how == "option" else []
+    if how == "environment":
+        monkeypatch.setenv("VLLM_REPO", "up.git")
+    for ref in ("v1.0.0", "v1.1.0"):  # a fresh clone, then a fetch into the checkout
+        assert cli.main(["-q", *repo, "--workdir", str(wd), "--vllm-ref", ref]) == errors.OK
+        assert g(wd, "rev-parse", "HEAD~2").strip() == g(upstream, "rev-parse", ref).strip()
+
+
+# -- Found after issue 8: a file or folder the user names for the tool to write (``--json``,
+# ``--junit``, ``--markdown``, the wheel folder and its build log, the rebase job's
+# ``--wheels`` and ``--gpu-export``, the work directory) could be one of this repository's
+# own data (VERSION, overlay.json, patches/ and its series, overlay/) or lie inside a
+# ``.git`` folder, and was then written over. Each is refused in one line, exit 2, before
+# anything is written: the data and the checkout stay byte for byte as they were.
+
+
+# (path under the project's root, what the message calls it, over it or inside it)
+DATA = [("VERSION", "VERSION", "is"), ("overlay.json", "overlay.json", "is"),
+        ("patches/series", "patches/", "inside"),
+        ("patches/0001-model-line-4.patch", "patches/", "inside"),
+        ("overlay/pkg/mod.py", "overlay/", "inside"), ("overlay/pkg/report.json", "overlay/", "inside")]
+
+
+GIT = [".git/config", ".git/HEAD", ".git/refs/heads/report.json", ".git"]
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (``.git`` too) with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def checked_in(project, monkeypatch):
+    """The synthetic project as a git checkout, as apply.py's own; its files, before."""
+    g(project.root, "init", "-q", "-b", "main")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-qm", "the overlay project")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    return project, files_of(project.root), snapshot(project.root)
+
+
+def message(option: str, path: Path, what: str, how: str) -> str:
+    if how == "is":
+        return f"{option} {path} is this repository's {what}; refusing to write over it"
+    return f"{option} {path} is inside this repository's {what}; refusing to write there"
+
+
+def git_message(option: str, path: Path, root: Path) -> str:
+    return f"{option} {path} is inside a .git folder ({root.resolve() / '.git'}); refusing to write there"
+
+
+@pytest.mark.parametrize("rel, what, how", DATA)
+def test_json_report_onto_the_projects_data_is_refused(checked_in, upstream, capsys, rel, what, how):
+    project, before, state = checked_in
+    for path in (project.root / rel, Path(os.path.relpath(project.root / rel))):
+        code = cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--json", str(path)])
+        assert code == errors.USAGE
+        assert capsys.readouterr().err.splitlines() == [
+            "apply.py: error: " + message("--json", path, what, how)]
+    assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+@pytest.mark.parametrize("rel", GIT)
+def test_json_report_inside_dot_git_is_refused(checked_in, upstream, capsys, rel):
+    project, before, state = checked_in
+    path = project.root / rel
+    assert cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--json", str(path)]) == errors.USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        "apply.py: error: " + git_message("--json", path, project.root)]
+    assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+def test_a_link_leading_to_the_data_is_refused_too(checked_in, upstream, capsys, tmp_path):
+    project, before, state = checked_in
+    link = tmp_path / "report.json"
+    link.symlink_to(project.manifest_path)
+    mode = ["--export"], ["--check", "--vllm-repo", str(upstream)]  # --export refuses --json too
+    for args in mode:
+        assert cli.main(["-q", *args, "--json", str(link)]) == errors.USAGE
+        assert capsys.readouterr().err.splitlines() == [
+            "apply.py: error: " + message("--json", link, "overlay.json", "is")], args
+    assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+@pytest.mark.parametrize("option, rel, what, how", [
+    ("--wheel-dir", "patches", "patches/", "is"), ("--wheel-dir", "overlay/pkg", "overlay/", "inside"),
+    ("--workdir", "patches/vllm", "patches/", "inside"), ("--workdir", "overlay", "overlay/", "is")])
+def test_wheel_folder_or_workdir_in_the_data_is_refused(checked_in, upstream, capsys, option, rel,
+                                                         what, how):
+    project, before, state = checked_in
+    path = project.root / rel
+    extra = ["--build-wheel"] if option == "--wheel-dir" else []
+    assert cli.main(["-q", "--vllm-repo", str(upstream), *extra, option, str(path)]) == errors.USAGE
+    assert capsys.readouterr().err.splitlines() == ["apply.py: error: " + message(option, path, what, how)]
+    assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+@pytest.mark.parametrize("option", ["--wheel-dir", "--workdir"])
+def test_wheel_folder_or_workdir_inside_dot_git_is_refused(checked_in, upstream, capsys, option):
+    project, before, state = checked_in
+    path = project.root / ".git" / "vllm"
+    extra = ["--build-wheel"] if option == "--wheel-dir" else []
+    assert cli.main(["-q", "--vllm-repo", str(upstream), *extra, option, str(path)]) == errors.USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        "apply.py: error: " + git_message(option, path, project.root)]
+    assert files_of(project.root) == before and not path.exists()
+
+
+@pytest.mark.parametrize("option, rel, expected", [
+    ("--json", "overlay.json", ("overlay.json", "is")),
+    ("--junit", "patches/series", ("patches/", "inside")),
+    ("--markdown", "VERSION", ("VERSION", "is")),
+    ("--wheels", "overlay", ("overlay/", "is")),
+    ("--gpu-export", "patches/out", ("patches/", "inside")),
+    ("--markdown", ".git/description", None),
+    ("--gpu-export", ".git/bundle", None)])
+def test_rebase_job_outputs_onto_the_data_are_refused(checked_in, upstream, capsys, monkeypatch,
+                                                      option, rel, expected):
+    project, before, state = checked_in
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "Project", lambda: project)
+    path = project.root / rel
+    code = job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--vllm-repo", str(upstream), option, str(path)])
+    line = git_message(option, path, project.root) if expected is None else message(option, path, *expected)
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == ["rebase.py: error: " + line]
+    assert files_of(project.root) == before and snapshot(project.root) == state
+
+
+@pytest.mark.parametrize("first, second, through_a_link", [
+    ("--json", "--junit", False), ("--json", "--markdown", True), ("--junit", "--markdown", False)])
+def test_rebase_job_reports_naming_one_file_are_refused(checked_in, upstream, capsys, monkeypatch,
+                                                        tmp_path, first, second, through_a_link):
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "Project", lambda: checked_in[0])
+    report = tmp_path / "report.json"
+    report.write_text("the previous report\n")
+    other = report
+    if through_a_link:
+        other = tmp_path / "link.json"
+        other.symlink_to(report)
+    code = job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
+                     first, str(report), second, str(other)])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"rebase.py: error: {second} {other} is the file {first} {report} names; give each its own"]
+    assert report.read_text() == "the previous report\n"
+
+
+def test_rebase_job_may_send_two_reports_to_stdout(checked_in, upstream, capfd, monkeypatch):
+    job = load_ci_rebase()
+    monkeypatch.setattr(job, "Project", lambda: checked_in[0])
+    code = job.main(["-q", "--no-tests", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
+                     "--json", "/dev/stdout", "--markdown", "/dev/stdout"])
+    out = capfd.readouterr().out
+    assert code == errors.OK and '"ref": "v1.1.0"' in out and "## vllm-k3-overlay rebase report" in out
+
+
+def test_json_over_the_release_wheel_is_refused(checked_in, upstream, capsys, tmp_path):
+    wheel = tmp_path / "vllm-1.0.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x05\x06" + bytes(18))  # what it holds is not read: refused before
+    for json_to in (wheel, tmp_path / "sub" / ".." / wheel.name):
+        code = cli.main(["-q", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"),
+                         "--build-wheel", "--release-wheel", str(wheel), "--json", str(json_to)])
+        assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+            f"apply.py: error: --json {json_to} is the file --release-wheel {wheel} names; give "
+            f"each its own"]
+    assert wheel.read_bytes() == b"PK\x05\x06" + bytes(18) and not (tmp_path / "wd").exists()
+
+
+@pytest.mark.parametrize("kind", ["bare", "separate"])
+@pytest.mark.parametrize("option, rel", [("--json", "config"), ("--json", "HEAD"),
+                                         ("--wheel-dir", "wheels"), ("--workdir", "vllm")])
+def test_outputs_inside_a_git_folder_of_any_name_are_refused(checked_in, upstream, capsys, tmp_path,
+                                                             kind, option, rel):
+    if kind == "bare":
+        repo = tmp_path / "mirror-v2.git"
+        g(tmp_path, "clone", "-q", "--bare", str(upstream), str(repo))
+    else:
+        repo = tmp_path / "separate"
+        g(tmp_path, "clone", "-q", "--separate-git-dir", str(repo), str(upstream), str(tmp_path / "co"))
+    before = files_of(repo)
+    path = repo / rel
+    extra = ["--build-wheel"] if option == "--wheel-dir" else ["--check"] if option == "--json" else []
+    code = cli.main(["-q", "--vllm-repo", str(upstream), *extra, option, str(path)])
+    assert code == errors.USAGE and capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: {option} {path} is inside the git repository {repo.resolve()} (a bare or "
+        f"separate git folder); refusing to write there"]
+    assert files_of(repo) == before

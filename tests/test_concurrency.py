@@ -238,7 +238,8 @@ def test_interrupt_while_starting_up_prints_no_traceback(tmp_path, upstream, scr
     for delay in (0.0, 0.05, 0.15):
         run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal,
-                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                                    "PYTHONPATH": str(ROOT)})  # ci.rebase imports ci.*
         assert run.stdout.readline() == "ready\n"
         time.sleep(delay)
         run.send_signal(signal.SIGINT)

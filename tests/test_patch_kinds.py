@@ -25,8 +25,9 @@ import pytest
 from k3overlay import cli, errors, series
 from k3overlay.export import export
 from k3overlay.job import Options, run_apply
-from k3overlay.project import Project
+from k3overlay.project import Project, ROOT
 from k3overlay.rebase import rebase_to, run_rebase
+from k3overlay.stages import StageResults
 
 from .conftest import IDENT, g, make_patch, model
 
@@ -306,18 +307,19 @@ def test_conflict_in_the_middle_and_later_patches_still_tried(kinds, tmp_path, m
 
     seen = {}
 
-    def look(tree):  # the rebase job still builds what applied, and runs tests on it
+    def look(target):  # the rebase job still builds what applied, and runs tests on it
+        tree = target.built
         seen["mode"] = mode(tree, "HEAD", "pkg/tool.sh")
         seen["committers"] = set(run_git(tree, "log", "--format=%cn <%ce>", "v3..HEAD").splitlines())
         seen["old"] = (tree / "pkg/old.txt").exists()
         seen["overlay"] = (tree / "pkg/extra.py").exists()
-        return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+        return StageResults()
 
-    [report] = run_rebase(project, ["v3"], vllm_repo=str(up), tests=look)
+    [report] = run_rebase(project, ["v3"], vllm_repo=str(up), stages=look)
     assert statuses(report) == ["applied", "conflict", "applied"]
     assert seen == {"mode": "100755", "old": False, "overlay": True,  # the patch after the
                     "committers": {"vllm-k3-overlay <k3-overlay@users.noreply.localhost>"}}  # conflict too
-    assert report.verify.ok and report.exit_code == errors.CONFLICT
+    assert report.verification.status == "not run" and report.exit_code == errors.CONFLICT
 
 
 def test_rebase_to_never_calls_our_own_bracketed_patch_landed(kinds, tmp_path, monkeypatch, capsys):
@@ -506,3 +508,102 @@ def test_two_patches_sharing_a_subject_are_refused(project, upstream, tmp_path):
                                   "subject 'model: change lines [4]'; reword one (--rebase-to and "
                                   "--export tell patches apart by subject)")
     assert not (tmp_path / "wd").exists()
+
+
+# -- Found by the second adversarial pass: a checkout of this repository whose line endings
+# git converted (``core.autocrlf=true``, common on Windows and WSL) made every patch of the
+# series a "conflict" (exit 3, naming hunks of upstream's files that were never the
+# problem) and would lay every overlay file with CRLF endings. The repository's
+# ``.gitattributes`` now keeps its data byte for byte on checkout, and a patch converted
+# anyway (an archive unpacked by a converting tool) is named in one line, exit 2.
+
+
+def test_a_patch_with_crlf_endings_is_named_not_called_a_conflict(project, upstream, tmp_path):
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd"))
+    assert str(err.value) == ("0001-model-line-4.patch has CRLF line endings (converted on "
+                              "checkout, e.g. by core.autocrlf=true?): check patches/ out again "
+                              "with LF endings")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_a_patch_that_changes_crlf_content_is_still_read(project):
+    """CR inside the diff (a file upstream keeps with CRLF endings) is content, not a sign of
+    a converted patch: only a first line ending in CR is."""
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    text = patch.read_bytes().replace(b"+line 4 (ours)\n", b"+line 4 (ours)\r\n")
+    assert b"\r\n" in text
+    patch.write_bytes(text)
+    assert [p.name for p in series.load(project.patches_dir)] == ["0001-model-line-4.patch"]
+
+
+def test_this_repositorys_data_is_checked_out_byte_for_byte_under_autocrlf(project, upstream,
+                                                                           tmp_path):
+    """The synthetic project committed with this repository's .gitattributes, cloned with
+    core.autocrlf=true, still applies (and its files hold no CR)."""
+    shutil.copy(ROOT / ".gitattributes", project.root / ".gitattributes")
+    g(project.root, "init", "-q", "-b", "main")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-qm", "the project")
+    clone = tmp_path / "clone"
+    g(tmp_path, "-c", "core.autocrlf=true", "clone", "-q", str(project.root), str(clone))
+    data = [p for p in clone.rglob("*") if p.is_file() and ".git" not in p.parts
+            and p.name != ".gitattributes"]
+    assert len(data) == 6 and not [p for p in data if b"\r" in p.read_bytes()]
+    report = run_apply(Project(clone), Options(vllm_repo=str(upstream), workdir=tmp_path / "wd"))
+    assert report.ok and [p.status for p in report.patches] == ["applied"]
+    assert b"\r" not in (tmp_path / "wd/pkg/new.py").read_bytes()
+
+
+def test_gitattributes_covers_every_data_path():
+    """Every kind of data file of the real repository is marked -text (git says so)."""
+    paths = ["patches/series", "patches/0001-x.patch", "overlay/vllm/a/b.py", "overlay.json",
+             "VERSION"]
+    out = subprocess.run(["git", "check-attr", "text", "--", *paths], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert out == [f"{path}: text: unset" for path in paths]
+    assert Path(ROOT / ".gitattributes").is_file()
+
+
+# -- Found by the second adversarial pass: a patch that writes into ``.git`` (any case, at any
+# depth) or out of the tree (``../``). git refuses such a path, so nothing was ever written,
+# but the report called the patch a bare "conflict" naming no file and no reason; the
+# conflict entry now carries git's own line, once (am and apply both said it).
+
+
+EVIL = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: A <a@b.c>
+Date: Thu, 1 Jan 2026 00:00:00 +0000
+Subject: [PATCH] evil
+
+Upstream-Status: Pending
+---
+diff --git a/{path} b/{path}
+new file mode 100755
+index 0000000..1111111
+--- /dev/null
++++ b/{path}
+@@ -0,0 +1,2 @@
++#!/bin/sh
++touch {marker}
+"""
+
+
+@pytest.mark.parametrize("path", [".git/hooks/post-checkout", ".GIT/config", "pkg/.git/x",
+                                  "../outside.txt", "pkg/../../outside.txt"])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_patch_writing_into_dot_git_or_out_of_the_tree_is_named(project, upstream, tmp_path,
+                                                                  path, check):
+    marker = tmp_path / "hook-ran"
+    (project.patches_dir / "0002-evil.patch").write_text(EVIL.format(path=path, marker=marker))
+    with open(project.patches_dir / "series", "a") as series:
+        series.write("0002-evil.patch\n")
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=check))
+    assert report.exit_code == 3 and [p.status for p in report.patches] == ["applied", "conflict"]
+    assert report.patches[1].hunks == [f"error: invalid path '{path}'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "project", "wd"]
+    assert not (wd / ".git/hooks/post-checkout").exists() and not marker.exists()

@@ -17,6 +17,7 @@ from rich.console import Console
 from k3overlay import errors, git, manifest, report, series
 from k3overlay.manifest import FileResult
 from k3overlay.series import PatchResult
+from k3overlay.stages import Problem, TestRun
 from k3overlay.verify import VerifyResult
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -139,8 +140,10 @@ REPORTS = st.builds(
     overlay=st.lists(st.builds(FileResult, ANY_TEXT, STATUS, ANY_TEXT, ANY_TEXT), max_size=3),
     verify=st.none() | st.builds(VerifyResult, st.booleans(), st.lists(ANY_TEXT, max_size=2)),
     allow_drift=st.booleans(),
-    tests=st.none() | st.fixed_dictionaries({k: st.integers(0, 5) for k in
-                                             ("passed", "failed", "skipped", "errors")}),
+    runs=st.lists(st.builds(TestRun, name=ANY_TEXT, passed=st.integers(0, 5),
+                            failed=st.integers(0, 5), errors=st.integers(0, 5),
+                            problems=st.lists(st.builds(Problem, ANY_TEXT, ANY_TEXT), max_size=2),
+                            not_run=st.lists(ANY_TEXT, max_size=2)), max_size=2),
     error=ANY_TEXT, error_code=st.sampled_from([0, 2, 3, 4, 5, 6]),
     notes=st.lists(ANY_TEXT, max_size=2), published=st.booleans())
 

@@ -15,37 +15,38 @@ from k3overlay.export import export
 from k3overlay.job import Options, run_apply
 from k3overlay.rebase import rebase_to, run_rebase
 from k3overlay.report import junit_xml, markdown
+from k3overlay.stages import StageResults, TestRun
 
 from .conftest import g
 
 
-def model_test(tree):
-    """A stand-in test tier: passes when our patch's line is in the tree."""
-    ok = "line 4 (ours)" in (tree / "pkg/model.txt").read_text()
-    return {"passed": int(ok), "failed": int(not ok), "skipped": 0, "errors": 0}
+def model_test(target):
+    """A stand-in for the job's stages: a test that passes when our patch's line is in the tree."""
+    ok = "line 4 (ours)" in (target.built / "pkg/model.txt").read_text()
+    return StageResults([TestRun(passed=int(ok), failed=int(not ok))])
 
 
 @pytest.fixture
 def reports(project, upstream):
     return {r.ref: r for r in run_rebase(project, ["v1.1.0", "v1.2.0", "v1.3.0", "v7.0.0"],
-                                         vllm_repo=str(upstream), tests=model_test)}
+                                         vllm_repo=str(upstream), stages=model_test)}
 
 
 def test_each_target_classified(reports):
     v11, v12, v13 = reports["v1.1.0"], reports["v1.2.0"], reports["v1.3.0"]
     assert [p.status for p in v11.patches] == ["applied-3way"] and v11.ok
-    assert v11.tests == {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+    assert v11.to_json()["tests"] == {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
     assert [p.status for p in v12.patches] == ["landed-upstream"]
     mod12 = {f.path: f for f in v12.overlay}["pkg/mod.py"]
     assert mod12.status == "merged" and "Upstream docstring" in mod12.upstream_diff
-    assert v12.ok and v12.verify.ok and v12.tests["passed"] == 1
+    assert v12.ok and v12.verify.ok and v12.run("tests").passed == 1
     assert [p.status for p in v13.patches] == ["conflict"]
     assert v13.patches[0].files == ["pkg/model.txt"]
     mod13 = {f.path: f for f in v13.overlay}["pkg/mod.py"]
     assert mod13.status == "conflict" and "def theirs" in mod13.upstream_diff
     assert mod13.detail.endswith("; 3-way merge: 1 conflicting region(s)")  # both add at the end
     assert v13.exit_code == errors.CONFLICT
-    assert v13.tests["failed"] == 1  # tests still ran, on what applied: upstream's line 4
+    assert v13.run("tests").failed == 1  # tests still ran, on what applied: upstream's line 4
     assert reports["v7.0.0"].exit_code == errors.USAGE and "not found" in reports["v7.0.0"].error
     assert reports["v7.0.0"].to_json()["overlay_version"] == "9.9.9"
 
@@ -59,7 +60,7 @@ def test_reports_render_for_ci(reports):
     assert [s.get("failures") for s in suites] == ["0", "0", "3", "0"]
     assert [s.get("errors") for s in suites] == ["0", "0", "0", "1"]  # v7.0.0: not found
     text = markdown(ordered)
-    assert "| v1.2.0" in text and "landed-upstream" in text and "Upstream docstring" in text
+    assert "### v1.2.0 " in text and "landed-upstream: 0001" in text and "Upstream docstring" in text
 
 
 def test_export_round_trips(project, upstream, tmp_path):
@@ -226,20 +227,14 @@ def test_rebase_job_exit_code_counts_test_errors(project, upstream, tmp_path, mo
     ci_rebase = load_ci_rebase()
     monkeypatch.setattr(ci_rebase, "Project", lambda: project)
 
-    class Tier:  # the CPU tier as the job sees it, with the counts of this case
+    class Stages:  # the job's stages as the core sees them, with the counts of this case
         def __init__(self, *args, **kwargs):
             pass
 
-        def pristine(self, tree, report):
-            pass
+        def __call__(self, target):
+            return StageResults([TestRun(**counts)])
 
-        def tests(self, tree):
-            return dict(counts)
-
-        def patched(self, tree, report):
-            pass
-
-    monkeypatch.setattr(ci_rebase, "TargetRun", Tier)
+    monkeypatch.setattr(ci_rebase, "JobStages", Stages)
     out = tmp_path / "out.json"
     assert ci_rebase.main(["-q", "--onto", "v1.1.0", "--vllm-repo", str(upstream),
                            "--json", str(out)]) == code
@@ -320,12 +315,12 @@ def test_export_keeps_the_mode_of_each_overlay_file(project, upstream, tmp_path)
 def test_a_conflicted_overlay_file_does_not_keep_the_next_from_being_laid(project, upstream):
     seen = {}
 
-    def look(tree):
-        seen["new"] = (tree / "pkg/new.py").read_text()
-        seen["mod"] = (tree / "pkg/mod.py").read_text()
-        return {"passed": 1, "failed": 0, "skipped": 0, "errors": 0}
+    def look(target):
+        seen["new"] = (target.built / "pkg/new.py").read_text()
+        seen["mod"] = (target.built / "pkg/mod.py").read_text()
+        return StageResults()
 
-    [report] = run_rebase(project, ["v1.3.0"], vllm_repo=str(upstream), tests=look)
+    [report] = run_rebase(project, ["v1.3.0"], vllm_repo=str(upstream), stages=look)
     assert [f.status for f in report.overlay] == ["conflict", "added"]
     assert seen["new"] == (project.overlay_dir / "pkg/new.py").read_text()
     assert seen["mod"] == g(upstream, "show", "v1.3.0:pkg/mod.py")  # upstream's, not markers
@@ -337,3 +332,128 @@ def test_rebase_job_leaves_no_scratch_behind(project, upstream, tmp_path, monkey
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     [report] = run_rebase(project, ["v1.1.0"], vllm_repo=str(upstream))
     assert report.ok and list(scratch.iterdir()) == []
+
+
+def test_verify_means_one_thing_in_apply_check_and_the_rebase_job(project, upstream):
+    # The same conflict (v1.3.0: the patch conflicts) once through apply.py --check and once
+    # through the rebase job: both say verify was not run, and why, in every rendering.
+    import io
+
+    from rich.console import Console
+
+    from k3overlay.report import write_human
+
+    checked = run_apply(project, Options(ref="v1.3.0", vllm_repo=str(upstream), check=True))
+    [job] = run_rebase(project, ["v1.3.0"], vllm_repo=str(upstream), stages=model_test)
+    # Same meaning, each with what it found: apply refuses the drifted file, the job merges it.
+    assert checked.to_json()["verify"] == {"ok": False, "status": "not run", "errors": [],
+                                           "not_run": "patch 0001 conflicts; overlay pkg/mod.py drifts"}
+    assert job.to_json()["verify"] == {"ok": False, "status": "not run", "errors": [],
+                                       "not_run": "patch 0001 conflicts; overlay pkg/mod.py conflicts"}
+    for report in (checked, job):
+        out = io.StringIO()
+        write_human(report, Console(file=out, width=200))
+        assert f"verify: not run: {report.verification.not_run}" in out.getvalue()
+        [verify] = [c for c in ET.fromstring(junit_xml([report])).iter("testcase")
+                    if c.get("name") == "verify"]
+        assert verify.find("failure") is None and verify.find("skipped") is not None
+    assert f"- verify: not run: {job.verification.not_run}" in markdown([job])
+
+
+NOTES = b"v2: context moved for v1.1.0\nmeasured: 4.1 \xc2\xb5s -> 3.9 \xc2\xb5s (H200, 2026-11-30)\n\n"
+
+
+def _with_notes(path, notes):
+    from k3overlay.series import with_notes
+
+    path.write_bytes(with_notes(path.read_bytes(), notes))
+
+
+def test_notes_below_the_dashes_survive_export_byte_for_byte(project, upstream, tmp_path):
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    _with_notes(patch, NOTES)
+    before = patch.read_bytes()
+    assert b"\n---\n" + NOTES + b" pkg/model.txt | 2 +-\n" in before  # above the diffstat
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    result = export(project, wd)
+    assert patch.read_bytes() == before
+    assert " = " in result.range_diff.splitlines()[0]  # nothing changed, notes included
+
+
+def test_range_diff_tells_a_change_in_the_notes_apart_from_none(project, upstream, tmp_path):
+    from k3overlay import git, series
+    from k3overlay.export import _range_diff
+
+    old = series.load(project.patches_dir)
+    new_dir = tmp_path / "new"
+    new_dir.mkdir()
+    (new_dir / "series").write_text("0001-model-line-4.patch\n")
+    copy = new_dir / "0001-model-line-4.patch"
+    copy.write_bytes(old[0].path.read_bytes())
+    g(tmp_path, "clone", "-q", str(upstream), "up")  # range-diff commits there
+    repo = git.open_repo(tmp_path / "up")
+    _with_notes(copy, NOTES)
+    same = _range_diff(repo, ("v1.0.0", old), ("v1.0.0", old))
+    changed = _range_diff(repo, ("v1.0.0", old), ("v1.0.0", series.load(new_dir)))
+    assert " = " in same.splitlines()[0]
+    assert " ! " in changed.splitlines()[0] and "measured: 4.1" in changed
+
+
+@pytest.fixture
+def took_then_reworked(project, upstream, tmp_path):
+    """A clone of upstream (history, not a release mirror) where v1.5.0 took our patch as
+    it is (commit ``took``), then reworked the same line: the tree no longer holds it."""
+    repo = tmp_path / "history"
+    g(tmp_path, "clone", "-q", str(upstream), str(repo))
+    g(repo, "checkout", "-q", "-b", "next", "v1.0.0")
+    g(repo, "am", "-q", str(project.patches_dir / "0001-model-line-4.patch"))
+    took = g(repo, "rev-parse", "HEAD").strip()
+    (repo / "pkg/model.txt").write_text((repo / "pkg/model.txt").read_text()
+                                        .replace("line 4 (ours)", "line 4 (reworked)"))
+    g(repo, "commit", "-q", "-am", "model: rework line 4")
+    g(repo, "tag", "v1.5.0")
+    return repo, took
+
+
+def test_a_patch_upstream_took_then_reworked_is_landed_by_patch_id(project, took_then_reworked,
+                                                                   tmp_path):
+    repo, took = took_then_reworked
+    [report] = run_rebase(project, ["v1.5.0"], vllm_repo=str(repo))
+    [patch] = report.patches
+    assert (patch.status, patch.upstream_commit) == ("landed-upstream", took)
+    assert report.to_json()["patches"][0]["upstream_commit"] == took
+    assert f"landed-upstream: 0001 (as {took[:12]})" in markdown([report])
+    wd = tmp_path / "wd"
+    first = rebase_to(project, Options(ref="v1.5.0", vllm_repo=str(repo), workdir=wd))
+    assert [(p.status, p.upstream_commit) for p in first.patches] == [("landed-upstream", took)]
+    assert first.ok, first.to_json()
+    result = export(project, wd)
+    assert result.dropped == ["0001-model-line-4.patch"] and result.patches == []
+
+
+def test_without_history_the_tree_rule_decides(project, took_then_reworked):
+    # The same tag through a source whose v1.5.0 has no history back to the base (a release
+    # mirror's snapshot): the patch conflicts, as the tree says.
+    repo, _ = took_then_reworked
+    tree = g(repo, "rev-parse", "v1.5.0^{tree}").strip()
+    lone = g(repo, "commit-tree", tree, "-m", "release v1.6.0").strip()
+    g(repo, "tag", "v1.6.0", lone)
+    [report] = run_rebase(project, ["v1.6.0"], vllm_repo=str(repo))
+    assert [(p.status, p.upstream_commit) for p in report.patches] == [("conflict", "")]
+
+
+def test_the_tool_knows_nothing_of_the_ci_job():
+    # The job plugs its stages in (k3overlay.stages); nothing in k3overlay imports ci/.
+    import ast
+    from pathlib import Path
+
+    import k3overlay
+
+    ci = {p.stem for p in (Path(k3overlay.__file__).parent.parent / "ci").iterdir()}
+    for path in Path(k3overlay.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            assert not {n.split(".")[0] for n in names} & (ci | {"ci"}), (path.name, names)

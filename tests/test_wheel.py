@@ -180,7 +180,9 @@ def test_repacked_wheel_installs_the_patched_tree_on_the_release_compiled_code(s
     scope: dict = {}
     exec((target / "vllm/_version.py").read_text(), scope)
     assert scope["__version__"] == scope["version"] == "0.1.0+k3ov.9.9.9"
-    assert scope["__version_tuple__"] == (0, 1, 0, "k3ov.9.9.9") and scope["commit_id"] == "gabc1234"
+    assert scope["__version_tuple__"] == (0, 1, 0, "k3ov.9.9.9")
+    # the commit it is built from (the release's own id stays in the provenance record)
+    assert scope["__commit_id__"] == scope["commit_id"] == f"g{tip[:12]}" != "gabc1234"
     wheel_file = (target / "vllm-0.1.0+k3ov.9.9.9.dist-info/WHEEL").read_text()
     assert "Tag: py3-none-any\n" in wheel_file and "linux_x86_64" not in wheel_file
 
@@ -192,8 +194,8 @@ def test_provenance_record_says_what_was_built_from_what(setup, tmp_path):
     wd = Path(repo.working_tree_dir)
     series = hashlib.sha256((project.patches_dir / "0001-vllm-change-a.patch").read_bytes()).hexdigest()
     assert record["overlay_version"] == "9.9.9" and record["vllm_version"] == "0.1.0+k3ov.9.9.9"
-    assert record["base"] == record["target"] == {"ref": "v0.1.0",
-                                                  "sha": g(wd, "rev-parse", "v0.1.0").strip()}
+    assert record["base"] == {"ref": "v0.1.0", "sha": g(wd, "rev-parse", "v0.1.0").strip()}
+    assert record["target"] == {**record["base"], "commit_id": "gabc1234"}  # the release's upstream id
     assert record["result_sha"] == g(wd, "rev-parse", "HEAD").strip()
     assert record["series_sha256"] == series
     assert record["patches"] == [{"name": "0001-vllm-change-a.patch", "status": "applied"}]

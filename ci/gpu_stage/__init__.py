@@ -8,11 +8,11 @@ For every target tree the rebase job built, with the CuTe DSL release that targe
   the GPU, counts as the report's ``gpu`` section;
 * ``run.py ab``: for every (N, K, M) in the union of upstream's table for this GPU's
   architecture and ours, upstream's choice, ours and cuBLAS timed back to back in one
-  process (``ab.py``, timing method of ``ci/gpu/timing.py``), as the report's ``ab``.
+  process (``ab.py``, timing method of ``k3lab/timing.py``), as the report's ``ab``.
 
 ``stage.py`` is the host side: what the job hands a GPU machine per target (the tree,
 ``meta.json`` with both tables as read by ``ci/table_diff.py``), running the stage on a
 GPU runner with package access, and attaching results (from there or from the offline
 bundle's air-gapped run) to the job's reports. Kernels, shapes and timing come from
-``ci/gpu/`` (reused, not copied).
+``k3lab/`` (reused, not copied).
 """

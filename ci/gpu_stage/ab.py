@@ -3,13 +3,13 @@
 Rows: the union of both tables' rows for the GPU's architecture (``table_dump`` JSON, as
 the host read them). A side without a row runs cuBLAS there (its time is cuBLAS's, speedup
 1.0). Per row, in one process and back to back under one GPU-wide file lock: cuBLAS
-(``torch.mm``/``addmm``), upstream's choice, ours, each by ``ci/gpu/timing.time_us``
+(``torch.mm``/``addmm``), upstream's choice, ours, each by ``k3lab/timing.time_us``
 (CUDA-graph replay over >= 256 MiB of rotating weight copies, median of ``replays``),
 each output first checked against float64 (relative error <= 1e-2). CuTe configs are
 compiled before the lock is taken, so worker processes compile in parallel and only the
 timings are serialised. Rows are handed out one at a time and come back as they finish
 (``measure``'s ``on_row``), so a stage stopped at its deadline keeps every row timed.
-Ours' swap_ab rows run our Triton kernel (``ci/gpu/decode_gemm/candidates.py``, compiled
+Ours' swap_ab rows run our Triton kernel (``k3lab/candidates.py``, compiled
 first with its ``warmup``, which launches nothing); its ll_bf16 and tinygemm rows run
 through our module's own ``_launch`` (compiled first with one call on zeros, outside the
 lock; tinygemm needs FlashInfer). A choice this runner cannot run (dsv3_fused_a without
@@ -28,14 +28,9 @@ import multiprocessing as mp
 import os
 import random
 import stat
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import prefer_overlay  # noqa: E402
+from ci import prefer_overlay
 
 TIE = 0.02
 REL_TOL = 1e-2
@@ -103,7 +98,8 @@ def _kernel_fn(choice: dict | None, row: dict, kernels):
         return fn
     if choice["backend"] == "swap_ab":  # ours only: our Triton kernel, as decode_gemm times it
         import torch
-        from decode_gemm import candidates
+
+        from k3lab import candidates
 
         mod = candidates.swap_ab_module()
         config = mod.SwapAbConfig(**choice["config"])
@@ -149,10 +145,9 @@ def _our_launch(choice: dict, row: dict):
 
 
 def _time_row(row: dict, rot, lock: GpuLock, replays: int) -> dict:
-    import kernels
-    import shapes
-    import timing
     import torch
+
+    from k3lab import kernels, shapes, timing
 
     n, k, m = row["N"], row["K"], row["M"]
     fns = {}
@@ -213,8 +208,9 @@ _STATE: dict = {}  # per worker process: its GPU lock and rotating weights, made
 def _row_task(args: tuple) -> tuple[int, dict]:
     """One row in a pool worker: ``(index, result)``; a row begun after the deadline, or
     whose inputs or cuBLAS fail, comes back with a ``status`` saying so."""
-    import timing
     import torch
+
+    from k3lab import timing
 
     index, row, lock_path, biggest, replays, deadline = args
     status = "not run: deadline" if time.time() > deadline else None

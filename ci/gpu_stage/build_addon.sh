@@ -2,12 +2,12 @@
 # Build the GPU stage's targets add-on from this checkout, as the rebase job builds it:
 #   bash ci/gpu_stage/build_addon.sh [DEST] [PART_MIB]
 # DEST (default .dev/targets) gets:
-#   trees/<ref>/{tree.tar.xz,meta.json}  ci/rebase.py --gpu-export (the trees the job built)
+#   trees/<ref>/{tree.tar.xz,meta.json}  python -m ci.rebase --gpu-export (the trees the job built)
 #   rebase-cpu.json                      that job's report (no CPU tests: --no-tests)
-#   parts/part-NNN/                      ci/gpu/bundle.py --target-trees --only-targets, in
+#   parts/part-NNN/                      python -m ci.gpu_stage.addon, in
 #                                        parts of PART_MIB MiB (default 25), for
 #                                        ci/gpu_stage/offline.sh stash/run
-# Refs: $REFS (default "v0.28.0 v0.29.0 v0.33.0"). The trees' commits depend only on the
+# Refs: $REFS (default: the targets ci/targets.toml gives the GPU stage). The trees' commits depend only on the
 # patch series and overlay, so re-run this whenever overlay/ or patches/ change: results
 # measured on other trees are refused by --gpu-results. Exit 2: a ref was not exported or
 # its tarball does not read back; rebase.py's own code when it failed other than with a
@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEST=${1:-.dev/targets} PART_MIB=${2:-25} PY=${PYTHON:-.venv/bin/python}
-REFS=${REFS:-v0.28.0 v0.29.0 v0.33.0}
+REFS=${REFS:-$("$PY" -m ci.targets refs --gpu-stage)}
 start=$(date +%s)
 mkdir -p "$DEST"
 # One build at a time per DEST (two writing the same tarballs corrupt them), into a fresh
@@ -28,7 +28,7 @@ onto=(); for r in $REFS; do onto+=(--onto "$r"); done
 # Exit 3/4/5 (a patch or our module conflicts, or the tree fails verification) is the
 # job's verdict, not a failure here: the tree is exported either way, with our module
 # preferred where it conflicted.
-"$PY" ci/rebase.py "${onto[@]}" --no-tests -q --json "$NEW/rebase-cpu.json" \
+"$PY" -m ci.rebase "${onto[@]}" --no-tests -q --json "$NEW/rebase-cpu.json" \
   --gpu-export "$NEW/trees" > "$NEW/rebase-cpu.log" 2>&1
 rc=$?
 echo "rebase.py exit $rc ($(( $(date +%s) - start )) s)"
@@ -38,7 +38,7 @@ for r in $REFS; do
   [ -f "$NEW/trees/$r/meta.json" ] || { echo "no tree exported for $r (see $NEW/rebase-cpu.log)" >&2; exit 2; }
   xz -t "$NEW/trees/$r/tree.tar.xz" || { echo "$r: tree.tar.xz is corrupt" >&2; exit 2; }
 done
-"$PY" ci/gpu/bundle.py --target-trees "$NEW/trees" --only-targets --part-mib "$PART_MIB" \
+"$PY" -m ci.gpu_stage.addon --target-trees "$NEW/trees" --part-mib "$PART_MIB" \
   --out "$NEW/parts" || exit $?
 rm -rf "$DEST/trees" "$DEST/parts" "$DEST/rebase-cpu.json" "$DEST/rebase-cpu.log"
 mv "$NEW"/* "$DEST"/ && rmdir "$NEW"

@@ -5,7 +5,7 @@ side, each collecting every test and keeping its share. Why: vLLM's CuTe skinny 
 JIT-compiled once per process per (dtype, config, residual), and its config holds the
 token count M (``num_rows``), so the SM90 table of the first runs (144 CuTe rows, 120
 distinct (M, config)) cost ~240 compiles per process that met them all, 0.2-0.7 s each
-with CuTe DSL 4.6.2 (median 0.42 s over 1456 compiles in ``ci/gpu/results/tune_cache``):
+with CuTe DSL 4.6.2 (median 0.42 s over 1456 compiles in ``results/tune_cache``):
 the bulk of our numerics file (one process on the H200: 301 of ~470 tests in 150 s,
 2026-11-30; the table rendered later routes 73 rows to CuTe, 346 to swap-AB). Our
 file runs ~3 tests per row (plain and CUDA graph: the same kernel; fused residual), and

@@ -55,6 +55,8 @@ class Recorder:
 
 
 def pytest_configure(config) -> None:
+    # Our overlay's GPU test files are marked ``gpu``; vLLM's tree does not register it.
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (our overlay's GPU test files)")
     if os.environ.get(ENV):
         config.pluginmanager.register(Recorder(os.environ[ENV]), "k3_pytest_record")
 

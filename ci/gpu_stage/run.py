@@ -1,6 +1,6 @@
 """Run the GPU stage on one target tree, on the GPU machine; write its JSON.
 
-    python ci/gpu_stage/run.py {tests,ab,all} --tree DIR --meta META.json --out OUT.json
+    python -m ci.gpu_stage.run {tests,ab,all} --tree DIR --meta META.json --out OUT.json
         [--site DIR ...] [--workers N] [--vllm-workers N] [--deadline-s S] [--lock FILE]
 
 ``--tree``: the tree the rebase job built (vllm/, tests/, pyproject.toml). ``--meta``:
@@ -37,14 +37,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-CI_DIR = HERE.parent
-sys.path.insert(0, str(CI_DIR))
-sys.path.insert(0, str(HERE))
+from ci import prefer_overlay
+from ci.cpu_tier import environment_cause
+from ci.gpu_stage import ab, pytest_record
 
-import prefer_overlay  # noqa: E402
-import pytest_record  # noqa: E402
-from cpu_tier import environment_cause  # noqa: E402
+# On the tests' PYTHONPATH: the pytest plugins are loaded from here as gpu_stage.* and
+# prefer_overlay, in processes that run in the target's tree, not in this repository.
+CI_DIR = Path(__file__).resolve().parent.parent
 
 VLLM_TESTS = ("tests/kernels/test_bf16_skinny_gemm.py",)
 OUR_TESTS = ("tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py",
@@ -190,7 +189,6 @@ def ab_phase(meta: dict, workers: int, deadline_s: float, lock: str, replays: in
              save) -> dict:
     """The report's ``ab`` section for this GPU's architecture (runs in this process's env);
     ``save(section)`` after each row, marked ``partial`` until the last."""
-    import ab
     import torch
 
     cap = torch.cuda.get_device_capability(0)

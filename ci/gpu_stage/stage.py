@@ -24,14 +24,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+from k3lab.bundle import version_of, write_dist_info
+from k3overlay.errors import UsageError
+from k3overlay.files import read_regular, write_all_in_tree, write_in_tree
+from k3overlay.project import cache_dir
 
-from k3overlay.errors import UsageError  # noqa: E402
-from k3overlay.files import read_regular, write_all_in_tree, write_in_tree  # noqa: E402
-from k3overlay.project import cache_dir  # noqa: E402
-
-RUN = HERE / "run.py"
+REPO = Path(__file__).resolve().parent.parent.parent
+RUN = "ci.gpu_stage.run"  # run from REPO as a module
 OURS_DIR = "k3_ours"  # our overlay package inside an exported tree
 TREE_PARTS = ("vllm", "tests/kernels", "pyproject.toml")
 # vLLM's skinny-GEMM test reads the dsv3 kernel's source to check its instantiations
@@ -51,14 +50,11 @@ def export(tree: Path, target_meta: dict, out: Path, ref: str) -> None:
     """Write ``out/REF/tree.tar.xz`` and ``out/REF/meta.json`` (``prefer`` made tree-relative).
 
     The tarball also holds a ``vllm-<version>.dist-info`` (vLLM finds its platform
-    through the installed distribution; ``ci/gpu/bundle.py`` does the same for the base).
+    through the installed distribution; ``k3lab/bundle.py`` does the same for the base).
     Both files land whole or not at all, never through a link under ``out``
     (``write_all_in_tree``): an interrupted export leaves no truncated tarball that looks
     like a bundle. Raises UsageError if they cannot be written.
     """
-    sys.path.insert(0, str(HERE.parent / "gpu"))
-    from bundle import version_of, write_dist_info
-
     data = dict(target_meta)
     skip = lambda ti: None if "__pycache__" in ti.name else ti  # noqa: E731
     version = version_of(str(tree))
@@ -117,10 +113,10 @@ def run_here(tree: Path, target_meta: dict, workers: int = 4, deadline_s: float 
     with tempfile.TemporaryDirectory(prefix="k3-gpu-") as tmp:
         meta_path, out = Path(tmp) / "meta.json", Path(tmp) / "out.json"
         meta_path.write_text(json.dumps(target_meta))
-        subprocess.run([sys.executable, str(RUN), "all", "--tree", str(tree), "--meta",
+        subprocess.run([sys.executable, "-m", RUN, "all", "--tree", str(tree), "--meta",
                         str(meta_path), "--out", str(out), "--site", str(site),
                         "--workers", str(workers), "--deadline-s", str(deadline_s)],
-                       stdout=sys.stderr)
+                       stdout=sys.stderr, cwd=REPO)
         if not out.is_file():
             return {"tree_sha": target_meta["tree_sha"],
                     "gpu": {"env_error": "the GPU stage wrote no result"}}

@@ -3,10 +3,17 @@
 Per suite: counts, how long it ran, whether it was cut at its deadline (and how far it
 got), its slowest tests; the A/B: rows measured, geo-means, wins. For the runner's log
 and the device call's output tail; the JSON files hold everything.
+
+``--compact OUT.json RESULT.json...`` writes the run's summary that git keeps
+(``results/gpu_stage/``): per target its tree, the suites' counts and environment, the
+A/B's provenance, method and summary, and the rows where ours lost to cuBLAS or upstream
+or could not be measured; the per-row timings and per-test records stay with the raw run
+(CI artifacts, or ``~/.cache/vllm-k3-overlay/lab/``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -51,10 +58,36 @@ def lines(result: dict) -> list[str]:
     return out
 
 
+SUITE_KEYS = COUNTS + ("collected", "ran", "shards", "wall_s", "note")
+
+
+def compact(result: dict) -> dict:
+    """One target's ``run.py`` result without what only a raw run needs (see the module)."""
+    gpu = dict(result.get("gpu", {}))
+    gpu["suites"] = {name: {k: v for k, v in suite.items() if k in SUITE_KEYS}
+                     for name, suite in gpu.get("suites", {}).items()}
+    ab = {k: v for k, v in result.get("ab", {}).items() if k != "rows"}
+    notable = [row for row in result.get("ab", {}).get("rows", [])
+               if row.get("winner") not in ("ours", "tie")
+               or (row.get("ours", {}).get("speedup") or 1.0) < 1.0
+               or row.get("ours", {}).get("status") != "ok"]
+    if notable:
+        ab["notable_rows"] = notable
+    return {"ref": result.get("ref"), "tree_sha": result.get("tree_sha"), "gpu": gpu, "ab": ab}
+
+
 def main(argv: list[str]) -> int:
-    for path in argv:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--compact", type=Path, help="write the summary git keeps here")
+    args = parser.parse_args(argv)
+    if args.compact:
+        targets = [compact(json.loads(p.read_text())) for p in args.results]
+        args.compact.write_text(json.dumps({"targets": targets}, indent=1, sort_keys=True) + "\n")
+        return 0
+    for path in args.results:
         try:
-            print("\n".join(lines(json.loads(Path(path).read_text()))))
+            print("\n".join(lines(json.loads(path.read_text()))))
         except (OSError, ValueError) as exc:
             print(f"{path}: unreadable ({exc})")
     return 0

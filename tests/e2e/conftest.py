@@ -19,8 +19,6 @@ LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"  # upstream's, left as up
 DISPATCH = "vllm/models/kimi_k3/nvidia/low_latency_gemm_dispatch.py"  # ours, which the model uses
 MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
 
-sys.path.insert(0, str(ROOT / "ci"))
-
 
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent

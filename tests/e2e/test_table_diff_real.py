@@ -1,9 +1,9 @@
 """The rebase job's table diff and per-target environments on real releases (README command).
 
-Expectations come from elsewhere than the diff: upstream's tables as ``ci/gpu/upstream_tables.py``
+Expectations come from elsewhere than the diff: upstream's tables as ``k3lab/upstream_tables.py``
 reads them out of the release's source text (AST, no import), ours from the overlay's SM90
-data module, and FACTS about the releases (SM107 has a table upstream from v0.33.0 on, where
-it shares SM103's; v0.33.0 pins torch 2.14.0 and CuTe DSL 4.8.0).
+data module, and facts about the releases kept with the targets in ``ci/targets.toml`` (the
+torch and CuTe DSL each pins; whether upstream's SM107 table is SM103's, as from v0.33.0 on).
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import sys
 
 import pytest
 
+from ci import targets
+from k3lab import upstream_tables
 from k3overlay import git
 from k3overlay.project import ROOT
 
-from .conftest import LLG, require_vllm_deps
+from .conftest import DISPATCH, LLG, require_vllm_deps
 
-sys.path.insert(0, str(ROOT / "ci" / "gpu"))
-
-import upstream_tables  # noqa: E402
+TARGETS = targets.load()
+REFS = targets.e2e_refs()
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,11 @@ def job(mirror_repo, tmp_path_factory):
     from k3overlay import source
     from k3overlay.mirror import release_of
 
-    source.default_mirror().ensure([release_of("v0.33.0")])
+    source.default_mirror().ensure([release_of(ref) for ref in REFS])
     out = tmp_path_factory.mktemp("tables") / "out.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "rebase.py"), "--onto", "v0.29.0",
-                           "--onto", "v0.33.0", "--json", str(out), "-q"],
-                          capture_output=True, text=True)
+    onto = [arg for ref in targets.e2e_refs() for arg in ("--onto", ref)]
+    proc = subprocess.run([sys.executable, "-m", "ci.rebase", *onto, "--json", str(out), "-q"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert out.is_file(), proc.stderr[-2000:]
     return {r["ref"]: r for r in json.loads(out.read_text())}
 
@@ -54,7 +55,7 @@ def count(arch: dict, *kinds: str) -> int:
     return sum(len(arch[k]) if k != "same" else arch[k] for k in kinds)
 
 
-@pytest.mark.parametrize("ref", ["v0.29.0", "v0.33.0"])
+@pytest.mark.parametrize("ref", REFS)
 def test_sm90_diff_accounts_for_every_row_of_both_tables(job, mirror_repo, tmp_path, ref):
     sm90 = job[ref]["tables"]["archs"]["SM90"]
     upstream = upstream_sm90_rows(mirror_repo, ref, tmp_path)
@@ -67,29 +68,30 @@ def test_sm90_diff_accounts_for_every_row_of_both_tables(job, mirror_repo, tmp_p
     assert {(d["N"], d["K"], d["M"]) for d in sm90["ours_only"]} == our_rows - upstream
 
 
-def test_sm107_has_an_upstream_table_from_v0_33_0_on_and_it_is_sm103s(job):
-    v29, v33 = job["v0.29.0"]["tables"]["archs"], job["v0.33.0"]["tables"]["archs"]
-    assert v29["SM107"]["same"] == 0 and not v29["SM107"]["upstream_only"]
-    assert v33["SM107"] == v33["SM103"]
+@pytest.mark.parametrize("ref", REFS)
+def test_sm107_has_an_upstream_table_where_the_target_says_and_it_is_sm103s(job, ref):
+    archs = job[ref]["tables"]["archs"]
+    if TARGETS[ref].e2e.sm107_table:
+        assert archs["SM107"] == archs["SM103"]
+    else:
+        assert archs["SM107"]["same"] == 0 and not archs["SM107"]["upstream_only"]
 
 
 def test_our_dispatch_is_read_from_the_built_tree(job):
-    for ref in ("v0.29.0", "v0.33.0"):
+    for ref in REFS:
         tables = job[ref]["tables"]
         # The overlay only adds files, so our module is always laid in the tree.
-        assert tables["ours"]["module"] == ("built tree/vllm/models/kimi_k3/nvidia/"
-                                            "low_latency_gemm_dispatch.py")
+        assert tables["ours"]["module"] == DISPATCH
         assert tables["ours"]["accessor"] == "device_table"
-        assert tables["upstream"]["module"].startswith("released tree/")
+        assert tables["upstream"]["module"] == LLG  # where the maintainer finds it
 
 
 def test_each_target_tests_in_its_own_environment(job):
-    env29, env33 = job["v0.29.0"]["tests"]["env"], job["v0.33.0"]["tests"]["env"]
-    assert env29["cute_dsl"] == ["nvidia-cutlass-dsl[cu13]==4.6.2"]
-    assert env33["cute_dsl"] == ["nvidia-cutlass-dsl[cu13]==4.8.0"]
-    assert env33["torch_pinned"] == "2.14.0" and env29["torch_pinned"] == "2.13.0"
-    assert env29["key"] != env33["key"]
-    for ref in ("v0.29.0", "v0.33.0"):
-        # One failure, meant: upstream's callers of its own dispatch (v0.29.0's mla.py, and
-        # model.py where patch 0004 conflicted) fail test_no_kimi_k3_module_calls_upstreams_dispatch.
-        assert job[ref]["tests"]["failed"] == 1 and job[ref]["tests"]["passed"] > 100
+    envs = {ref: job[ref]["tests"]["env"] for ref in REFS}
+    for ref, env in envs.items():
+        assert env["cute_dsl"] == [f"nvidia-cutlass-dsl[cu13]=={TARGETS[ref].cute_dsl}"]
+        assert env["torch_pinned"] == TARGETS[ref].torch
+    pins = {(TARGETS[ref].cute_dsl, TARGETS[ref].torch) for ref in REFS}
+    assert len({env["key"] for env in envs.values()}) >= len(pins)
+    for ref in REFS:
+        assert job[ref]["tests"]["failed"] == 0 and job[ref]["tests"]["passed"] > 100

@@ -92,8 +92,12 @@ def test_provenance_record_matches_the_repo(built, mirror_repo):
     series = load_series(project.patches_dir)
     mirror_sha = git.resolve(mirror_repo, "v0.28.0")
     assert record["overlay_version"] == project.version
-    assert record["base"] == record["target"] == {"ref": "v0.28.0", "sha": mirror_sha}
+    assert record["base"] == {"ref": "v0.28.0", "sha": mirror_sha}
+    assert record["target"] == {**record["base"], "commit_id": "g2cf0a6915"}  # upstream's v0.28.0
     assert record["result_sha"] == g(wd, "rev-parse", "HEAD").strip()
+    scope: dict = {}
+    exec((target / "vllm/_version.py").read_text(), scope)
+    assert scope["__commit_id__"] == f"g{record['result_sha'][:12]}"  # what the wheel is built from
     patch_bytes = b"".join(p.path.read_bytes() for p in series)
     assert record["series_sha256"] == hashlib.sha256(patch_bytes).hexdigest()
     assert [p["name"] for p in record["patches"]] == [p.name for p in series]

@@ -21,7 +21,7 @@ For every (N, K, M) that the current device's table routes to a fast backend
   the routed layer only, launches the planned backend at a routed M and falls back
   to the layer's normal GEMM at an M the table leaves to cuBLAS.
 
-Speed is not asserted here (see ``ci/gpu/bench.py``). Without a CUDA GPU, the
+Speed is not asserted here (see ``k3lab/bench/gemm.py``). Without a CUDA GPU, the
 CuTe DSL, an importable vLLM tree carrying the overlay, or a table for this
 GPU, the whole module is skipped with the reason.
 """
@@ -42,7 +42,7 @@ def _why_skip() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU; none is visible"
     # A GPU runner without vLLM's compiled _C may supply a standalone dsv3 build
-    # (ci/gpu/dsv3_build.py); load it before the module caches "not built".
+    # (k3lab/device/dsv3_build.py); load it before the module caches "not built".
     if os.environ.get("K3_DSV3_LIB"):
         torch.ops.load_library(os.environ["K3_DSV3_LIB"])
     try:

@@ -73,7 +73,7 @@ class OverlapTokens(NamedTuple):
     high_priority_aux: bool = False
 
 
-#: H200 (SM90): the M of ``ci/gpu/kda/results/kda_bench_sm90.json`` at which the chosen
+#: H200 (SM90): the M of ``results/kda/kda_bench_sm90.json`` at which the chosen
 #: overlap (see below) beat (B), our sequential path, in both timing passes, with the table
 #: as committed: M 1 (by 0.66 µs) and every M from 5 (by 1.4-3.1 µs, 1.05-1.12x). At M 2-4
 #: the packed GEMM's CuTe rows run (B) at 1.05-1.15x the read roof, and the overlap, whose
@@ -81,7 +81,7 @@ class OverlapTokens(NamedTuple):
 SM90_OVERLAP_TOKENS = (1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 SM90_OVERLAP_SOURCE = (
     "NVIDIA H200 (SM90), run h200-20261130-1347-kda (2026-11-30), "
-    "ci/gpu/kda/results/kda_bench_sm90.json: (D) faster than (B) in both timing passes"
+    "results/kda/kda_bench_sm90.json: (D) faster than (B) in both timing passes"
 )
 #: That run's ``high_priority_aux``: the chain on :func:`high_priority_aux_stream` (D)
 #: summed lower than on a default-priority stream (C) over M 1..16, each only where it won

@@ -259,7 +259,7 @@ KIMI_K3_PROJECTIONS_SM100: ShapeTable = _table_from_rows(
 )
 
 #: SM90 (H200). Figures: ``low_latency_gemm_sm90.PROVENANCE`` (one H200 run timing every
-#: backend against cuBLAS, ``ci/gpu/results/decode_gemm_sm90.json``), and
+#: backend against cuBLAS, ``results/sm90/decode_gemm_sm90.json``), and
 #: ``ROW_PROVENANCE`` for shapes a later run tuned, if any.
 KIMI_K3_PROJECTIONS_SM90: ShapeTable = _table_from_rows(
     "SM90",

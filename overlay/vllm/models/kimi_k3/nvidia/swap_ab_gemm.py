@@ -37,7 +37,7 @@ needs no bundle to reach the GPU; Triton compiles it for sm_90a on a machine wit
 GPU (the PTX shows ``wgmma``, 16-byte ``cp.async`` and ``griddepcontrol.wait`` ahead
 of every load of ``x``), and its interpreter runs this very kernel on a CPU, so CI
 checks its numerics without a GPU. The measurement, and its limit: one H200 run
-(``ci/gpu/results/decode_gemm_sm90.json``, run h200-20261130-figures3, torch 2.11.0,
+(``results/sm90/decode_gemm_sm90.json``, run h200-20261130-figures3, torch 2.11.0,
 Triton 3.6.0, read roof 4.196 TB/s) timed this kernel next to cuBLAS, vLLM's CuTe
 skinny GEMM (the previous table's 129 CuTe rows, at their tuned configs), ``ll_bf16``
 and FlashInfer's ``tinygemm_bf16`` on every SM90 shape x M 1..16: against cuBLAS it is
@@ -49,9 +49,9 @@ fits ``1.8 µs + bytes / 4.34 TB/s`` without split-K and ``3.5 µs + bytes / 4.3
 with it: the fixed part, not the stream, keeps 22-61 MB weights under 90% of the roof.
 The CuTe DSL kernel of ours that would remove split-K's part of it, a swap-AB
 ``mma.sync`` kernel whose split-K is reduced through a thread-block cluster's
-distributed shared memory (``ci/gpu/decode_gemm/cute_cluster.py``, an experiment, not
+distributed shared memory (``k3lab/experiments/cute_cluster.py``, an experiment, not
 routed), was timed next to this kernel at the SM90 table's configs in the same H200
-runs (``ci/gpu/results/cute_cluster/``, runs h200-20261130-cute2 and -cute3, every
+runs (``results/cute_cluster/``, runs h200-20261130-cute2 and -cute3, every
 output checked against float64) on the four split-K shapes 1536/2112/3072/768x7168 at
 M = 1, 8, 16: at its best it matched this kernel on 3072x7168 (13.4-13.9 µs against
 13.5-13.9) and was slower on the other three (1536x7168 8.5-8.8 µs against 8.2-8.6,

@@ -18,7 +18,7 @@ raises "Misaligned Tensor data" otherwise, seen on the H200 for views at element
 stride exceeds K (KDA's F_A slice) goes to the compiled entry point itself
 (:func:`_launch_rows`). On the H200 at M = 2, F_B on the strided view this way takes
 1.77 µs, against 2.85 µs for cuBLAS and 3.65 µs for a packed copy plus CuTe (figures of
-the README's KDA section; the CuTe one is the 1536x128 row of ``ci/gpu/RESULTS.md``).
+``results/kda/README.md``; the CuTe one is the 1536x128 row of ``results/sm90/tuner.md``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ vLLM's DeepSeek-V3 fused-A GEMM, usable only where vLLM's ``_C`` extension was b
 it. It takes no config; it checks packed strides itself but not alignment, and loads 16
 bytes at a time (hence the base rule: packed ``x``, 16-byte aligned pointers). The B300
 and B200 tables route it (vLLM's figures); the SM90 table does not: it could not be built
-against the H200 device's torch 2.11 (``ci/gpu/RESULTS.md``).
+against the H200 device's torch 2.11 (``results/sm90/tuner.md``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ design and its measurements); this module only adapts it to the registry. Table 
 :class:`~vllm.models.kimi_k3.nvidia.swap_ab_gemm.SwapAbConfig`.
 
 The SM90 table routes it on 326 of its 446 rows (one H200 run timing every backend
-against cuBLAS: run ``h200-20261130-figures3``, ``ci/gpu/results/decode_gemm_sm90.json``,
+against cuBLAS: run ``h200-20261130-figures3``, ``results/sm90/decode_gemm_sm90.json``,
 1.26x cuBLAS geo-mean over the 496 (shape, M) it ran). Operands: packed ``x`` and
 16-byte aligned pointers (the base rule). Triton compiles on first launch, so
 :meth:`SwapAb.warm_up` compiles each config before CUDA-graph capture.

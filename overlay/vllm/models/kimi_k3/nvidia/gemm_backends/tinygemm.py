@@ -6,7 +6,7 @@
 on its first call), where FlashInfer is installed: flashinfer-python 0.6.16.post3
 (vLLM v0.28.0's pin) and 0.7.2.post1 both export it. It takes no config; it needs
 K % 64 == 0 and N % 16 == 0. The SM90 table routes 2 of its 446 rows to it (H200 run
-``h200-20261130-figures3``, ``ci/gpu/results/decode_gemm_sm90.json``).
+``h200-20261130-figures3``, ``results/sm90/decode_gemm_sm90.json``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Steps of the GPU tier on a machine reached only through file transfers (our H200).
+# Each step is one call, from the repository's root; see docs/gpu-lab.md. All outputs go
+# to $OUT (or ./out); the tuner's cache comes back as one file per GPU.
+#   stash PART_DIR       keep a bundle part in /root/stash for the next call
+#   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
+#   tune SECONDS         resume the tuner until SECONDS after this step started
+#   final                render the SM90 table, run the GPU tests, run the benchmark
+#   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
+#                        one child process per phase, each under deadlines), done within SECONDS
+set -uo pipefail
+START=$(date +%s)
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+SITE=/tmp/site CACHE=/root/k3cache HERE=$(cd "$(dirname "$0")" && pwd) ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+R=$ROOT/results/sm90  # the committed runs the steps start from
+# The lab's commands, as modules of this repository (searched after the bundle's site).
+lab() { PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" python3 -m "$@"; }
+# The tuner's cache as git keeps it: one file per GPU, for the next call or machine.
+pack() { for d in "$CACHE"/*/; do [ -d "$d" ] && lab k3lab.tune_cache pack "$CACHE" "$(basename "$d")" "$OUT/tune_cache/$(basename "$d").jsonl.gz"; done; }
+export PYTHONUNBUFFERED=1 K3_RUN_ID=${K3_RUN_ID:-h200-$(date +%Y%m%d)}
+envs() { [ -f $SITE/.k3/env.sh ] || { echo "no $SITE: fresh machine, re-send the bundle" >&2; exit 3; }
+         . $SITE/.k3/env.sh; [ -f /root/dsv3/k3_dsv3_fused_a.so ] && export K3_DSV3_LIB=/root/dsv3/k3_dsv3_fused_a.so; true; }
+# vllm/platforms/cuda.py imports the compiled vllm._C_stable_libtorch at module level;
+# the bundle ships no compiled vLLM (CuTe kernels need none), so give it an empty one.
+shim() { [ -n "$(ls $SITE/vllm/_C_stable_libtorch*.so 2>/dev/null)" ] || cp "$HERE/no_compiled_vllm_shim.py" $SITE/vllm/_C_stable_libtorch.py; }
+step=$1; shift
+case $step in
+stash)
+  mkdir -p /root/stash && cp "$1"/* /root/stash/ && ls -la /root/stash ;;
+install)
+  bash "$HERE/install.sh" --target $SITE /root/stash "$1" > /tmp/env.sh || exit $?
+  mv /tmp/env.sh $SITE/.k3/env.sh; cat $SITE/.k3/env.sh; envs
+  shim
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 - <<'PY'
+import time, torch
+t = time.time()
+from vllm.platforms import current_platform
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
+print("torch", torch.__version__, "capability", current_platform.get_device_capability(),
+      "table", getattr(llg.device_table(), "arch", None), f"import {time.time() - t:.0f}s")
+PY
+  ;;
+tune)
+  envs; shim; mkdir -p $CACHE
+  # Resume from what the repo carries (a fresh machine) and what this machine kept.
+  cp -n "$ROOT"/results/tune_cache/*.jsonl.gz $CACHE/ 2>/dev/null
+  if [ ! -f /root/dsv3/.tried ] && [ -n "${K3_TRY_DSV3:-}" ]; then
+    mkdir -p /root/dsv3 && touch /root/dsv3/.tried
+    (python3 "$HERE/dsv3_build.py" --csrc $K3_TOOLS/k3/csrc --out /root/dsv3 > /root/dsv3/build.log 2>&1 &)
+  fi
+  left=$(( $1 - ($(date +%s) - START) ))
+  lab k3lab.tune --cache $CACHE --priors $K3_TOOLS/k3/priors.json \
+     --out "$OUT/tune_sm90.json" --deadline-s $left --run-id "$K3_RUN_ID" 2>&1 | tee "$OUT/tune.log" | grep -v "^\[kernels\]"
+  pack
+  cp /root/dsv3/build.log "$OUT/dsv3_build.log" 2>/dev/null; true ;;
+dsv3)
+  envs; shim; rm -rf /root/dsv3; mkdir -p /root/dsv3
+  timeout ${1:-300} python3 "$HERE/dsv3_build.py" --csrc $K3_TOOLS/k3/csrc --out /root/dsv3 > /root/dsv3/build.log 2>&1
+  echo "dsv3 build rc=$?"; grep -v "^\[" /root/dsv3/build.log | tail -n 30; cp /root/dsv3/build.log "$OUT/dsv3_build.log" ;;
+final)
+  envs; shim
+  tail -n 25 /root/dsv3/build.log > "$OUT/dsv3_build.log" 2>/dev/null; ls -la /root/dsv3 2>/dev/null | head
+  [ -n "${K3_DSV3_LIB:-}" ] && echo "dsv3 op: $K3_DSV3_LIB"
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (table included)
+  python3 -c "import traceback
+try:
+    import vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch as m; print('overlay module imports; table', m.device_table().arch)
+except Exception:
+    traceback.print_exc()" 2>&1 | tail -n 25
+  mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py /tmp/k3t/tests/kernels/
+  (cd /tmp/k3t && timeout ${TEST_S:-300} python3 -m pytest -p no:cacheprovider -q -rs --tb=short \
+     --junitxml="$OUT/pytest_gpu.xml" tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py 2>&1 | tail -n 40 | tee "$OUT/pytest_gpu.log")
+  [ -n "${SKIP_BENCH:-}" ] || lab k3lab.bench.gemm --ours overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py \
+     --v029 $K3_TOOLS/k3/priors.json --tune "$R/tune_sm90.json" \
+     --json "$OUT/bench_sm90.json" --md "$OUT/bench_sm90.md" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
+decode)
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (our kernel included)
+  # FlashInfer (tinygemm) from carried wheels into a folder of its own, searched after
+  # the bundle's (pip --target --upgrade would replace the bundle's bin/ wholesale).
+  FI=${K3_FI_WHEELS:-.dev/kernel/fi}
+  if ls "$FI"/*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/fi
+    timeout 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/fi "$FI"/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/fi PATH=$PATH:/tmp/fi/bin
+  fi
+  left=$(( ${1:-370} - ($(date +%s) - START) ))
+  lab k3lab.bench.decode_gemm.runner --out-dir "$OUT" --deadline-s $left -- \
+     --sweep $R/swap_ab_sweep_sm90.json --tune $R/tune_sm90.json --tune $R/tune_sm90_kda.json \
+     --cute-budget-s ${K3_CUTE_BUDGET_S:-60} \
+     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
+     | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
+  PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
+esac
+echo "[device_run] $step done in $(( $(date +%s) - START ))s"

@@ -1,0 +1,246 @@
+"""CPU checks of the GPU tier's pure parts: table rendering, config legality, tune cache,
+the tuner's seeds, skip rule and GPU lock.
+
+The GPU itself is exercised on the device (docs/gpu-lab.md); these make sure
+the committed SM90 table is exactly what the committed runs' JSONs say (issue 12's
+all-backend run, ``decode_gemm/runner.py``, with the f_b_proj shapes and the KDA row
+views added from the CuTe tuner's runs), and that the tuner never times a config the
+kernel would reject.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+import threading
+import time
+
+import pytest
+
+from k3overlay.project import ROOT
+
+
+from k3lab import aggregate
+from k3lab import render_table
+from k3lab import space
+from k3lab import tune
+from k3lab import tune_cache
+
+RESULTS = ROOT / "results" / "sm90" / "decode_gemm_sm90.json"  # issue 12's all-backend run
+TABLE = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia" / "low_latency_gemm_sm90.py"
+# Rows taken from other runs (render_table --add): the f_b_proj shapes from the CuTe
+# tuner's run (their input is always a strided slice of the packed KDA projection's
+# output, which only the CuTe kernel takes), then the two KDA row views from their own run.
+TUNER_RESULTS = ROOT / "results" / "sm90" / "tune_sm90.json"
+F_B_SHAPES = {(1536, 128), (3072, 128), (768, 128)}
+KDA_RESULTS = ROOT / "results" / "sm90" / "tune_sm90_kda.json"
+KDA_SHAPES = {(6144, 7168), (144, 7168)}
+# Every timing of those runs: the tuner's cache as git keeps it (one file per GPU), and the
+# KDA run's own cache, a small raw run kept as test data.
+TUNER_CACHE = ROOT / "results" / "tune_cache"
+KDA_CACHE = ROOT / "k3lab" / "tests" / "data" / "tune_cache_kda"
+# The benchmark of the call that tuned them (the KDA figures are a later run's).
+KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-kda.json"
+
+
+def _added() -> tuple:
+    return ((json.loads(TUNER_RESULTS.read_text()), "results/sm90/tune_sm90.json", F_B_SHAPES),
+            (json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"))
+
+
+def test_committed_sm90_table_is_rendered_from_the_committed_runs():
+    text = render_table.render(json.loads(RESULTS.read_text()), "results/sm90/decode_gemm_sm90.json",
+                               _added())
+    assert text == TABLE.read_text()
+
+
+def _table() -> dict:
+    namespace: dict = {}
+    exec(compile(TABLE.read_text(), str(TABLE), "exec"), namespace)  # a data-only module
+    return namespace
+
+
+def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes_of_that_run():
+    run = json.loads(RESULTS.read_text())
+    table = _table()
+    rows, elsewhere = table["ROWS"], set(table["ROW_PROVENANCE"])
+    decisions = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
+    bar = run["criteria"]["win_both_passes"]
+    routed = 0
+    for (n, k), per_m in rows.items():
+        if (n, k) in elsewhere:
+            continue  # checked against its own run below
+        for m, (backend, cfg) in per_m.items():
+            row = decisions[(n, k, m)]
+            assert row["status"] == "routed"
+            # The winner is a candidate timed in both passes of this run, checked against
+            # float64, and >= 5% faster than the cuBLAS of its own pass, twice.
+            [cand] = [c for c in row["candidates"] if c["backend"] == backend
+                      and (c["cfg"] is None and cfg is None or tuple(c["cfg"]) == cfg)]
+            assert cand["status"] == "ok" and cand["relerr"] < 1e-2
+            cub = cand.get("cublas_us") or row["cublas_us"]
+            assert all(c / u >= bar for c, u in zip(cub, cand["us"]))
+            if backend == "cute":
+                assert space.illegal_reason(cfg, n, k, m) is None
+            routed += 1
+    assert routed == sum(1 for r in run["rows"] if r["status"] == "routed"
+                         and (r["N"], r["K"]) not in elsewhere)
+    assert run["summary"]["routed_slower_than_cublas"] == []
+
+
+@pytest.mark.parametrize("path, cache, shapes", [(TUNER_RESULTS, TUNER_CACHE, F_B_SHAPES),
+                                                 (KDA_RESULTS, KDA_CACHE, KDA_SHAPES)])
+def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, cache, shapes):
+    run = json.loads(path.read_text())
+    rows = _table()["ROWS"]
+    decisions = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
+    timed = {tune_cache.key_of(r) for r in tune_cache.read_all(str(cache), run["provenance"]["gpu"])
+             if r.get("status") == "ok"}
+    bar = run["criteria"]["win_both_passes"]
+    for n, k in shapes:
+        assert set(rows.get((n, k), {})) == {
+            m for (dn, dk, m), d in decisions.items() if (dn, dk) == (n, k) and d["status"] == "routed"}
+        for m, (backend, cfg) in rows.get((n, k), {}).items():
+            decision = decisions[(n, k, m)]
+            assert backend == "cute" and tuple(decision["winner"]["cfg"]) == cfg
+            assert min(decision["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, twice
+            assert {(n, k, m, cfg, 1), (n, k, m, cfg, 2)} <= timed
+            assert space.illegal_reason(cfg, n, k, m) is None
+
+
+def test_the_run_is_one_h200_run_with_its_baselines():
+    run = json.loads(RESULTS.read_text())
+    p = run["provenance"]
+    assert p["gpu"] == "NVIDIA H200" and p["date"] and p["torch"] and p["triton"]
+    assert run["read_bw_TBps"] > 3 and min(run["trivial_us"].values()) > 0
+    assert all(r["roof_us"] > 0 and all(r["cublas_us"]) for r in run["rows"])
+    # Every row from this one run, but the shapes added from other runs, each citing its run.
+    table = _table()
+    sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
+    tuner_run = json.loads(TUNER_RESULTS.read_text())["provenance"]["run_id"]
+    kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
+    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES, kda_run)}
+    assert table["PROVENANCE"]["run_id"] == p["run_id"]
+
+
+def test_the_committed_summary_is_what_the_runs_raw_cache_rebuilds_to(tmp_path):
+    # The device's JSON of the KDA run did not come back; its summary was rebuilt from the
+    # run's cache (a raw run, 445 records, kept here as this test's input) by this command.
+    committed = json.loads(KDA_RESULTS.read_text())
+    out = tmp_path / "rebuilt.json"
+    aggregate.main([str(KDA_CACHE), "--provenance-of",
+                    str(KDA_TUNE_BENCH), "--bw-tbps",
+                    str(committed["read_bw_TBps"]), "--shape", "6144x7168", "--shape", "144x7168",
+                    "--out", str(out)])
+    assert json.loads(out.read_text()) == committed
+    assert "rebuilt from the run's cache" in committed["provenance"]["rebuilt"]
+    # The tuner and the benchmark of that call share one run id.
+    bench = json.loads(KDA_TUNE_BENCH.read_text())
+    assert committed["provenance"]["run_id"] == bench["provenance"]["run_id"]
+
+
+@pytest.mark.parametrize("n, k", [(7168, 14336), (1536, 7168), (768, 128), (2112, 7168)])
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+def test_config_space_holds_only_legal_configs(n, k, m):
+    configs = space.full_space(n, k, m)
+    assert configs
+    for bs, opb, ku, vw, sk in configs:
+        assert k % (bs * vw) == 0 and n % opb == 0 and bs % 32 == 0
+        assert sk in (None, k)
+
+
+@pytest.mark.parametrize("cfg, n, k, reason", [
+    ((48, 2, 1, 8, None), 7168, 14336, "warp"),
+    ((128, 5, 1, 8, None), 7168, 14336, "N % outputs_per_block"),
+    ((256, 2, 1, 8, None), 1536, 7168, "K % (block_size*vector_width)"),
+    ((128, 2, 1, 8, 7168), 7168, 14336, "static_k"),
+])
+def test_illegal_configs_are_pruned_with_a_reason(cfg, n, k, reason):
+    assert reason in space.illegal_reason(cfg, n, k, 1)
+
+
+def test_tune_cache_resumes_and_survives_a_torn_line(tmp_path):
+    writer = tune_cache.Writer(str(tmp_path), "NVIDIA H200", 3)
+    rec = {"N": 768, "K": 128, "M": 3, "cfg": [32, 3, 1, 4, None], "pass": 1, "us": 1.7}
+    writer.put(rec)
+    writer.put({**rec, "us": 1.6})  # a later measurement of the same key wins
+    writer.f.close()
+    with open(tune_cache.path_for(str(tmp_path), "NVIDIA H200", 3), "a") as f:
+        f.write('{"N": 768, "K"')  # a call killed mid-write
+    got = tune_cache.read(str(tmp_path), "NVIDIA H200", 3)
+    assert list(got.values()) == [{**rec, "us": 1.6}]
+
+
+# ------------------------------------------------------------- tuner scheduling
+
+GPU = "NVIDIA H200"
+
+
+def _write(cache, m, *recs):
+    writer = tune_cache.Writer(str(cache), GPU, m)
+    for rec in recs:
+        writer.put(rec)
+    writer.f.close()
+
+
+def _timed(n, k, m, cfg, us):
+    return {"N": n, "K": k, "M": m, "cfg": list(cfg), "pass": 1, "status": "ok", "us": us}
+
+
+def test_gpu_lock_serves_the_smallest_waiting_m_first():
+    lock = tune.GpuLock(multiprocessing.get_context("spawn"), 16)
+    order: list = []
+
+    def worker(m):
+        with lock.held(m):
+            order.append(m)
+
+    with lock.held(1):  # the GPU is busy while three workers queue up
+        threads = [threading.Thread(target=worker, args=(m,)) for m in (9, 2, 5)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while sum(lock._waiting[:]) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert order == [2, 5, 9]
+
+
+def test_seeds_come_from_the_shape_and_its_donor_at_the_nearest_m(tmp_path):
+    view, donor = (6144, 7168), (6288, 7168)
+    _write(tmp_path, 1, _timed(*view, 1, (224, 2, 4, 4, None), 21.3),
+           _timed(*view, 1, (224, 3, 2, 8, None), 21.4),
+           {**_timed(*view, 1, (64, 1, 1, 8, None), 9.0), "status": "wrong"})
+    _write(tmp_path, 3, _timed(*donor, 3, (32, 3, 1, 8, 7168), 21.8),
+           _timed(*donor, 3, (64, 3, 1, 8, 7168), 22.0), _timed(*donor, 3, (32, 4, 1, 8, 7168), 22.4))
+    _write(tmp_path, 4, _timed(*donor, 4, (64, 4, 1, 8, 7168), 23.0))
+    got = tune.seeds_from_cache(str(tmp_path), GPU, *view, 3, (donor,), top=2)
+    # The view's own M1 (nearest measured), fastest first, the wrong one never; the
+    # donor's two fastest at the same M.
+    assert got == [(224, 2, 4, 4, None), (224, 3, 2, 8, None), (32, 3, 1, 8, 7168), (64, 3, 1, 8, 7168)]
+    # At M 16 the donor's nearest (M4) config would hold 16 x 4 accumulators: dropped.
+    assert tune.seeds_from_cache(str(tmp_path), GPU, *view, 16, (donor,), top=1) == [
+        (224, 2, 4, 4, None)]
+    assert tune.seeds_from_cache(str(tmp_path), GPU, 144, 7168, 2) == []  # nothing to seed from
+
+
+def test_a_donor_that_lost_at_m_minus_1_skips_the_view(tmp_path):
+    run, seed = tmp_path / "run", tmp_path / "seed"
+    view, donor = (6144, 7168), (6288, 7168)
+    _write(seed, 5, {"N": 6288, "K": 7168, "M": 5, "cfg": "done", "pass": 1, "best_speedup": 1.06})
+    _write(seed, 6, {"N": 6288, "K": 7168, "M": 6, "cfg": "done", "pass": 1, "best_speedup": 0.92})
+    _write(seed, 7, {"N": 6288, "K": 7168, "M": 7, "cfg": "skip", "pass": 1})
+
+    def why(m, donors=(donor,)):
+        return tune._prev_lost(str(run), GPU, *view, m, 0.0, donors, str(seed))
+
+    assert why(1) is None and why(6) is None  # M1 always; the donor won at M5
+    assert "donor 6288x7168 (seed cache)" in why(7) and "donor" in why(8)
+    assert why(9) is None and why(7, donors=()) is None  # no answer anywhere: tune it
+    # The view's own answer at M-1, once this run has it, comes before any donor's.
+    _write(run, 6, {"N": 6144, "K": 7168, "M": 6, "cfg": "done", "pass": 1, "best_speedup": 1.1})
+    assert why(7) is None
+    _write(run, 9, {"N": 6144, "K": 7168, "M": 9, "cfg": "done", "pass": 1, "best_speedup": 0.9})
+    assert why(10) == "nothing reached cuBLAS at M-1"

@@ -1,0 +1,170 @@
+"""What a run is doing to a checkout, written ahead, so the next run can finish or undo it.
+
+A run that is killed (SIGKILL, the OOM killer, a power cut) cleans nothing up. So
+every step that leaves something behind when cut short is recorded before it
+starts: one JSON line appended to the work directory's journal (beside its lock in
+the cache, never in the checkout) and flushed to disk; the step is marked done
+after its own cleanup. The next run on that work directory, once it holds the lock
+(and so once the killed run's git children are gone, see ``reaper``), takes the
+steps begun and not done, newest first (scratch trees first of all), and finishes or
+undoes each (``recover``), saying what it did in one line on stderr; then the journal
+is removed. A line cut short by the kill
+is no step: its step had not begun.
+
+Steps (``STEPS``; the facts each records):
+  clone      ``scratch``: a clone being made beside the work directory -> removed
+  check      ``scratch``: ``--check``'s throwaway clone -> removed
+  worktree   ``repo``, ``parent``: a temporary worktree -> git's entry and the folder removed
+  fetch      ``repo``, ``since``: a fetch into the checkout -> lock files its git left removed
+  publish    ``repo``, ``branch``, ``sha``, ``ref``, ``since``: the checkout being switched to
+             the work branch -> finished (``publish.finish``), or left for the user if files
+             changed since that the switch did not write
+  write      ``root``, ``folders``: files laid into a tree, all or none (``files``: the overlay
+             into a checkout, an export into patches/) -> the temporary files, not yet renamed
+             into place, removed
+
+Tests stop a run at each ``POINTS`` entry with SIGKILL (``point``): only with
+``K3OVERLAY_TEST_KILL_AT`` naming it *and* pytest's ``PYTEST_CURRENT_TEST`` set, so a
+user's run can never be stopped by it (``K3OVERLAY_TEST_KILL_AT_SIGNAL``: another signal
+than SIGKILL, e.g. ``SIGHUP``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .errors import OverlayError, UsageError
+from .files import open_regular
+
+STEPS = ("clone", "check", "worktree", "fetch", "publish", "write")
+# Where a test may kill a run: each step just recorded, publishing after the switch
+# and before the branch record, and each step's end just recorded.
+POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged",
+          *(f"{s}.done" for s in STEPS))
+KILL_AT = "K3OVERLAY_TEST_KILL_AT"
+SCRATCH = ("clone", "check", "worktree")  # steps whose recovery removes a whole tree
+
+_current: Journal | None = None
+
+
+class Journal:
+    """The journal file at ``path`` (one work directory's)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pending: list[dict] = []
+
+    def begin(self, step: str, **facts: object) -> dict:
+        """Record that ``step`` starts, on disk before returning. UsageError if it cannot be
+        written (a full disk): the step must then not be taken."""
+        entry = {"step": step, "id": f"{os.getpid()}.{time.monotonic_ns()}", **facts}
+        self._append(entry)
+        self.pending.append(entry)
+        point(step)
+        return entry
+
+    def done(self, entry: dict) -> None:
+        """Record that ``entry``'s step is over (done or cleaned up). A write error is not
+        raised: the step is over, and the next run finds nothing to do for it."""
+        with contextlib.suppress(UsageError):
+            self._append({"done": entry["id"]})
+        self.pending.remove(entry)
+        point(f"{entry['step']}.done")
+
+    def _append(self, entry: dict) -> None:
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        try:
+            fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                if os.write(fd, line) != len(line):
+                    raise OSError(28, os.strerror(28))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise UsageError(f"cannot record the next step in {self.path} ({err.strerror}); "
+                             f"nothing was changed") from err
+
+    def unfinished(self) -> list[dict]:
+        """Steps begun and not done by earlier runs, newest first."""
+        try:
+            fd = open_regular(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return []
+        with os.fdopen(fd, "rb") as f:
+            lines = f.read().splitlines()
+        begun: dict[str, dict] = {}
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # cut short as it was written: that step had not begun
+            if isinstance(entry, dict) and "done" in entry:
+                begun.pop(entry["done"], None)
+            elif isinstance(entry, dict) and entry.get("step") in STEPS:
+                begun[entry["id"]] = entry
+        return list(reversed(begun.values()))
+
+
+@contextlib.contextmanager
+def recording(path: Path, say: Callable[[str], None]) -> Iterator[Journal]:
+    """For the block (the holder of a work directory's lock): first recover what a killed
+    run left (``recover``), then record this run's steps in ``path``; the file is removed
+    when no step is left unfinished."""
+    global _current
+    journal = Journal(path)
+    recover(journal, say)
+    previous, _current = _current, journal
+    try:
+        yield journal
+    finally:
+        _current = previous
+        if not journal.pending:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def recover(journal: Journal, say: Callable[[str], None]) -> None:
+    """Finish or undo every step a killed run left unfinished (newest first), then empty
+    the journal. Raises what a recovery raises (UsageError: the user must decide)."""
+    from .recovery import HANDLERS  # (it needs git, which records its steps here)
+
+    # Scratch trees go first: what was written inside one then needs nothing more.
+    entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in SCRATCH)
+    try:
+        notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    except UsageError:
+        raise  # the user must decide (it says so); the journal is kept
+    except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
+        raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
+    if notes:
+        say(f"note: the last run was killed; {'; '.join(notes)}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal.path)
+
+
+@contextlib.contextmanager
+def step(name: str, **facts: object) -> Iterator[None]:
+    """Record step ``name`` for the block when a journal is being kept (a work directory's
+    lock is held); a no-op otherwise (the rebase job's throwaway clones)."""
+    journal = _current
+    if journal is None:
+        yield
+        return
+    entry = journal.begin(name, **facts)
+    try:
+        yield
+    finally:
+        journal.done(entry)
+
+
+def point(name: str) -> None:
+    """A place where a test may kill the run (see the module's docstring)."""
+    if os.environ.get(KILL_AT) == name and os.environ.get("PYTEST_CURRENT_TEST"):
+        os.kill(os.getpid(), getattr(signal, os.environ.get(KILL_AT + "_SIGNAL", "SIGKILL")))

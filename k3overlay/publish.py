@@ -1,0 +1,192 @@
+"""Switching the user's checkout to the work branch: all of it or none of it, even when killed.
+
+The one step that writes the user's files (``apply.py`` without ``--check``, and
+``--rebase-to`` as it starts): point the work branch at the result, check it out,
+and record in the checkout's config that apply.py wrote that tip (``TIP_KEY``; without
+it every later run refuses the branch as someone else's).
+
+- **A failure** part-way (a full disk, a read-only file system): whatever git wrote
+  is undone (``_undo``): new files removed (one that was there before never is),
+  changed ones restored, the index, HEAD, the branch and the record put back; then
+  the error, in one line.
+- **A kill** (SIGKILL, power cut): the step was recorded ahead in the journal; the
+  next run finishes it (``finish``): the switch is completed and recorded, unless
+  files changed since that the switch did not write (then the user is asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from . import git, journal
+from .errors import UsageError
+
+TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote: proof we own the branch
+BASE_KEY = "branch.{}.k3overlaybase"  # the upstream ref the branch is built on (for --export)
+
+
+def record(repo: git.Repo, branch: str, ref: str) -> None:
+    """Remember that we wrote ``branch`` (its tip now) on top of upstream ``ref``."""
+    git.config_set(repo, TIP_KEY.format(branch), git.branch_tip(repo, branch))
+    git.config_set(repo, BASE_KEY.format(branch), ref)
+
+
+def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
+    """Point ``branch`` at ``sha``, check it out and ``record`` it (the checkout is clean).
+
+    Raises GitError (exit 2, one line: git's reason) when it cannot, after putting the
+    checkout back as it was: branches, HEAD, index, files, config. If even that fails,
+    UsageError says so, and the journal keeps the step: the next run finishes it.
+    """
+    top = Path(repo.working_tree_dir)
+    before = _state(repo, branch, sha)
+    with _recorded(repo, branch, sha, ref, before) as finished:
+        try:
+            git.set_branch(repo, branch, sha)
+            journal.point("publish.switched")
+            record(repo, branch, ref)
+        except (git.GitError, OSError) as err:
+            hint = _space_hint(top)  # before the undo frees it
+            try:
+                _undo(repo, top, branch, before)
+            except (git.GitError, OSError) as undo_err:
+                raise UsageError(f"{_reason(err)}; putting {top} back failed too ({_reason(undo_err)}): "
+                                 f"free the space, then run apply.py again, which finishes it") from err
+            finished.append(True)
+            if hint and isinstance(err, git.GitError):  # git says only "unable to write file X"
+                raise git.GitError(f"{err} ({hint}); {top} was left as it was") from err
+            raise  # git's own words: the checkout is as it was
+        finished.append(True)
+
+
+@contextlib.contextmanager
+def _recorded(repo: git.Repo, branch: str, sha: str, ref: str, before: dict):
+    """The journal's ``publish`` step for the block: done only if the block says so."""
+    current = journal._current
+    entry = None
+    if current is not None:
+        entry = current.begin("publish", repo=repo.working_tree_dir, branch=branch, sha=sha, ref=ref,
+                              old_head=before["head"], since=time.time() - 1)
+    finished: list[bool] = []
+    try:
+        yield finished
+    finally:
+        if entry is not None and finished:
+            current.done(entry)
+
+
+def _space_hint(top: Path) -> str:
+    """"the disk holding TOP has N KiB free" when it is (nearly) full, else ""."""
+    try:
+        info = os.statvfs(top)
+    except OSError:
+        return ""
+    free = info.f_bavail * info.f_frsize
+    return f"the disk holding {top} has {free // 1024} KiB free" if free < (1 << 20) else ""
+
+
+def _reason(err: BaseException) -> str:
+    return str(err) if isinstance(err, git.GitError) else (getattr(err, "strerror", None) or str(err))
+
+
+def _state(repo: git.Repo, branch: str, sha: str) -> dict:
+    """What ``_undo`` puts back: HEAD (symbolic or not), the branch's tip and record, and
+    which paths only ``sha`` has that already exist in the work tree (ignored files: never
+    removed), with the folders that exist above them."""
+    head = git.resolve(repo, "HEAD")
+    top = Path(repo.working_tree_dir)
+    new_only = []
+    if head:
+        changed = git.changed_paths(repo, head, sha)
+        old = git.tree_entries(repo, head, changed)
+        new_only = [p for p in changed if p not in old]
+    folders = {str(Path(p).parent) for p in new_only}
+    folders |= {str(parent) for f in list(folders) for parent in Path(f).parents}
+    return {"head": head, "symbolic": git.current_branch(repo), "tip": git.branch_tip(repo, branch),
+            "record": [git.config_get(repo, key.format(branch)) for key in (TIP_KEY, BASE_KEY)],
+            "new_only": new_only,
+            "there": {p for p in new_only if os.path.lexists(top / p)},
+            "folders": {f for f in folders if os.path.lexists(top / f)}}
+
+
+def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
+    """Put back what ``before`` (``_state``) says: first remove the new files (freeing the
+    space the restore may need), then HEAD, the branch, index and files, and the record."""
+    for path in sorted(before["new_only"], key=lambda p: -p.count("/")):
+        if path not in before["there"] and os.path.lexists(top / path):
+            with contextlib.suppress(IsADirectoryError):
+                os.unlink(top / path)
+    for folder in sorted({str(Path(p).parent) for p in before["new_only"]}, key=lambda f: -f.count("/")):
+        for parent in [Path(folder), *Path(folder).parents]:
+            if str(parent) in before["folders"] or str(parent) == ".":
+                break
+            with contextlib.suppress(OSError):
+                os.rmdir(top / parent)  # only if empty: ours
+    # Each write only where git changed something: on a read-only file system nothing did.
+    if git.current_branch(repo) != before["symbolic"] or git.resolve(repo, "HEAD") != before["head"]:
+        if before["symbolic"]:
+            git.run(repo, "symbolic-ref", "HEAD", f"refs/heads/{before['symbolic']}")
+        elif before["head"]:
+            git.run(repo, "update-ref", "--no-deref", "HEAD", before["head"])
+    if git.branch_tip(repo, branch) != before["tip"]:
+        if before["tip"]:
+            git.run(repo, "update-ref", f"refs/heads/{branch}", before["tip"])
+        else:
+            git.run(repo, "update-ref", "-d", f"refs/heads/{branch}")
+    if before["head"] and git.is_dirty(repo):
+        git.run(repo, "reset", "--hard", "--quiet", "HEAD")  # it was clean: only git's writes go
+    for key, value in zip((TIP_KEY, BASE_KEY), before["record"]):
+        if git.config_get(repo, key.format(branch)) == value:
+            continue
+        if value is not None:
+            git.config_set(repo, key.format(branch), value)
+        else:
+            git.run(repo, "config", "--local", "--unset", key.format(branch))
+
+
+def drop_stale_locks(repo: git.Repo, since: float) -> list[str]:
+    """Remove the lock files a killed git left in ``repo``'s git folder (``index.lock``,
+    ``HEAD.lock``, ``config.lock``, ``refs/…/x.lock``; made at or after ``since``, seconds
+    since the epoch): while one is there, every git command that writes refuses to. Never in
+    ``objects/`` or another worktree's folder. Returns the paths removed."""
+    admin = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-dir").strip())
+    found = [*admin.glob("*.lock"), *admin.glob("refs/**/*.lock")]
+    removed = []
+    for lock in found:
+        with contextlib.suppress(OSError):
+            info = lock.lstat()
+            if lock.is_file() and not lock.is_symlink() and info.st_mtime >= since:
+                lock.unlink()
+                removed.append(str(lock.relative_to(admin)))
+    return removed
+
+
+def finish(facts: dict) -> str | None:
+    """Finish a switch a killed run began (see the journal); the note to print. UsageError
+    if files changed since that the switch did not write: the user decides."""
+    top = Path(facts["repo"])
+    try:
+        repo = git.open_repo(top)
+    except git.GitError:
+        return None  # the checkout is gone: nothing to finish
+    branch, sha = facts["branch"], facts["sha"]
+    drop_stale_locks(repo, facts["since"])
+    if git.resolve(repo, sha) is None:
+        return None
+    if git.current_branch(repo) != branch or git.branch_tip(repo, branch) != sha or git.is_dirty(repo):
+        head = git.resolve(repo, "HEAD")
+        ours = set(git.changed_paths(repo, facts["old_head"], sha)) if facts["old_head"] else set()
+        ours |= set(git.changed_paths(repo, head, sha)) if head else set()
+        status = git.run(repo, "status", "--porcelain", "-z", "--no-renames",
+                        "--untracked-files=all")
+        changed = {entry[3:] for entry in status.split("\0") if len(entry) > 3}
+        others = sorted(p for p in changed - ours if not p.endswith("/"))
+        if others:
+            raise UsageError(f"the last run was killed while switching {top} to {branch}, and "
+                             f"{others[0]} changed since; commit or stash it, then run again")
+        git.run(repo, "checkout", "--quiet", "--force", "--no-overwrite-ignore", "-B", branch, sha)
+    record(repo, branch, facts["ref"])
+    return f"it was switching {top} to {branch} ({sha[:12]}): finished"

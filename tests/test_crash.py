@@ -1,0 +1,246 @@
+"""Crash consistency (issue 18, G): a run killed at any step it records, by SIGKILL or a
+hang-up, is finished or undone by the next run, alone, with a one-line note; no git child
+outlives the tool. Each kill is real: the run is a child process that SIGKILLs itself at
+the named point (``journal.point``, a test-only hook)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3overlay import journal
+from k3overlay.job import Options, run_apply
+from k3overlay.lock import workdir_lock, workdir_lock_path
+
+from .conftest import g
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
+          "from k3overlay.project import Project; cli.Project = lambda: Project(Path(sys.argv[1])); "
+          "sys.exit(cli.main(sys.argv[2:]))")
+NOTE = "… note: the last run was killed; "
+# Which run passes each point: a fresh workdir (clone), --check into a fresh workdir (its
+# throwaway clone), or a new ref onto an existing checkout (fetch, worktree, publish).
+SCENARIO = {"clone": "fresh", "clone.cloned": "fresh", "clone.done": "fresh",
+            "check": "check", "check.done": "check"}
+# Points at which the killed run leaves something the next run must finish or remove.
+LEAVES_WORK = {"clone", "clone.cloned", "check", "worktree", "worktree.added", "publish",
+               "publish.switched", "write", "write.staged", "write.done"}  # (write: in a worktree)
+
+
+def run_tool(project, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def state(wd: Path) -> dict:
+    """What a user sees of a checkout: refs, HEAD, index, status (untracked files too)."""
+    return {"refs": g(wd, "for-each-ref", "--format=%(refname) %(objectname)"),
+            "head": g(wd, "symbolic-ref", "-q", "HEAD"), "index": g(wd, "ls-files", "-s"),
+            "status": g(wd, "status", "--porcelain", "--untracked-files=all", "--ignored"),
+            "worktrees": g(wd, "worktree", "list", "--porcelain").count("worktree "),
+            "record": g(wd, "config", "--local", "--get-regexp", "k3overlay")}
+
+
+def leftovers(tmp_path: Path) -> list[str]:
+    """Scratch folders of the tool's: temporary worktrees and --check clones (TMPDIR is
+    tmp_path/t), clones beside the workdir."""
+    return sorted([p.name for p in (tmp_path / "t").iterdir()]
+                  + [p.name for p in tmp_path.glob(".wd.k3-clone-*")])
+
+
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    (tmp_path / "t").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "t")}
+
+
+def test_every_point_is_passed_by_one_of_the_scenarios():
+    assert set(SCENARIO) | {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done",
+                            "publish", "publish.switched", "publish.done", "write",
+                            "write.staged", "write.done"} == set(journal.POINTS)
+
+
+@pytest.mark.parametrize("point", journal.POINTS)
+def test_a_run_killed_at_each_step_is_finished_or_undone_by_the_next(project, upstream, tmp_path,
+                                                                      env, point):
+    wd, scenario = tmp_path / "wd", SCENARIO.get(point, "existing")
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)]
+    if scenario == "existing":
+        assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+        old = state(wd)
+        args += ["--vllm-ref", "v1.1.0"]
+    elif scenario == "check":
+        args.append("--check")
+    killed = run_tool(project, {**env, journal.KILL_AT: point}, *args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr  # the point was reached
+    if scenario == "existing":
+        now = state(wd)  # the killed run's checkout: a user may look at it before running again
+        assert now["refs"] == old["refs"] or point.startswith("publish")
+
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    notes = [line for line in again.stderr.splitlines() if line.startswith(NOTE)]
+    assert len(notes) == (1 if point in LEAVES_WORK else 0), again.stderr
+    assert leftovers(tmp_path) == []
+    assert not workdir_lock_path(wd).with_suffix(".journal").exists()
+    if scenario == "check":
+        assert not wd.exists()
+        return
+    # the checkout is the one an uninterrupted run makes
+    reference = tmp_path / "ref"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=reference)).ok
+    if scenario == "existing":
+        assert run_apply(project, Options(vllm_repo=str(upstream), workdir=reference,
+                                          ref="v1.1.0")).ok
+    assert state(wd) == state(reference)
+    assert run_tool(project, env, *args).stderr.count(NOTE) == 0  # said once, then done
+
+
+def test_killed_between_the_switch_and_the_branch_record_is_not_locked_out(project, upstream,
+                                                                          tmp_path, env):
+    """The issue's case: today every later run refused "has commits apply.py did not write"."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish.switched"}, *args).returncode < 0
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was switching {wd} to k3-overlay/9.9.9 "
+        f"({g(wd, 'rev-parse', 'HEAD').strip()[:12]}): finished"]
+
+
+def test_rebase_to_killed_while_laying_the_overlay_leaves_no_half_written_file(project, upstream,
+                                                                              tmp_path, env):
+    """The overlay is staged beside its destinations, then renamed: a kill in between left
+    ``.mod.py.1a2b3c4d.k3-tmp`` files in the checkout, and every later run said "has
+    uncommitted changes"."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--rebase-to", "v1.1.0"]
+    killed = run_tool(project, {**env, journal.KILL_AT: "write.staged"}, *args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sorted(p.name for p in (wd / "pkg").glob(".*.k3-tmp")) != []
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}removed 2 half-written file(s) it left in {wd}"]
+    assert list(wd.rglob("*.k3-tmp")) == [] and g(wd, "status", "--porcelain") == ""
+
+
+def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish"}, *args).returncode < 0
+    (wd / "pkg" / "user.py").write_text("a change of the user's, made after the crash\n")
+    again = run_tool(project, env, *args)
+    assert again.returncode == 2
+    assert again.stderr.splitlines() == [
+        f"apply.py: error: the last run was killed while switching {wd} to k3-overlay/9.9.9, and "
+        f"pkg/user.py changed since; commit or stash it, then run again"]
+    assert (wd / "pkg" / "user.py").read_text() == "a change of the user's, made after the crash\n"
+
+
+def test_two_runs_at_once_after_a_crash_recover_once(project, upstream, tmp_path, env):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    assert run_tool(project, {**env, journal.KILL_AT: "worktree.added"}, *args).returncode < 0
+    runs = [subprocess.Popen([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+    assert [code for code, _ in results] == [0, 0], results
+    assert sum(err.count(NOTE) for _, err in results) == 1
+    assert leftovers(tmp_path) == [] and g(wd, "status", "--porcelain") == ""
+
+
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM"])
+def test_a_hang_up_or_terminate_mid_run_cleans_up_like_ctrl_c(project, upstream, tmp_path, env,
+                                                              signame):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    before = state(wd)
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    run = run_tool(project, {**env, journal.KILL_AT: "worktree.added",
+                             f"{journal.KILL_AT}_SIGNAL": signame}, *args)
+    assert run.returncode == 130 and run.stderr.startswith("apply.py: interrupted; ")
+    assert state(wd) == before and leftovers(tmp_path) == []
+    assert not workdir_lock_path(wd).with_suffix(".journal").exists()  # nothing for the next run
+
+
+HANGING_GIT = """import sys
+from pathlib import Path
+from k3overlay import git
+from k3overlay.lock import workdir_lock
+with workdir_lock(Path(sys.argv[1]), say=print):
+    git._execute(["-c", "alias.hang=!echo $$ > started; exec sleep 300", "hang"], cwd=sys.argv[1])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see processes")
+def test_no_git_child_outlives_a_killed_tool_and_its_lock_waits_for_them(tmp_path, env):
+    """A git child, and what git started (here a shell alias running ``sleep``), in a session
+    of their own: today they went on after a SIGKILL of the tool."""
+    work = tmp_path / "w"
+    work.mkdir()
+    tool = subprocess.Popen([sys.executable, "-c", HANGING_GIT, str(work)], cwd=ROOT, env=env)
+    deadline = time.monotonic() + 30
+    while not (work / "started").exists() or not (work / "started").read_text().strip():
+        assert time.monotonic() < deadline and tool.poll() is None
+        time.sleep(0.02)
+    grandchild = int((work / "started").read_text())  # the shell, exec'd into sleep
+    assert _alive(grandchild)
+    tool.kill()
+    tool.wait()
+    with workdir_lock(work, say=lambda _: None):  # the next run: its lock waits for them
+        assert not _alive(grandchild)
+
+
+def test_a_killed_wheel_builds_scratch_folder_is_removed_by_the_next_build(tmp_path):
+    """A SIGKILL'd --build-wheel left its half-written wheel (hundreds of MB) in a
+    ``.k3-wheel-*`` folder in the wheel folder for good; a live build's is left alone."""
+    from k3overlay.lock import STALE_AFTER_S, owned_scratch
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    proc = subprocess.run([sys.executable, "-c",
+                           "import os, signal, sys; from pathlib import Path\n"
+                           "from k3overlay.lock import owned_scratch\n"
+                           "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
+                           "    (tmp / 'vllm-half.whl').write_bytes(b'PK' * 1000)\n"
+                           "    os.kill(os.getpid(), signal.SIGKILL)\n", str(wheels)], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    [left] = list(wheels.iterdir())
+    old = time.time() - STALE_AFTER_S - 1
+    os.utime(left, (old, old))
+    live = subprocess.Popen([sys.executable, "-c",
+                             "import sys; from pathlib import Path\n"
+                             "from k3overlay.lock import owned_scratch\n"
+                             "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
+                             "    print(tmp, flush=True); sys.stdin.read()\n", str(wheels)],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    theirs = Path(live.stdout.readline().strip())
+    os.utime(theirs, (old, old))
+    try:
+        with owned_scratch(wheels, ".k3-wheel-") as ours:
+            assert sorted(wheels.iterdir()) == sorted([ours, theirs])  # the killed one's is gone
+    finally:
+        live.communicate("")
+    assert list(wheels.iterdir()) == []
