@@ -2,11 +2,11 @@
 
 Runs, with pytest in a subprocess (cwd and PYTHONPATH = the tree):
 
-* vLLM's own ``tests/kernels/test_bf16_skinny_gemm.py``, our compatibility suite
-  (its expectations updated by our patches where the overlay changes behaviour);
-* our ``tests/kernels/test_kimi_k3_low_latency_gemm.py``, ``test_kimi_k3_kda_projection.py``
-  and their ``..._gpu.py`` files (from ``overlay/``; the GPU files skip without a GPU, and
-  must say why).
+* vLLM's own ``tests/kernels/test_bf16_skinny_gemm.py``, which tests upstream's
+  ``low_latency_gemm.py`` (the overlay leaves it as upstream has it);
+* our ``tests/kernels/test_kimi_k3_low_latency_gemm.py`` (with ``_gemm_tables`` and
+  ``_gemm_guards``), ``test_kimi_k3_kda_projection.py`` and their ``..._gpu.py`` files
+  (from ``overlay/``; the GPU files skip without a GPU, and must say why).
 
 The ``pytest_no_accelerator`` plugin next to this file keeps vLLM's per-test device
 cleanup from erroring without a GPU, so GPU cases report as skipped with their reason.
@@ -37,6 +37,8 @@ PLUGIN = "pytest_no_accelerator"
 UPSTREAM_FILES = ("tests/kernels/test_bf16_skinny_gemm.py",)  # vLLM's, our patch 0002 updates it
 OUR_FILES = (  # from overlay/: they test our modules, so only a tree holding them can pass them
     "tests/kernels/test_kimi_k3_low_latency_gemm.py",
+    "tests/kernels/test_kimi_k3_gemm_tables.py",
+    "tests/kernels/test_kimi_k3_gemm_guards.py",
     "tests/kernels/test_kimi_k3_swap_ab_gemm.py",  # our Triton kernel, interpreted on the CPU
     "tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py",  # must skip cleanly, with reasons
     "tests/kernels/test_kimi_k3_kda_projection.py",

@@ -2,7 +2,9 @@
 
 Runs inside the tree's own environment (PYTHONPATH = the tree, the tier's Python), so
 upstream's tables come out of upstream's own ``ProjectionSpec``/``SkinnyGemmConfig``
-dataclasses and upstream's own plan builder, never out of parsing text:
+dataclasses and upstream's own plan builder, never out of parsing text. The module read
+is our dispatch (``low_latency_gemm_dispatch``, which the overlay adds and the model
+uses) where the tree has it, else upstream's ``low_latency_gemm``:
 
 * for each probed CUDA capability, vLLM's ``current_platform`` (as the module sees it) is
   replaced by a stand-in reporting that capability, and the module's own table accessor
@@ -37,7 +39,10 @@ import json
 import sys
 from collections import namedtuple
 
-MODULE = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
+# The Kimi-K3 model's dispatch: ours where the overlay added it (patches 0002/0004 point the
+# model at it), else upstream's.
+MODULES = ("vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch",
+           "vllm.models.kimi_k3.nvidia.low_latency_gemm")
 # Every capability any Kimi-K3 table has been keyed on so far, and its neighbours.
 CAPABILITIES = ((8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (10, 7), (11, 0), (12, 0), (12, 1))
 
@@ -120,13 +125,24 @@ def _table_json(module, table) -> dict:
     return {"rows": rows, "residual": residual}
 
 
+def _import_dispatch():
+    """The first of :data:`MODULES` the tree has (an error inside it is raised, not skipped)."""
+    for name in MODULES[:-1]:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+    return importlib.import_module(MODULES[-1])
+
+
 def dump(prefer: str | None = None) -> dict:
     """The tables of the importable module, per architecture (see the module docstring)."""
     if prefer:
         import prefer_overlay  # next to this file
 
         prefer_overlay.install(prefer)
-    module = importlib.import_module(MODULE)
+    module = _import_dispatch()
     name, accessor = _accessor(module)
     real = module.current_platform
     archs = {}

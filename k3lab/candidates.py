@@ -6,8 +6,8 @@ new bf16 ``[M, N]`` tensor. Nothing here re-implements a kernel:
 * ``cublas``: ``torch.mm``, the fallback every table row must beat;
 * ``swap_ab``: our Triton kernel (``overlay/.../swap_ab_gemm.py``), through the
   overlay's own launch path when vLLM is importable, else straight from the file;
-* ``cute``, ``ll_bf16``, ``tinygemm``: through ``low_latency_gemm._launch``, the very
-  code a routed row runs (needs the bundle's vLLM tree; tinygemm also FlashInfer);
+* ``cute``, ``ll_bf16``, ``tinygemm``: through ``low_latency_gemm_dispatch._launch``, the
+  very code a routed row runs (needs the bundle's vLLM tree; tinygemm also FlashInfer);
 * ``trivial``: a one-store Triton kernel, the launch floor small shapes are held to.
 """
 
@@ -26,7 +26,8 @@ from k3lab import paths
 
 OVERLAY_DIR = str(paths.OVERLAY_NVIDIA)
 SWAP_AB_MODULE = "vllm.models.kimi_k3.nvidia.swap_ab_gemm"
-LLG_MODULE = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
+LLG_MODULE = "vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch"
+LL_BF16_MODULE = "vllm.models.kimi_k3.nvidia.gemm_backends.ll_bf16"
 _cache: dict[str, object] = {}
 
 
@@ -74,7 +75,7 @@ def swap_ab(cfg, pdl: bool = True) -> Callable:
 
 
 def routed(backend: str, cfg, m: int) -> Callable:
-    """``low_latency_gemm._launch`` for one table entry at M = ``m`` (the dispatch's code)."""
+    """``low_latency_gemm_dispatch._launch`` for one table entry at M = ``m`` (the dispatch's code)."""
     llg = importlib.import_module(LLG_MODULE)
     call = llg.PlannedCall(backend, llg.config_from_data(backend, m, cfg))
 
@@ -92,7 +93,7 @@ def warm(backend: str, cfg, m: int, k: int) -> None:
     """
     llg = importlib.import_module(LLG_MODULE)
     if backend == "ll_bf16":
-        runner = llg._ll_bf16_runner(llg.config_from_data(backend, m, cfg))
+        runner = importlib.import_module(LL_BF16_MODULE).runner(llg.config_from_data(backend, m, cfg))
         runner.warmup(shapes=[(k, 16)], m_values=[m])
         return
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")

@@ -6,7 +6,7 @@
 
 ``k3overlay/`` is mutated as ``[tool.mutmut]`` in pyproject.toml says and each
 mutant run against ``tests/`` without the e2e tier. ``--overlay`` mutates
-``low_latency_gemm.py`` inside a fresh patched tree (``work/mutation/vllm``)
+the dispatch module (``low_latency_gemm_dispatch.py``) inside a fresh patched tree (``work/mutation/vllm``)
 against its CPU tests there (needs vLLM's requirements in the venv, as
 ``ci/test.sh`` installs them). ``--sample N`` runs N mutants drawn at random
 (``--seed``, default 0) instead of all: a full run of k3overlay/'s ~5700 mutants takes hours
@@ -39,7 +39,7 @@ PYTHON = sys.executable
 OVERLAY_CFG = """
 [mutmut]
 source_paths=vllm/
-only_mutate=vllm/models/kimi_k3/nvidia/low_latency_gemm.py
+only_mutate=vllm/models/kimi_k3/nvidia/low_latency_gemm_dispatch.py
 also_copy=csrc/
 pytest_add_cli_args=-p
     pytest_no_accelerator
@@ -47,6 +47,8 @@ pytest_add_cli_args=-p
     no:cacheprovider
     -q
 pytest_add_cli_args_test_selection=tests/kernels/test_kimi_k3_low_latency_gemm.py
+    tests/kernels/test_kimi_k3_gemm_tables.py
+    tests/kernels/test_kimi_k3_gemm_guards.py
 process_isolation=forkserver
 """
 KILLED = {"killed", "timeout", "caught by type check"}

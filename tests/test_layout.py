@@ -30,15 +30,9 @@ MAX_LINES = 600
 # merging that branch.
 TOO_LONG_FOR_NOW = {
     "k3overlay/git.py": "hostile3 splits it by concept (issue 18)",
-    "overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm.py": "overlay-registry moves its backends "
-                                                             "into modules of their own (issue 20)",
 }
 # Import loops another branch breaks; dropped by the lead after merging it.
-LOOPS_FOR_NOW = {
-    frozenset({"vllm.models.kimi_k3.nvidia.low_latency_gemm",
-               "vllm.models.kimi_k3.nvidia.kda_projection"}):
-        "overlay-registry: KDA is enabled by its caller (issue 20)",
-}
+LOOPS_FOR_NOW: dict[frozenset[str], str] = {}
 RESULTS_MAX_BYTES = 2_000_000
 NOT_RESULTS = re.compile(r"\.(log|tgz|tar|tar\.\w+|zip|xml|jsonl)$|(^|/)logs?/")
 TUNE_CACHE = re.compile(r"^results/tune_cache/[A-Za-z0-9._-]+\.jsonl\.gz$")

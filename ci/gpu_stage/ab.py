@@ -122,12 +122,12 @@ def _kernel_fn(choice: dict | None, row: dict, kernels):
 
 
 OUR_LAUNCH = ("ll_bf16", "tinygemm")  # ours only: through our module's own launch
-LLG = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
+LLG = "vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch"
+LL_BF16 = "vllm.models.kimi_k3.nvidia.gemm_backends.ll_bf16"  # its config type
 
 
 def _our_launch(choice: dict, row: dict):
-    """``low_latency_gemm._launch`` for the row's call, as the model runs it (our module:
-    ``$K3_PREFER_OVERLAY`` puts it ahead of the tree's where the merge conflicted).
+    """``low_latency_gemm_dispatch._launch`` for the row's call, as the model runs it.
     Compiles it first, on zeros (FlashInfer builds tinygemm on its first call)."""
     import importlib
 
@@ -136,7 +136,7 @@ def _our_launch(choice: dict, row: dict):
     llg = importlib.import_module(LLG)
     if not llg._backend_available(choice["backend"]):
         raise LookupError(f"{choice['backend']} not available here")
-    config = llg.LLBf16Config(**choice["config"]) if choice["config"] else None
+    config = importlib.import_module(LL_BF16).LLBf16Config(**choice["config"]) if choice["config"] else None
     call = llg.PlannedCall(choice["backend"], config)
     x = torch.zeros(row["M"], row["K"], dtype=torch.bfloat16, device="cuda")
     llg._launch(call, x, torch.zeros(row["N"], row["K"], dtype=torch.bfloat16, device="cuda"))

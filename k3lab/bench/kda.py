@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     import torch
 
     from vllm.models.kimi_k3.nvidia import kda_projection as kp
-    from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
     gen = torch.Generator(device=DEVICE).manual_seed(2026)
 

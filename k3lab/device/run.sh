@@ -36,7 +36,7 @@ install)
 import time, torch
 t = time.time()
 from vllm.platforms import current_platform
-from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 print("torch", torch.__version__, "capability", current_platform.get_device_capability(),
       "table", getattr(llg.device_table(), "arch", None), f"import {time.time() - t:.0f}s")
 PY
@@ -65,7 +65,7 @@ final)
   cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (table included)
   python3 -c "import traceback
 try:
-    import vllm.models.kimi_k3.nvidia.low_latency_gemm as m; print('overlay module imports; table', m.device_table().arch)
+    import vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch as m; print('overlay module imports; table', m.device_table().arch)
 except Exception:
     traceback.print_exc()" 2>&1 | tail -n 25
   mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py /tmp/k3t/tests/kernels/

@@ -15,7 +15,8 @@ from k3overlay import git, source
 from k3overlay.mirror import release_of
 from k3overlay.project import ROOT
 
-LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"
+LLG = "vllm/models/kimi_k3/nvidia/low_latency_gemm.py"  # upstream's, left as upstream has it
+DISPATCH = "vllm/models/kimi_k3/nvidia/low_latency_gemm_dispatch.py"  # ours, which the model uses
 MTP = "vllm/models/kimi_k3/nvidia/mtp.py"
 
 

@@ -19,7 +19,7 @@ from k3overlay.project import ROOT, Project
 from k3overlay.rebase import run_rebase
 
 from ..conftest import g, snapshot
-from .conftest import LLG
+from .conftest import DISPATCH as LLG  # an overlay path: a link there is never written through
 
 SM90 = "vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py"
 TABLES = "vllm/models/kimi_k3/nvidia/low_latency_gemm_tables.py"
@@ -32,7 +32,6 @@ def _hostile_release(mirror_repo, tmp_path):
     victims = tmp_path / "victim-abs.py", tmp_path / "victim-rel.py"
     for victim in victims:
         victim.write_text(PRECIOUS)
-    (up / LLG).unlink()
     (up / LLG).symlink_to(victims[0])
     # from <tmp>/t/k3-worktree-*/tree/vllm/models/kimi_k3/nvidia/ seven levels up is tmp_path
     (up / SM90).symlink_to("../../../../../../../victim-rel.py")

@@ -15,7 +15,7 @@ from k3overlay.project import ROOT, Project
 from k3overlay.series import load as load_series
 
 from ..conftest import g, snapshot
-from .conftest import LLG, MTP
+from .conftest import DISPATCH, LLG, MTP
 
 # git hash-object of upstream files, as found in the release sdists (shared/FACTS.md)
 BLOBS = {("v0.28.0", LLG): "64ea39b4", ("v0.29.0", LLG): "52e6aa04",
@@ -40,7 +40,9 @@ def test_apply_on_pinned_base(applied):
     n = len(load_series(project.patches_dir))
     assert subjects[0].startswith("k3-overlay: lay overlay files")
     assert subjects[-1] == "vLLM v0.28.0" and len(subjects) == n + 2
-    assert (wd / LLG).read_bytes() == (project.overlay_dir / LLG).read_bytes()
+    assert (wd / DISPATCH).read_bytes() == (project.overlay_dir / DISPATCH).read_bytes()
+    assert g(wd, "hash-object", LLG).startswith(BLOBS["v0.28.0", LLG])  # upstream's, untouched
+    assert "low_latency_gemm_dispatch import" in (wd / MTP).read_text()
 
 
 def test_rerun_is_a_no_op(applied):
@@ -72,11 +74,13 @@ def test_dirty_real_checkout_refused_and_change_survives(applied):
         (wd / MTP).write_text(original)
 
 
-def test_v0_29_0_patch_landed_and_overlay_drift_detected(mirror_repo, tmp_path):
+def test_v0_29_0_patch_landed_and_overlay_files_are_all_ours(mirror_repo, tmp_path):
     report = run_apply(Project(), Options(ref="v0.29.0", workdir=tmp_path / "wd", check=True))
     statuses = {p.name.split("-")[0]: p.status for p in report.patches}
     assert statuses["0001"] == "landed-upstream"
-    llg = next(f for f in report.overlay if f.path == LLG)
-    assert llg.status == "drift" and "52e6aa04" in llg.detail
-    assert "@@" in llg.upstream_diff  # upstream's own v0.28.0 -> v0.29.0 diff of the file
-    assert report.exit_code in (errors.CONFLICT, errors.DRIFT)
+    # The hook into upstream's dispatch is two import lines upstream did not touch.
+    assert statuses["0002"] == "applied"
+    # Every overlay file is one upstream does not have: nothing drifts, LLG is not among them.
+    assert {f.status for f in report.overlay} == {"added"}
+    assert LLG not in {f.path for f in report.overlay}
+    assert report.exit_code == errors.CONFLICT  # the KDA patches meet upstream's KDA edits

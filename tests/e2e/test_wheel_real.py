@@ -24,7 +24,7 @@ from k3overlay.series import load as load_series
 from k3overlay.wheel import PRINT_RECORD
 
 from ..conftest import g
-from .conftest import LLG, MTP
+from .conftest import DISPATCH, LLG, MTP
 
 SO = "vllm/_C_stable_libtorch.abi3.so"
 
@@ -61,7 +61,8 @@ def test_installed_python_is_the_patched_tree(built):
     wd, _, _, target = built
     assert (target / MTP).read_bytes() == (wd / MTP).read_bytes()
     assert "self.eh_proj = ReplicatedLinear(" in (target / MTP).read_text()
-    assert (target / LLG).read_bytes() == (Project().overlay_dir / LLG).read_bytes()
+    assert (target / DISPATCH).read_bytes() == (Project().overlay_dir / DISPATCH).read_bytes()
+    assert (target / LLG).read_bytes() == (wd / LLG).read_bytes()  # upstream's, as released
 
 
 def test_compiled_code_is_the_release_one(built):

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from vllm.models.kimi_k3.nvidia import kda_projection as kp
-from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
 # The capability pin and the CPU fast-path fixture of the low-latency GEMM tests.
-from .test_kimi_k3_low_latency_gemm import cpu_fast_path, pin_capability  # noqa: F401
+from .kimi_k3_gemm_fakes import cpu_fast_path, pin_capability  # noqa: F401
 
 SM103, SM107, SM100, SM90 = (10, 3), (10, 7), (10, 0), (9, 0)
 BF16 = torch.bfloat16
@@ -339,13 +339,16 @@ def test_unmeasured_architecture_tunes_nothing(monkeypatch, warmups) -> None:
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
-def test_enable_step_runs_from_the_low_latency_enable(monkeypatch, warmups) -> None:
+def test_enable_step_runs_after_the_low_latency_enable(monkeypatch, warmups) -> None:
+    """The model's order (patch 0004): the dispatch's enable, then the KDA enable."""
     pin_capability(monkeypatch, SM90)
     pin_tokens(monkeypatch, SM90, {5})
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(llg, "LinearBase", FakeLinear)  # let the table plan the fakes
     model = _model()
     llg.enable_kimi_k3_low_latency_gemm(model, BF16)
+    assert model.layers[0].kda_overlap_tokens == frozenset()  # the dispatch leaves KDA alone
+    assert kp.enable_kda_projection_overlap(model, BF16) == 1
     assert model.layers[0].kda_overlap_tokens == {5}
     # The packed GEMM and F_B also got the table's planned method for their own forward.
     assert type(model.layers[0].in_proj_qkvgfab.quant_method) is llg.KimiK3LowLatencyLinearMethod
@@ -358,7 +361,7 @@ def test_enable_step_is_a_no_op_off_bf16_or_without_a_table(monkeypatch, capabil
     pin_tokens(monkeypatch, SM90, {5})
     model = _model()
     llg.enable_kimi_k3_low_latency_gemm(model, dtype)
-    assert kp.enable_kda_projection_overlap(model, torch.float16) == 0
+    assert kp.enable_kda_projection_overlap(model, dtype) == 0
     assert model.layers[0].kda_overlap_tokens == frozenset()
 
 
@@ -500,6 +503,10 @@ def test_each_gemm_asks_the_table_first(monkeypatch) -> None:
 # ------------------------------------------------------- patched kda.py forward
 
 kda = pytest.importorskip("vllm.models.kimi_k3.nvidia.kda")
+# On a rebase target where patch 0003 conflicted, kda.py is upstream's: nothing to test.
+needs_patch_0003 = pytest.mark.skipif(
+    not hasattr(kda, "run_kda_projection_overlap"), reason="kda.py without patch 0003 here"
+)
 
 
 class Linear:
@@ -545,6 +552,7 @@ def _forward(layer, x):
     [(2, False), (64, True), (64, False)],
     ids=["eager decode", "prefill under capture", "prefill"],
 )
+@needs_patch_0003
 def test_patched_forward_keeps_prefill_and_eager_on_the_packed_gemm(monkeypatch, num_tokens, capturing):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(kda, "run_kda_projection_overlap", pytest.fail)
@@ -554,6 +562,7 @@ def test_patched_forward_keeps_prefill_and_eager_on_the_packed_gemm(monkeypatch,
     assert len(fed) == 1
 
 
+@needs_patch_0003
 def test_patched_forward_overlaps_at_captured_decode_with_the_same_inputs(monkeypatch) -> None:
     x = torch.randn(3, K_SMALL).to(BF16)
     layer, fed = _fake_kda(tokens=[3])

@@ -41,7 +41,7 @@ def _why_skip() -> str | None:
         return f"needs the CuTe DSL (nvidia-cutlass-dsl): {exc!r}"
     try:
         from vllm.models.kimi_k3.nvidia import kda_projection  # noqa: F401
-        from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+        from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
     except Exception as exc:
         return f"needs a vLLM tree with the k3 overlay importable: {exc!r}"
     if llg.device_table() is None:
@@ -59,7 +59,7 @@ if SKIP_REASON is None:
     from einops import rearrange
 
     from vllm.models.kimi_k3.nvidia import kda_projection as kp
-    from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
 PACKED_N, HIDDEN = 6288, 7168
 PROJ, HEAD_DIM, HEADS, PAD = 1536, 128, 12, 4
@@ -171,9 +171,11 @@ def test_strided_f_a_takes_the_cute_kernel(weights, monkeypatch):
     routed = _routed_tokens(PROJ, HEAD_DIM)
     if not routed:
         pytest.skip("the table routes no F_B row on this GPU")
+    from vllm.models.kimi_k3.nvidia.gemm_backends import cute_skinny
+
     launched = []
-    real = llg._launch_cute_rows
-    monkeypatch.setattr(llg, "_launch_cute_rows", lambda *a: launched.append(a[1].shape) or real(*a))
+    real = cute_skinny._launch_rows
+    monkeypatch.setattr(cute_skinny, "_launch_rows", lambda *a: launched.append(a[1].shape) or real(*a))
     for m in routed:
         fab = _x(m, seed=7 * m, k=HEAD_DIM + HEADS + PAD)
         f_a = fab[:, :HEAD_DIM]

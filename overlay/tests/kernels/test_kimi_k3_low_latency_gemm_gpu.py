@@ -51,7 +51,7 @@ def _why_skip() -> str | None:
     except Exception as exc:  # ImportError or a broken install
         return f"needs the CuTe DSL (nvidia-cutlass-dsl): {exc!r}"
     try:
-        from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+        from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
         from vllm.platforms import current_platform
     except Exception as exc:
         return f"needs a vLLM tree with the k3 overlay importable: {exc!r}"
@@ -71,7 +71,7 @@ pytestmark = [
 
 if SKIP_REASON is None:
     from vllm.model_executor.kernels.linear.cute_dsl import skinny_gemm as sg
-    from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+    from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
     ROWS = [r for r in llg.routed_rows() if not r.has_residual]
     RESIDUAL_ROWS = [r for r in llg.routed_rows() if r.has_residual]

@@ -10,7 +10,7 @@ after the other: the packed GEMM, then F_B on a strided F_A slice. The QKVG GEMM
 the F_A/beta -> F_B chain are independent, so at decode this module runs QKVG on the
 current stream and the chain on the model's aux stream, forked and joined with two
 CUDA events, each GEMM through the low-latency table of the device
-(:mod:`low_latency_gemm`). Shapes of the three GEMMs at TP8 (local ``(N, K)``):
+(:mod:`low_latency_gemm_dispatch`). Shapes of the three GEMMs at TP8 (local ``(N, K)``):
 
 =========  ================  =========================================
 GEMM       weight (N, K)     what
@@ -32,8 +32,9 @@ its blocks before the rest of the QKVG GEMM's; an architecture uses it only wher
 measured faster (``OverlapTokens.high_priority_aux``), as on the H200.
 
 Entry points: :func:`run_kda_projection_overlap` (the forward), and
-:func:`enable_kda_projection_overlap` (called by ``enable_kimi_k3_low_latency_gemm`` at
-model construction), which qualifies layers and runs :func:`autotune_kda_qkvg`.
+:func:`enable_kda_projection_overlap` (called by the model at construction, right after
+``enable_kimi_k3_low_latency_gemm``: patch 0004), which qualifies layers and runs
+:func:`autotune_kda_qkvg`. This module uses the dispatch; the dispatch does not know it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
-from vllm.models.kimi_k3.nvidia import low_latency_gemm as llg
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 
 logger = init_logger(__name__)
 
@@ -286,7 +287,7 @@ def _tune_flashinfer_qkvg(qkvg_weight: torch.Tensor, tokens: Collection[int]) ->
 
 
 def _request_table_warmup(packed_weight: torch.Tensor, f_b_weight: torch.Tensor) -> None:
-    """Ask the CuTe warm-up (before graph capture) for the three GEMMs' table configs."""
+    """Warm up, before graph capture, the table's kernels of the three GEMMs' rows."""
     proj = f_b_weight.shape[0]
     for weight in (packed_weight[: 4 * proj], packed_weight[4 * proj :], f_b_weight):
         llg.request_low_latency_warmup(weight)
@@ -297,8 +298,8 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
 
     Per layer: the QKVG backend, FlashInfer's ``cute-dsl`` BF16 GEMM where the installed
     FlashInfer offers it for this GPU (warmed and tuned by its autotuner at each M the
-    overlap runs at), else our table (CuTe warm-up requested for the QKVG, F_A/beta and
-    F_B configs); ``kda_overlap_tokens``, this architecture's measured set of M
+    overlap runs at), else our table (its kernels warmed up for the QKVG, F_A/beta and
+    F_B rows); ``kda_overlap_tokens``, this architecture's measured set of M
     (:func:`overlap_tokens`; empty where nothing was measured: overlap off); and, where
     the architecture measured it faster, ``aux_stream`` replaced by
     :func:`high_priority_aux_stream`.
@@ -335,14 +336,15 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
 def enable_kda_projection_overlap(module: nn.Module, dtype: torch.dtype) -> int:
     """Qualify the KDA layers under ``module`` and run :func:`autotune_kda_qkvg`.
 
-    A layer qualifies at TP8 with BF16 weights of exactly ``[6288, 7168]``
-    (``in_proj_qkvgfab``) and ``[1536, 128]`` (``f_b_proj``), unquantized, on the GPU,
-    with an aux stream and events (patch 0003). Others keep ``kda_overlap_tokens``
-    empty.
+    Call after ``enable_kimi_k3_low_latency_gemm`` on the same module. A layer qualifies
+    at TP8 with BF16 weights of exactly ``[6288, 7168]`` (``in_proj_qkvgfab``) and
+    ``[1536, 128]`` (``f_b_proj``), unquantized or planned, on the GPU, with an aux
+    stream and events (patch 0003). Others keep ``kda_overlap_tokens`` empty.
 
     Returns:
-        How many layers were set up (0 for a ``dtype`` other than BF16).
+        How many layers were set up (0 for a ``dtype`` other than BF16, or on a device
+        without a low-latency table, where the dispatch installs nothing either).
     """
-    if dtype is not torch.bfloat16:
+    if dtype is not torch.bfloat16 or llg.device_table() is None:
         return 0
     return autotune_kda_qkvg(module)
