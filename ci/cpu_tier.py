@@ -29,21 +29,21 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from pathlib import PurePosixPath
 
 CI_DIR = pathlib.Path(__file__).resolve().parent
+from k3overlay.manifest import load
+from k3overlay.project import Project
 from k3overlay.stages import Problem, TestRun
 
 PLUGIN = "pytest_no_accelerator"
-UPSTREAM_FILES = ("tests/kernels/test_bf16_skinny_gemm.py",)  # vLLM's, our patch 0002 updates it
-OUR_FILES = (  # from overlay/: they test our modules, so only a tree holding them can pass them
-    "tests/kernels/test_kimi_k3_low_latency_gemm.py",
-    "tests/kernels/test_kimi_k3_gemm_tables.py",
-    "tests/kernels/test_kimi_k3_gemm_guards.py",
-    "tests/kernels/test_kimi_k3_swap_ab_gemm.py",  # our Triton kernel, interpreted on the CPU
-    "tests/kernels/test_kimi_k3_low_latency_gemm_gpu.py",  # must skip cleanly, with reasons
-    "tests/kernels/test_kimi_k3_kda_projection.py",
-    "tests/kernels/test_kimi_k3_kda_projection_gpu.py",  # likewise
-)
+UPSTREAM_FILES = ("tests/kernels/test_bf16_skinny_gemm.py",)  # vLLM's own, as upstream ships it
+# Ours: every test file the overlay lays (overlay.json), so a new one runs without being
+# listed here. They test our modules, so only a tree holding them all can pass them; the
+# GPU ones must skip cleanly, with reasons.
+_PROJECT = Project()
+OUR_FILES = tuple(f.path for f in load(_PROJECT.manifest_path, _PROJECT.overlay_dir).files
+                  if f.path.startswith("tests/") and PurePosixPath(f.path).name.startswith("test_"))
 TEST_FILES = UPSTREAM_FILES + OUR_FILES
 COUNT_KEYS = ("passed", "failed", "skipped", "errors", "env_errors")
 _MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")

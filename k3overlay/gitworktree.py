@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import journal
+from .errors import UsageError
 from .files import read_regular
 from .gitproc import GitError, Repo, _cwd, _execute, _text, _z, attempt, first_line, literal, run
 from .interrupts import deferred
@@ -107,6 +108,7 @@ def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
     its refs, ``sha`` checked out."""
     common = Path(run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
     commit = run(repo, "rev-parse", "--verify", "--end-of-options", f"{sha}^{{commit}}").strip()
+    _refuse_unwritable_objects(common / "objects")
     status, _, err = _execute(["init", "--quiet", "--", str(tree)], cwd=tree.parent)
     if status != 0:
         raise GitError(f"git init failed: {first_line(_text(err))}")
@@ -122,6 +124,22 @@ def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
     scratch = Repo(tree)
     run(scratch, "checkout", "--quiet", "--detach", commit, "--")
     return scratch
+
+
+def _refuse_unwritable_objects(objects: Path) -> None:
+    """UsageError (one line, git's reason) if no object can be written into ``objects``.
+
+    The scratch repository commits into the checkout's object store: a read-only or
+    otherwise unwritable one would make every ``git am`` fail, which would read as a
+    conflict of the first patch. A probe file is made there and removed at once.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix="tmp_k3_probe_", dir=objects)
+    except OSError as err:
+        raise UsageError(f"cannot write git objects into {objects}: {err.strerror}") from err
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
 
 
 def _remove_stale_scratch(tmp: Path) -> None:

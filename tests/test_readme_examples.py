@@ -1,4 +1,4 @@
-"""Following the README leaves nothing untracked in the repository: every file or folder its
+"""Following the README and its pages (docs/*.md) leaves nothing untracked in the repository: every file or folder its
 commands write (reports, checkouts, wheels) is one git ignores."""
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ PLACEHOLDER = re.compile(r"^[A-Z_]+$|[A-Z]{3,}")  # FILE, DIR, DEST/trees: the u
 
 
 def readme_commands() -> list[list[str]]:
-    """Each command of README.md's shell blocks, as words (continuation lines joined)."""
+    """Each command of the shell blocks of README.md and its pages, as words (continuation
+    lines joined)."""
     blocks, inside = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    for line in text.splitlines():
         if line.startswith("```"):
             inside = not inside
             blocks.append([]) if inside else None

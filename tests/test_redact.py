@@ -77,10 +77,14 @@ def test_text_without_secrets_is_left_as_it_is(text):
 def test_scrub_reaches_every_string_of_a_report():
     from k3overlay.report import Report
     from k3overlay.series import PatchResult
+    from k3overlay.stages import Problem, Section, TestRun
 
     report = Report("1", "b", f"https://u:{SECRET}@h/x", error=f"in https://u:{SECRET}@h/x",
                     patches=[PatchResult("p", "conflict", [f"?token={SECRET}"])],
-                    notes=[f"Authorization: token {SECRET}"], tests={"env_error": f"?sig={SECRET}"})
+                    notes=[f"Authorization: token {SECRET}"],
+                    runs=[TestRun(env_error=f"?sig={SECRET}",
+                                  problems=[Problem("t", f"https://u:{SECRET}@h")])],
+                    sections=[Section("ab", "gpu a/b", [f"?token={SECRET}"], {"url": f"https://u:{SECRET}@h"})])
     assert SECRET not in repr(scrub(report)) and SECRET in repr(report)  # a copy; the original stays
 
 
