@@ -22,6 +22,7 @@ gives each target an environment of its own (``target_env.py``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import re
@@ -31,29 +32,42 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import PurePosixPath
 
-CI_DIR = pathlib.Path(__file__).resolve().parent
 from k3overlay.manifest import load
 from k3overlay.project import Project
 from k3overlay.stages import Problem, TestRun
 
+CI_DIR = pathlib.Path(__file__).resolve().parent
+
 PLUGIN = "pytest_no_accelerator"
 UPSTREAM_FILES = ("tests/kernels/test_bf16_skinny_gemm.py",)  # vLLM's own, as upstream ships it
-# Ours: every test file the overlay lays (overlay.json), so a new one runs without being
-# listed here. They test our modules, so only a tree holding them all can pass them; the
-# GPU ones must skip cleanly, with reasons.
-_PROJECT = Project()
-OUR_FILES = tuple(f.path for f in load(_PROJECT.manifest_path, _PROJECT.overlay_dir).files
-                  if f.path.startswith("tests/") and PurePosixPath(f.path).name.startswith("test_"))
-TEST_FILES = UPSTREAM_FILES + OUR_FILES
+
+
+@functools.cache
+def our_files() -> tuple[str, ...]:
+    """Ours: every test file the overlay lays (overlay.json), so a new one runs without being
+    listed here. They test our modules, so only a tree holding them all can pass them; the
+    GPU ones must skip cleanly, with reasons. Read when first asked for: the GPU stage
+    imports this module where only its helpers are needed."""
+    project = Project()
+    return tuple(f.path for f in load(project.manifest_path, project.overlay_dir).files
+                 if f.path.startswith("tests/") and PurePosixPath(f.path).name.startswith("test_"))
+
+
+def __getattr__(name: str):  # OUR_FILES and TEST_FILES, as constants to the tests that read them
+    if name == "OUR_FILES":
+        return our_files()
+    if name == "TEST_FILES":
+        return UPSTREAM_FILES + our_files()
+    raise AttributeError(name)
 COUNT_KEYS = ("passed", "failed", "skipped", "errors", "env_errors")
 _MISSING = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
 def pytest_command(python: str, junit_xml: pathlib.Path,
-                   files: tuple[str, ...] = TEST_FILES) -> list[str]:
+                   files: tuple[str, ...] | None = None) -> list[str]:
     """The pytest invocation, relative to the tree."""
     return [
-        python, "-m", "pytest", *files,
+        python, "-m", "pytest", *(UPSTREAM_FILES + our_files() if files is None else files),
         "-p", PLUGIN,
         "-p", "no:cacheprovider",  # leave the tree as we found it
         "-q", "-rs",  # list skip reasons in the log
@@ -152,7 +166,7 @@ def run_cpu_tier(
         pytest printed.
     """
     tree = pathlib.Path(tree).resolve()
-    files = UPSTREAM_FILES if lacks_overlay else TEST_FILES
+    files = UPSTREAM_FILES if lacks_overlay else UPSTREAM_FILES + our_files()
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(junit_xml or pathlib.Path(tmp) / "cpu_tier.xml").resolve()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(CI_DIR)]))
@@ -163,7 +177,7 @@ def run_cpu_tier(
             run.problems.append(Problem("pytest", f"exited {returncode} before any test ran: "
                                                   f"{last or 'no output'}", "error"))
     run.not_run = [f"{f}: the tree lacks our overlay ({lacks_overlay})"
-                   for f in OUR_FILES] if lacks_overlay else []
+                   for f in our_files()] if lacks_overlay else []
     return run
 
 
