@@ -21,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CI_DIR = Path(__file__).resolve().parent
 from k3overlay.stages import Section
+
+CI_DIR = Path(__file__).resolve().parent
 
 DUMP = CI_DIR / "table_dump.py"
 KINDS = ("upstream_only", "ours_only", "different")
