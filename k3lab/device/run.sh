@@ -6,6 +6,7 @@
 #   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
+#   tests                every GPU test file of the overlay (TEST_S seconds at most)
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
@@ -27,6 +28,15 @@ step=$1; shift
 case $step in
 stash)
   mkdir -p /root/stash && cp "$1"/* /root/stash/ && ls -la /root/stash ;;
+tests)
+  # Every GPU test file the overlay lays (numerics of every backend and fused kernel, PDL in
+  # the PTX), on the installed tree with the overlay as committed now; TEST_S caps the run.
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/
+  rm -rf /tmp/k3t && mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/*.py /tmp/k3t/tests/kernels/
+  (cd /tmp/k3t && timeout ${TEST_S:-400} python3 -m pytest -p no:cacheprovider -q -rs --tb=short \
+     --junitxml="$OUT/pytest_gpu.xml" tests/kernels/*_gpu.py tests/kernels/test_kimi_k3_fused_ptx.py \
+     2>&1 | tail -n 60 | tee "$OUT/pytest_gpu.log") ;;
 install)
   bash "$HERE/install.sh" --target $SITE /root/stash "$1" > /tmp/env.sh || exit $?
   mv /tmp/env.sh $SITE/.k3/env.sh; cat $SITE/.k3/env.sh; envs
