@@ -34,7 +34,7 @@ tests)
   envs; shim
   cp -r overlay/vllm/. $SITE/vllm/
   rm -rf /tmp/k3t && mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/*.py /tmp/k3t/tests/kernels/
-  (cd /tmp/k3t && timeout ${TEST_S:-400} python3 -m pytest -p no:cacheprovider -q -rs --tb=short \
+  (cd /tmp/k3t && timeout ${TEST_S:-400} python3 -m pytest -p no:cacheprovider -q -rs --tb=short -o "markers=gpu: needs a CUDA GPU" \
      --junitxml="$OUT/pytest_gpu.xml" tests/kernels/*_gpu.py tests/kernels/test_kimi_k3_fused_ptx.py \
      2>&1 | tail -n 60 | tee "$OUT/pytest_gpu.log") ;;
 install)
