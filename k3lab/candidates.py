@@ -141,3 +141,14 @@ def trivial(pdl: bool) -> Callable:
         return out
 
     return f
+
+
+#: The fused decode ops' backends (``gemm_backends/``, ops other than ``gemm``) and the
+#: lab tool that measures each for its table rows (``low_latency_fused_sm90.py``). They
+#: take more than ``(x, w)``, so no callable above: the tools call their kernels.
+FUSED = {
+    "swap_ab_rmsnorm": "k3lab.decode_step.prologue_bench (norm) and k3lab.decode_step.replay",
+    "swap_ab_add_rmsnorm": "k3lab.decode_step.prologue_bench (add_norm)",
+    "pdl_rmsnorm": "k3lab.decode_step.replay (kv_a_norm, MTP norms)",
+    "pdl_act_mul": "k3lab.decode_step.replay (situ_and_mul)",
+}

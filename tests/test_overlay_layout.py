@@ -20,7 +20,8 @@ from k3overlay.project import ROOT
 OVERLAY = ROOT / "overlay"
 PACKAGE = OVERLAY / "vllm" / "models" / "kimi_k3" / "nvidia"
 BACKENDS_DIR = PACKAGE / "gemm_backends"
-TABLE_DATA = {PACKAGE / "low_latency_gemm_tables.py", PACKAGE / "low_latency_gemm_sm90.py"}
+TABLE_DATA = {PACKAGE / "low_latency_gemm_tables.py", PACKAGE / "low_latency_gemm_sm90.py",
+              PACKAGE / "low_latency_fused_sm90.py"}  # fmt: skip
 GENERATED = {PACKAGE / "low_latency_gemm_sm90.py"}  # rendered by the lab's table renderer
 MAX_LINES = 600
 SHIPPED = sorted((OVERLAY / "vllm").rglob("*.py"))
@@ -44,6 +45,16 @@ def _strings(path: Path) -> set[str]:
 
 def test_the_registry_has_the_five_gemm_backends() -> None:
     assert set(_backend_names()) >= {"cute", "swap_ab", "ll_bf16", "tinygemm", "dsv3_fused_a"}
+
+
+def test_the_registry_has_a_backend_per_fused_op() -> None:
+    """Each fused op (its ``op = "..."``) has a module of its own under gemm_backends/."""
+    ops = {}
+    for name, path in _backend_names().items():
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "op":
+                ops[node.value.value] = name
+    assert set(ops) >= {"rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul"}
 
 
 @pytest.mark.parametrize("name", sorted(_backend_names()))

@@ -58,13 +58,16 @@ from __future__ import annotations
 import torch
 
 from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab
-from vllm.triton_utils import tl, triton
+from vllm.triton_utils import HAS_TRITON, tl, triton
 
 # Prologue codes (compile-time constants of the kernel; a jitted function reads only
-# globals that are tl.constexpr).
-NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = (tl.constexpr(i) for i in range(6))
+# globals that are tl.constexpr). Without Triton, vLLM's placeholder has no constexpr:
+# plain ints then, so that the module (and the backend registry that imports it)
+# still imports, and the backends say they are unavailable.
+_const = tl.constexpr if HAS_TRITON else int
+NONE, NORM, ADD_NORM, ACT_MUL, SIGMOID_MUL, MTP_NORM = (_const(i) for i in range(6))
 PROLOGUES = {"none": 0, "norm": 1, "add_norm": 2, "act_mul": 3, "sigmoid_mul": 4, "mtp_norm": 5}
-SILU, SITU = tl.constexpr(0), tl.constexpr(1)
+SILU, SITU = _const(0), _const(1)
 
 
 @triton.jit

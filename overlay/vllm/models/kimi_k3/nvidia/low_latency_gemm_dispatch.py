@@ -55,6 +55,7 @@ from vllm.models.kimi_k3.nvidia.gemm_backends.base import (
     is_packed_row_major,
     is_row_major,
 )
+from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import enable_kimi_k3_fused_decode
 from vllm.models.kimi_k3.nvidia.low_latency_gemm_spec import (  # noqa: F401 (public API)
     DECODE_TOKEN_COUNTS,
     KIMI_K3_PROJECTIONS,
@@ -472,9 +473,13 @@ def enable_kimi_k3_low_latency_gemm(module: nn.Module, dtype: torch.dtype) -> in
         module: model (or sub-model) to walk; changed in place.
         dtype: the model's dtype; anything but ``torch.bfloat16`` is a no-op.
 
+    It also turns on, once, the fused decode ops (``low_latency_fused_dispatch``: the
+    norms, act-and-mul and norm-prologue GEMMs the model's patched call sites try).
+
     Returns:
         How many layers received a plan (0 on CPU, unsupported GPUs or non-BF16).
     """
+    enable_kimi_k3_fused_decode(module, dtype)
     table = device_table()
     if dtype is not torch.bfloat16 or table is None:
         return 0

@@ -192,3 +192,15 @@ def is_row_major(t: torch.Tensor) -> bool:
 def aligned(t: torch.Tensor, nbytes: int) -> bool:
     """Whether ``t``'s data pointer is a multiple of ``nbytes``."""
     return t.data_ptr() % nbytes == 0
+
+
+def bf16_on(device: torch.device, *tensors: torch.Tensor | None) -> bool:
+    """Whether every given tensor (None skipped) is BF16 on ``device``."""
+    return all(
+        t is None or (t.dtype is torch.bfloat16 and t.device == device) for t in tensors
+    )
+
+
+def is_vector_of(t: torch.Tensor, length: int) -> bool:
+    """Whether ``t`` is a contiguous 1-D tensor of ``length`` elements (a norm weight)."""
+    return t.dim() == 1 and t.shape[0] == length and t.stride(0) == 1

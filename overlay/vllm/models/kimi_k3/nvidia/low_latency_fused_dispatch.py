@@ -1,0 +1,308 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""Dispatch of the fused Kimi-K3 decode ops (vllm-k3-overlay): tables, a switch, guards.
+
+The GEMM dispatch (``low_latency_gemm_dispatch``) routes plain ``x @ W^T``; this module
+routes the small ops next to it, each an ``op`` of the backend registry
+(``gemm_backends.backends_for``):
+
+==================  ===========================================================
+op                  public entry
+==================  ===========================================================
+``rmsnorm_gemm``    :func:`try_rmsnorm_gemm` without ``residual``
+``add_rmsnorm_gemm`` :func:`try_rmsnorm_gemm` with ``residual``
+``rmsnorm``         :func:`try_rms_norm`
+``act_mul``         :func:`try_act_mul`
+==================  ===========================================================
+
+Which backend runs for an (op, shape, M) is table data per GPU architecture
+(``low_latency_fused_sm90``, each row with its source); no backend is named here.
+
+Every ``try_*`` returns None, never raises, when the model must run its stock ops:
+the switch is off (it is turned on once, by :func:`enable_kimi_k3_fused_decode`, which
+the GEMM dispatch's ``enable_kimi_k3_low_latency_gemm`` calls); ``VLLM_BATCH_INVARIANT``
+is set; there is no table for this device, no row for the shape or no entry for M
+(M > 16 included); the backend is not built; or an operand fails the backend's
+``operands_ok`` (dtype, strides, device, shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from vllm import envs
+from vllm.logger import init_logger
+from vllm.models.kimi_k3.nvidia import gemm_backends
+from vllm.models.kimi_k3.nvidia import low_latency_fused_sm90 as _sm90_data
+from vllm.models.kimi_k3.nvidia.gemm_backends.base import Capability, KernelBackend, WarmupCall
+from vllm.platforms import current_platform
+
+logger = init_logger(__name__)
+
+OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul")
+ROW_OPS = frozenset({"rmsnorm", "act_mul"})  # keyed by (width,), not (N, K)
+DECODE_TOKEN_COUNTS = range(1, 17)
+
+# Device type the fused paths run on: a module constant so that CPU tests can point it
+# at "cpu" and drive them through the Triton interpreter or fakes.
+_FAST_PATH_DEVICE_TYPE = "cuda"
+
+
+class FusedCall(NamedTuple):
+    """One (op, shape, M) entry: the backend's name and its parsed config (or None)."""
+
+    backend: str
+    config: Any
+
+
+class FusedTable:
+    """Read-only ``{op: {shape: {M: FusedCall}}}`` for one architecture, checked at build.
+
+    Args:
+        arch: e.g. ``"SM90"``.
+        data: ``{op: {shape: (backend, config tuple or None, token counts)}}``.
+        provenance: the figures' source (``gpu``, ``date``, ``source``...).
+
+    Raises:
+        ValueError: an unknown op or backend (of that op), an M outside 1..16, or a
+            config the backend refuses for the shape (its ``config_error``).
+    """
+
+    def __init__(self, arch: str, data: Mapping, provenance: Mapping[str, str]) -> None:
+        self.arch = arch
+        self.provenance = MappingProxyType(dict(provenance))
+        self._rows: dict[str, dict[tuple, dict[int, FusedCall]]] = {}
+        for op, rows in data.items():
+            if op not in OPS:
+                raise ValueError(f"{arch}: unknown fused op {op!r}")
+            for shape, (name, cfg, token_counts) in rows.items():
+                self._rows.setdefault(op, {})[tuple(shape)] = self._entries(
+                    op, tuple(shape), name, cfg, token_counts
+                )
+
+    def _entries(self, op, shape, name, cfg, token_counts) -> dict[int, FusedCall]:
+        backend = gemm_backends.backends_for(op).get(name)
+        if backend is None:
+            raise ValueError(f"{self.arch} {op} {shape}: unknown backend {name!r}")
+        n, k = (shape[0], shape[0]) if op in ROW_OPS else shape
+        entries = {}
+        for m in token_counts:
+            if m not in DECODE_TOKEN_COUNTS:
+                raise ValueError(f"{self.arch} {op} {shape}: M={m} outside 1..16")
+            config = backend.config_from_data(m, cfg)
+            why = backend.config_error(n, k, m, config)
+            if why:
+                raise ValueError(f"{self.arch} {op} {shape} at M={m}: {why}")
+            entries[m] = FusedCall(name, config)
+        return entries
+
+    def call(self, op: str, shape: tuple, num_tokens: int) -> FusedCall | None:
+        """The entry for (op, shape, M), or None (stock path)."""
+        return self._rows.get(op, {}).get(tuple(shape), {}).get(num_tokens)
+
+    def rows(self) -> Iterator[tuple[str, tuple, int, FusedCall]]:
+        """Every ``(op, shape, M, call)``, sorted: what numerics tests must cover."""
+        for op in sorted(self._rows):
+            for shape in sorted(self._rows[op]):
+                for m, call in sorted(self._rows[op][shape].items()):
+                    yield op, shape, m, call
+
+    def __repr__(self) -> str:
+        return f"FusedTable({self.arch}, {sum(1 for _ in self.rows())} entries)"
+
+
+FUSED_SM90 = FusedTable("SM90", _sm90_data.FUSED_SM90, _sm90_data.PROVENANCE)
+TABLES_BY_CAPABILITY: Mapping[Capability, FusedTable] = MappingProxyType({(9, 0): FUSED_SM90})
+
+
+# ------------------------------------------------------------------------ switch
+
+_enabled = False
+
+
+def _device_capability() -> Capability | None:
+    """Compute capability of the current device, None without a CUDA device."""
+    # ROCm reports gfx90a as (9, 0): only NVIDIA capabilities name our tables.
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
+def device_table() -> FusedTable | None:
+    """The current device's table; None on CPU or an architecture without one."""
+    capability = _device_capability()
+    return None if capability is None else TABLES_BY_CAPABILITY.get(capability)
+
+
+def _backend(op: str, call: FusedCall) -> KernelBackend | None:
+    backend = gemm_backends.backends_for(op).get(call.backend)
+    return backend if backend is not None and backend.is_available() else None
+
+
+def _route(op: str, shape: tuple, num_tokens: int) -> tuple[KernelBackend, Any] | None:
+    """The (backend, config) for this call, or None: switch off, no row, not built."""
+    if not _enabled or envs.VLLM_BATCH_INVARIANT:
+        return None
+    table = device_table()
+    call = None if table is None else table.call(op, shape, num_tokens)
+    backend = None if call is None else _backend(op, call)
+    return None if backend is None else (backend, call.config)
+
+
+def _on_fast_device(first: Any, *tensors: torch.Tensor | None) -> bool:
+    """``first`` a 2-D tensor, it and every other given one (None skipped) on the
+    fast path's device type."""
+    if not (isinstance(first, torch.Tensor) and first.dim() == 2):
+        return False
+    return all(
+        t is None or (isinstance(t, torch.Tensor) and t.device.type == _FAST_PATH_DEVICE_TYPE)
+        for t in (first, *tensors)
+    )
+
+
+def _tokens(x: Any) -> int:
+    """M of a 2-D tensor, else 0 (no table has M = 0)."""
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+
+
+def enable_kimi_k3_fused_decode(module: nn.Module, dtype: torch.dtype) -> int:
+    """Turn the fused decode paths on (once per process) and warm their kernels up.
+
+    Args:
+        module: the model (or sub-model); only its parameters' device is read.
+        dtype: the model's dtype; anything but ``torch.bfloat16`` leaves the switch off.
+
+    Returns:
+        How many kernels were compiled (0 off CUDA, on a device without a table, or
+        for non-BF16 models: the ``try_*`` entries then keep answering None).
+    """
+    global _enabled
+    table = device_table()
+    if dtype is not torch.bfloat16 or table is None:
+        return 0
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    _enabled = True
+    compiled = 0
+    seen = set()
+    for op, shape, m, call in table.rows():
+        backend = _backend(op, call)
+        # M is no compile-time constant of these kernels: one warm-up per config.
+        if backend is None or (op, shape, call) in seen:
+            continue
+        seen.add((op, shape, call))
+        n, k = (shape[0], shape[0]) if op in ROW_OPS else shape
+        compiled += backend.warm_up([WarmupCall(n, k, m, call.config, device)], dtype)
+    logger.debug("Kimi-K3 fused decode ops on (%s table), %d kernels warmed", table.arch, compiled)
+    return compiled
+
+
+def disable_kimi_k3_fused_decode() -> None:
+    """Turn the switch off again (tests; a process that unloads the model)."""
+    global _enabled
+    _enabled = False
+
+
+# ------------------------------------------------------------------ public entries
+
+
+def try_rmsnorm_gemm(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    add_to: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``RMSNorm(x [+ residual]) @ weight.T (+ add_to)`` in one launch, or None.
+
+    Args:
+        x: (M, K) BF16, unit column stride (a row-strided view is fine), CUDA.
+        norm_weight: the RMSNorm's (K,) BF16 weight; ``eps`` its epsilon.
+        weight: the projection's (N, K) BF16 weight, packed row-major.
+        residual: optional (M, K) BF16: the norm is then vLLM's ``RMSNorm(x, residual)``
+            (op ``add_rmsnorm_gemm``), which also returns the new residual ``x + residual``.
+        add_to: optional packed (M, N) BF16 added in the epilogue (e.g. the shared
+            experts' output before ``routed_expert_up_proj``).
+
+    Returns:
+        ``(out, new_residual)``: a new BF16 (M, N), and a new packed BF16 (M, K) (None
+        without ``residual``); or None for the stock path (module docstring). Never raises
+        for those.
+    """
+    op = "rmsnorm_gemm" if residual is None else "add_rmsnorm_gemm"
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
+        return None
+    if not _on_fast_device(x, norm_weight, weight, residual, add_to):
+        return None
+    routed = _route(op, tuple(weight.shape), _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if residual is None:
+        if not backend.operands_ok(config, x, norm_weight, weight, add_to):
+            return None
+        return backend.launch(config, x, norm_weight, eps, weight, add_to), None
+    if not backend.operands_ok(config, x, residual, norm_weight, weight, add_to):
+        return None
+    return backend.launch(config, x, residual, norm_weight, eps, weight, add_to)
+
+
+def try_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``RMSNorm(x [+ residual])`` on our PDL-aware kernel, or None.
+
+    Args:
+        x: (M, K) BF16 with unit column stride, CUDA; ``weight`` its (K,) BF16 norm
+            weight, ``eps`` the epsilon; ``residual`` optional (M, K) BF16.
+
+    Returns:
+        ``(out, new_residual)``, new packed BF16 (M, K) tensors (``new_residual`` None
+        without ``residual``), or None for the stock path. Never raises for those.
+    """
+    if not _on_fast_device(x, weight, residual):
+        return None
+    routed = _route("rmsnorm", (x.shape[1],), _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, x, weight, residual):
+        return None
+    return backend.launch(config, x, weight, eps, residual)
+
+
+def try_act_mul(
+    gate_up: torch.Tensor,
+    *,
+    situ_beta: float | None = None,
+    situ_linear_beta: float | None = None,
+) -> torch.Tensor | None:
+    """``act(gate_up[:, :D]) * gate_up[:, D:]`` on our PDL-aware kernel, or None.
+
+    Args:
+        gate_up: (M, 2D) BF16 with unit column stride, CUDA.
+        situ_beta: SITU's beta (vLLM's ``SituAndMul``); None for SiLU.
+        situ_linear_beta: SITU's soft clip of ``up``, or None.
+
+    Returns:
+        A new packed BF16 (M, D), or None for the stock path. Never raises for those.
+    """
+    if not _on_fast_device(gate_up) or gate_up.shape[1] % 2:
+        return None
+    routed = _route("act_mul", (gate_up.shape[1] // 2,), _tokens(gate_up))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, gate_up):
+        return None
+    return backend.launch(config, gate_up, situ_beta, situ_linear_beta)

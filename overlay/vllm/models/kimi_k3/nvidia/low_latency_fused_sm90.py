@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""SM90 (H200) table data of the fused decode ops of Kimi-K3: data only.
+
+``FUSED_SM90[op][shape] = (backend, config tuple or None, token counts)``: the backend
+(its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
+``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``) are
+keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``) by ``(width,)``.
+An (op, shape, M) without an entry keeps the model's stock path. Read by
+``low_latency_fused_dispatch``, which checks every entry at import.
+
+Source of every row: :data:`PROVENANCE`, and the row's own line below.
+"""
+
+from __future__ import annotations
+
+DECODE = tuple(range(1, 17))
+
+PROVENANCE = {
+    "gpu": "NVIDIA H200",
+    "date": "2026-12-02",
+    "source": "run decode_step 2026-12-02 (python -m k3lab.decode_step.replay, code of commit "
+    "97f2bf9): results/decode_step/decode_step_2026-12-02.json; prologue configs from "
+    "python -m k3lab.decode_step.prologue_bench: results/decode_step/"
+    "prologue_sweep_2026-12-02.json (M = 16); both k3lab/decode_step/configs.json",
+    "versions": "torch 2.11.0+cu130, Triton 3.6.0, CUDA 13.0, driver 580.159.04",
+}
+
+FUSED_SM90 = {
+    "rmsnorm_gemm": {
+        # routed_expert_norm -> routed_expert_up_proj (TP8): sweep 15.46 µs vs plain 14.17
+        # at M = 16; in the replay's "ours" at every M 1..16.
+        (7168, 3584): ("swap_ab_rmsnorm", (64, 256, 1, 4, 4, 55), DECODE),
+        # q_a_layernorm -> q_b_proj (TP8): sweep 6.46 µs vs plain 5.01 at M = 16; in the
+        # replay's "ours" at every M 1..16.
+        (2304, 1536): ("swap_ab_rmsnorm", (64, 256, 2, 4, 3), DECODE),
+    },
+    "add_rmsnorm_gemm": {
+        # 3584x7168 (routed_expert_down_proj's shape): sweep 17.71 µs vs plain 15.66 at
+        # M = 16 only; not in the replay.
+        (3584, 7168): ("swap_ab_add_rmsnorm", (64, 256, 2, 4, 4, 55), (16,)),
+    },
+    "rmsnorm": {
+        # kv_a_layernorm (MLA): 1.4 µs in the replay's "ours", M = 1..16.
+        (512,): ("pdl_rmsnorm", None, DECODE),
+        # MTP input_layernorm / post_attention_layernorm / shared_head.norm: 2.2 µs each
+        # against 2.9-3.6 stock, M = 1..16.
+        (7168,): ("pdl_rmsnorm", None, DECODE),
+    },
+    "act_mul": {
+        # shared experts' SITU-and-mul (TP8, D = 768): 1.4 µs vs 2.0 stock at M = 16.
+        (768,): ("pdl_act_mul", None, DECODE),
+    },
+}
