@@ -6,7 +6,7 @@
 #   install PART_DIR     reassemble stash + PART_DIR, install into /tmp/site, smoke-import
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
-#   tests                every GPU test file of the overlay (TEST_S seconds at most)
+#   tests                every GPU test file of the overlay (TEST_S seconds at most; TESTS: a subset)
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
@@ -35,7 +35,7 @@ tests)
   cp -r overlay/vllm/. $SITE/vllm/
   rm -rf /tmp/k3t && mkdir -p /tmp/k3t/tests/kernels && cp overlay/tests/kernels/*.py /tmp/k3t/tests/kernels/
   (cd /tmp/k3t && timeout ${TEST_S:-400} python3 -m pytest -p no:cacheprovider -q -rs --tb=short -o "markers=gpu: needs a CUDA GPU" \
-     --junitxml="$OUT/pytest_gpu.xml" tests/kernels/*_gpu.py tests/kernels/test_kimi_k3_fused_ptx.py \
+     --junitxml="$OUT/pytest_gpu.xml" ${TESTS:-tests/kernels/*_gpu.py tests/kernels/test_kimi_k3_fused_ptx.py} \
      2>&1 | tail -n 60 | tee "$OUT/pytest_gpu.log") ;;
 install)
   bash "$HERE/install.sh" --target $SITE /root/stash "$1" > /tmp/env.sh || exit $?
