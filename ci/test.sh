@@ -58,5 +58,7 @@ pip_install -r .venv/vllm-common.txt pytest tblib
 done_
 
 export K3_CPU_TIER=required  # here a missing vLLM dependency is a failure, not a skip
+# With no arguments (README command 2): skip reasons and the slowest tests listed at the end.
+[ $# -gt 0 ] || set -- -rs --durations=10
 echo "ci/test.sh: pytest $* (each e2e test says when it starts and how long it took)"
 exec $PY -m pytest "$@"

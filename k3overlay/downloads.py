@@ -62,7 +62,8 @@ class ReleaseFiles:
         """The release sdist of ``version``. UsageError if the index has none."""
         found = [p for p in self.packages() if p.package_type == "sdist" and _version(p) == version]
         if not found:
-            raise UsageError(f"vLLM {version} has no release sdist on the package index")
+            raise UsageError(f"vLLM {version} has no release sdist on the package index "
+                             f"(python apply.py --list-releases lists the known ones)")
         return found[0]
 
     def wheel(self, version: Version) -> DistributionPackage:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -170,7 +171,7 @@ def progress_said(monkeypatch):
 def pytest_runtest_protocol(item, nextitem):
     """Life in a CI log: an e2e test (one can take minutes, and -q prints nothing until it
     ends) says when it starts and how long it took, on lines of its own. Off with -qq, and
-    with -v (pytest names every test itself)."""
+    with -v (pytest names every test itself). A test running longer says so every minute."""
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     verbosity = item.config.get_verbosity()
     if reporter is None or verbosity > 0 or verbosity < -1 or item.get_closest_marker("e2e") is None:
@@ -178,8 +179,23 @@ def pytest_runtest_protocol(item, nextitem):
         return
     _own_line(reporter, f"{item.nodeid} …")
     start = time.monotonic()
-    yield
+    done = threading.Event()
+
+    def heartbeat() -> None:  # building a target's environment takes minutes: say it still runs
+        while not done.wait(HEARTBEAT_S):
+            _own_line(reporter, f"{item.nodeid}: still running, {time.monotonic() - start:.0f} s")
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
     _own_line(reporter, f"{item.nodeid}: done in {time.monotonic() - start:.0f} s")
+
+
+HEARTBEAT_S = 60  # a line at least this often while an e2e test runs
 
 
 def _own_line(reporter, text: str) -> None:

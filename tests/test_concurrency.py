@@ -256,14 +256,20 @@ def test_interrupt_while_starting_up_prints_no_traceback(tmp_path, upstream, scr
               "code = compile(open(path).read(), path, 'exec'); print('ready', flush=True); "
               "exec(code, {'__name__': '__main__', '__file__': path})")
     for delay in (0.0, 0.05, 0.15):
-        run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, preexec_fn=as_in_a_terminal,
-                               env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-                                    "PYTHONPATH": str(ROOT)})  # ci.rebase imports ci.*
-        assert run.stdout.readline() == "ready\n"
-        time.sleep(delay)
-        run.send_signal(signal.SIGINT)
-        _, err = run.communicate(timeout=60)
+        for _ in range(3):
+            run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=as_in_a_terminal,
+                                   env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                                        "PYTHONPATH": str(ROOT)})  # ci.rebase imports ci.*
+            assert run.stdout.readline() == "ready\n"
+            time.sleep(delay)
+            run.send_signal(signal.SIGINT)
+            _, err = run.communicate(timeout=60)
+            # On a loaded machine the interrupt can land in this harness, between "ready" and
+            # the exec: its only frame is then the harness's own line. Not the script's: again.
+            if not err.rstrip().endswith('File "<string>", line 1, in <module>\nKeyboardInterrupt'):
+                break
         assert "Traceback" not in err and run.returncode == 130, (delay, err)
         assert err.splitlines() == [expected]
 
