@@ -303,7 +303,7 @@ def test_wheel_cases_in_junit():
 
 
 def test_json_to_a_fifo_is_written_in_place_whole(tmp_path):
-    """(In this process: tests/test_breaker_reports.py runs the same through apply.py.)"""
+    """(In this process: test_report.py also runs the same through apply.py.)"""
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)
     report = clean()
