@@ -28,10 +28,12 @@ from vllm.triton_utils import HAS_TRITON
 from .base import GemmBackend, WarmupCall
 
 
-class SwapAb(GemmBackend):
-    """Our Triton swap-AB split-K kernel."""
+class SwapAbTable:
+    """What every backend running our swap-AB kernel (plain, or with a fused prologue) says
+    of its table data: available wherever Triton is, a :class:`SwapAbConfig` per row,
+    checked by ``swap_ab_gemm.config_error`` for (N, K)."""
 
-    name = "swap_ab"
+    name: str
 
     def is_available(self) -> bool:
         return HAS_TRITON
@@ -42,8 +44,14 @@ class SwapAb(GemmBackend):
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
         """A :class:`SwapAbConfig` that ``swap_ab_gemm.config_error`` accepts for (N, K)."""
         if not isinstance(config, SwapAbConfig):
-            return "a swap_ab entry needs a SwapAbConfig"
+            return f"a {self.name} entry needs a SwapAbConfig"
         return swap_ab_gemm.config_error(config, n, k)
+
+
+class SwapAb(SwapAbTable, GemmBackend):
+    """Our Triton swap-AB split-K kernel."""
+
+    name = "swap_ab"
 
     def launch(self, config: SwapAbConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return swap_ab_gemm.swap_ab_gemm(x, weight, config)

@@ -27,32 +27,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.models.kimi_k3.nvidia import fused_gemm, swap_ab_gemm
+from vllm.models.kimi_k3.nvidia import fused_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
-from vllm.triton_utils import HAS_TRITON
 
 from .base import DEFAULT_ALIGN_BYTES, KernelBackend, WarmupCall, aligned, bf16_on
 from .base import is_packed_row_major, is_vector_of
+from .swap_ab import SwapAbTable
 from .swap_ab_rmsnorm import addend_ok, rows_ok
 
 
-class SwapAbAddRmsNorm(KernelBackend):
+class SwapAbAddRmsNorm(SwapAbTable, KernelBackend):
     """Our swap-AB kernel with the residual-add + RMSNorm prologue."""
 
     name = "swap_ab_add_rmsnorm"
     op: ClassVar[str] = "add_rmsnorm_gemm"
-
-    def is_available(self) -> bool:
-        return HAS_TRITON
-
-    def config_from_data(self, num_tokens: int, data: Any) -> SwapAbConfig | None:
-        return None if data is None else SwapAbConfig(*data)
-
-    def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """A :class:`SwapAbConfig` that ``swap_ab_gemm.config_error`` accepts for (N, K)."""
-        if not isinstance(config, SwapAbConfig):
-            return f"a {self.name} entry needs a SwapAbConfig"
-        return swap_ab_gemm.config_error(config, n, k)
 
     def operands_ok(
         self,

@@ -29,7 +29,6 @@ import torch
 
 from vllm.models.kimi_k3.nvidia import fused_gemm, swap_ab_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
-from vllm.triton_utils import HAS_TRITON
 
 from .base import (
     DEFAULT_ALIGN_BYTES,
@@ -41,6 +40,7 @@ from .base import (
     is_row_major,
     is_vector_of,
 )
+from .swap_ab import SwapAbTable
 
 
 def rows_ok(x: torch.Tensor, k: int) -> bool:
@@ -59,23 +59,11 @@ def addend_ok(t: torch.Tensor | None, m: int, n: int) -> bool:
     return t is None or (is_packed_row_major(t) and tuple(t.shape) == (m, n))
 
 
-class SwapAbRmsNorm(KernelBackend):
+class SwapAbRmsNorm(SwapAbTable, KernelBackend):
     """Our swap-AB kernel with the RMSNorm prologue."""
 
     name = "swap_ab_rmsnorm"
     op: ClassVar[str] = "rmsnorm_gemm"
-
-    def is_available(self) -> bool:
-        return HAS_TRITON
-
-    def config_from_data(self, num_tokens: int, data: Any) -> SwapAbConfig | None:
-        return None if data is None else SwapAbConfig(*data)
-
-    def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """A :class:`SwapAbConfig` that ``swap_ab_gemm.config_error`` accepts for (N, K)."""
-        if not isinstance(config, SwapAbConfig):
-            return f"a {self.name} entry needs a SwapAbConfig"
-        return swap_ab_gemm.config_error(config, n, k)
 
     def operands_ok(
         self,
