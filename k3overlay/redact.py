@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import urllib.parse
 
 MASK = "***"
 
 # scheme://userinfo@ — the authority ends at the first / ? # (an @ after it is a path's);
-# greedy up to the last @ before that, as curl reads ``user:p@ss@host``.
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s'\"<>`]*)@")
+# greedy up to the last @ before that, as curl reads ``user:p@ss@host``. Quotes, ``<>`` and
+# backticks belong to it: ``'`` is a sub-delim RFC 3986 allows there unescaped, and git hands
+# ``"<>``` to curl as they are (a password ``it's`` works); stopping at them showed the rest.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
 _SECRET_NAME = (r"[A-Za-z0-9_.\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
                 r"|auth)")
@@ -36,10 +39,51 @@ _HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|p
                      r"|negotiate)\s+)?)(?P<value>[^\s'\"<>`][^'\"<>`\n]*)")
 
 
+# The user info of each source the user gave (``remember``), as literal text: masked
+# wherever it shows, whatever characters it holds (a space, which ends ``_USERINFO``).
+_REMEMBERED: dict[str, str] = {}
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def _userinfo(url: str) -> tuple[str, str, str] | None:
+    """(``scheme://``, user info, the rest from the host on) of a URL that has user info, as
+    git reads it (up to the last @ before the first / ? #, whatever the characters)."""
+    scheme = _SCHEME.match(url)
+    if not scheme:
+        return None
+    authority = re.split(r"[/?#]", url[scheme.end():], maxsplit=1)[0]
+    info, at, _host = authority.rpartition("@")
+    return (scheme[0], info, url[scheme.end() + len(info) + 1:]) if at else None
+
+
+def remember(url: str) -> None:
+    """Mask from now on the user info of ``url`` (a source the user gave) wherever it appears,
+    as given and percent-decoded: ``https://user:pa ss@host`` is refused by curl, yet the
+    message that says so must not show ``pa ss``. Only user info that holds a password, or
+    a user name of 8 characters or more (a token), is remembered: a short login name is
+    no secret, and masking it everywhere would mangle unrelated text."""
+    parts = _userinfo(url)
+    if parts is None:
+        return
+    scheme, info, _rest = parts
+    ssh = scheme[:-3].lower() in _SSH
+    _user, colon, password = info.partition(":")
+    if ssh and colon:
+        literal, masked = f":{password}@", f":{MASK}@"
+    elif not ssh and (colon or len(info) >= 8):
+        literal, masked = f"{info}@", f"{MASK}@"
+    else:
+        return
+    for form in {literal, urllib.parse.unquote(literal)}:
+        _REMEMBERED[form] = masked
+
+
 def redact(text: str) -> str:
     """``text`` with every credential it holds replaced by ``***`` (see the module)."""
     if not isinstance(text, str) or not text:
         return text
+    for literal in sorted(_REMEMBERED, key=len, reverse=True):
+        text = text.replace(literal, _REMEMBERED[literal])
     text = _USERINFO.sub(_masked_userinfo, text)
     text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
@@ -72,13 +116,13 @@ def scrub(value):
 def url_without_credentials(url: str) -> str:
     """``url`` with its user info's password (ssh) or whole user info (any other scheme)
     removed, for storing: ``https://user:pw@host/x`` -> ``https://host/x``,
-    ``ssh://git:pw@host/x`` -> ``ssh://git@host/x``. A path or scp-like address as it is."""
-    def stripped(match: re.Match) -> str:
-        scheme, info = match["scheme"], match["info"]
-        if scheme[:-3].lower() in _SSH:
-            return f"{scheme}{info.partition(':')[0]}@"
-        return scheme
-    url = _USERINFO.sub(stripped, url, count=1)
+    ``ssh://git:pw@host/x`` -> ``ssh://git@host/x``; the user info is read as git reads it,
+    whatever characters it holds. A path or scp-like address as it is."""
+    parts = _userinfo(url)
+    if parts is not None:
+        scheme, info, rest = parts
+        kept = info.partition(":")[0] + "@" if scheme[:-3].lower() in _SSH else ""
+        url = f"{scheme}{kept}{rest}"
     return _QUERY.sub(lambda m: m["lead"] + MASK, url)
 
 

@@ -14,7 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from . import git, journal
+from . import git, journal, redact
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
 from .interrupts import deferred
@@ -133,6 +133,7 @@ def check_source(source: str) -> None:
     on it as a bundle). Git refuses the same transports on its own (``TRANSPORTS``), also
     after a ``url.*.insteadOf`` rewrite.
     """
+    redact.remember(source)  # its user info is masked from here on, whatever it holds
     bad = f"--vllm-repo {source!r}"
     if source.startswith("-") or not source.isprintable():
         raise UsageError(f"{bad} is not a URL or a path (it starts with '-' or holds a control "

@@ -188,3 +188,37 @@ def test_a_secret_in_what_git_itself_says_is_masked(project, upstream, tmp_path,
                      "--json", str(tmp_path / "r.json")])
     out, err = capsys.readouterr()
     assert code == errors.SOURCE and SECRET not in out + err and _leaks(tmp_path) == []
+
+
+@pytest.mark.parametrize("password", [f"it's{SECRET}", f'a"{SECRET}', f"<{SECRET}>", f"a`{SECRET}",
+                                      f"pa ss{SECRET}", f"pa%20ss{SECRET}"])
+def test_a_password_with_quotes_or_spaces_is_masked_everywhere(project, upstream, password, tmp_path,
+                                                               monkeypatch, capsys):
+    # RFC 3986 allows ' in user info unescaped and git hands "<>` to curl as they are (the
+    # masking used to stop at them and show the rest); a space, which curl refuses, is still
+    # what the user meant as a password: the source's user info is masked as given
+    url = f"https://user:{password}@127.0.0.1:{_closed_port()}/up.git"
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url.replace(chr(34), chr(92) + chr(34))}\n')
+    monkeypatch.setenv("HOME", str(config.parent))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    assert cli.main(["--vllm-repo", url, "--vllm-ref", "v1.1.0", "--workdir", str(wd),
+                     "--json", str(tmp_path / "r.json")]) == errors.OK
+    assert cli.main(["--vllm-repo", url, "--vllm-ref", "nosuch", "--workdir", str(wd),
+                     "--json", str(tmp_path / "e.json")]) == errors.USAGE
+    out, err = capsys.readouterr()
+    assert "cloning https://***@127.0.0.1" in err and SECRET not in out + err
+    assert _leaks(tmp_path) == []  # reports, and the checkout's config
+
+
+@pytest.mark.parametrize("text, kept", [
+    (f"fatal: 'https://u:it's{SECRET}@h/x' refused", "'https://***@h/x'"),
+    (f"<https://u:<{SECRET}>@h/x>", "<https://***@h/x>"),
+    (f"https://u:{SECRET}\"@h/x", "https://***@h/x"),
+])
+def test_quote_like_characters_do_not_end_a_password(text, kept):
+    assert SECRET not in redact(text) and kept in redact(text)
