@@ -4,12 +4,12 @@ What counts as a secret (the kinds git's own redaction covers, and their neighbo
 
 - the user info of a URL, ``scheme://user:password@host`` (the password; for any scheme but
   ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user);
-- a query parameter that carries a credential: ``?token=``, ``access_token``,
+- a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
   ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth);
 - an HTTP header that does (``Authorization: Bearer …``, ``Proxy-Authorization``,
-  ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``), as git's
+  ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``, ``X-…-Key``, ``Api-Key``), as git's
   ``GIT_TRACE_REDACT`` does: the scheme word stays, the rest goes.
 
 Each is replaced by ``***``. ``redact`` takes a string, ``scrub`` anything a report holds
@@ -31,11 +31,14 @@ MASK = "***"
 # ``"<>``` to curl as they are (a password ``it's`` works); stopping at them showed the rest.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
-_SECRET_NAME = (r"[A-Za-z0-9_.\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
+# (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
+# ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
+_SECRET_NAME = (r"[A-Za-z0-9_.%\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
                 r"|auth)")
-_QUERY = re.compile(rf"(?P<lead>[?&](?i:{_SECRET_NAME})=)(?P<value>[^&#\s'\"<>`]+)")
+_QUERY = re.compile(rf"(?P<lead>[?&;#](?i:{_SECRET_NAME})=)(?P<value>[^&;#\s'\"<>`]+)")
 _HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|private-token"
-                     r"|job-token|x-[a-z0-9\-]*token)\s*:\s*(?:(?i:basic|bearer|token|digest"
+                     r"|job-token|api-key|x-[a-z0-9\-]*(?:token|key|secret))"
+                     r"\s*:\s*(?:(?i:basic|bearer|token|digest"
                      r"|negotiate)\s+)?)(?P<value>[^\s'\"<>`][^'\"<>`\n]*)")
 
 

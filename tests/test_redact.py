@@ -62,6 +62,13 @@ def _leaks(folder: Path) -> list[str]:
     (f"http.extraHeader=Authorization: Basic {SECRET}", "Basic ***"),
     (f"PRIVATE-TOKEN: {SECRET}", "PRIVATE-TOKEN: ***"),
     (f"Cookie: session={SECRET}", "Cookie: ***"),
+    # round 3: the query kind's neighbours (a fragment, ';', a percent-encoded name), key headers
+    (f"https://h/cb#access_token={SECRET}&state=1", "#access_token=***&state=1"),
+    (f"https://h/x?a=1;token={SECRET}", ";token=***"),
+    (f"https://h/x?access%5Ftoken={SECRET}", "access%5Ftoken=***"),
+    (f"X-Api-Key: {SECRET}", "X-Api-Key: ***"),
+    (f"x-goog-api-key: {SECRET}", "x-goog-api-key: ***"),
+    (f"Api-Key: {SECRET}", "Api-Key: ***"),
 ])
 def test_each_kind_of_secret_is_masked(text, kept):
     assert SECRET not in redact(text) and kept in redact(text)
