@@ -229,3 +229,22 @@ def test_a_password_with_quotes_or_spaces_is_masked_everywhere(project, upstream
 ])
 def test_quote_like_characters_do_not_end_a_password(text, kept):
     assert SECRET not in redact(text) and kept in redact(text)
+
+
+def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream, tmp_path, monkeypatch, capsys):
+    # git's own anonymising takes user info only: a query token went into the clone's reflog
+    # ("clone: from URL") and, fetching into the checkout, into FETCH_HEAD and its reflogs
+    url = f"https://127.0.0.1:{_closed_port()}/up.git?private_token={SECRET}"
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
+    monkeypatch.setenv("HOME", str(config.parent))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    for ref in ("v1.1.0", "main", "v1.2.0"):
+        cli.main(["--vllm-repo", url, "--vllm-ref", ref, "--workdir", str(wd)])
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err and (wd / ".git" / "FETCH_HEAD").exists()
+    assert _leaks(tmp_path) == []
