@@ -179,9 +179,22 @@ def open_existing(workdir: Path) -> git.Repo | None:
     if not any(workdir.iterdir()):
         return None
     try:
-        return git.open_repo(workdir)
+        repo = git.open_repo(workdir)
     except git.GitError as err:
         raise UsageError(f"--workdir {workdir} exists and is not a git checkout") from err
+    refuse_object_format(repo, f"--workdir {workdir}")
+    return repo
+
+
+def refuse_object_format(repo: git.Repo, what: str) -> None:
+    """UsageError unless ``repo`` stores SHA-1 objects, as vLLM's repository does: the
+    manifest's blob ids, the release commit ids and every sha the tool records are SHA-1's,
+    so in a SHA-256 repository every overlay file would read as drift and no ref as a
+    release (the tool's scratch repositories failed on it: "invalid reference")."""
+    form = git.run(repo, "rev-parse", "--show-object-format").strip()
+    if form != "sha1":
+        raise UsageError(f"{what} is a {form.upper()} repository; vLLM's and this overlay's ids are "
+                         f"SHA-1: use a SHA-1 clone of vLLM")
 
 
 def clone(origin: str, workdir: Path) -> git.Repo:
@@ -203,9 +216,10 @@ def clone(origin: str, workdir: Path) -> git.Repo:
             try:
                 with step(f"cloning {origin} into {workdir}"):
                     try:
-                        git.clone(origin, scratch / "vllm")
+                        cloned = git.clone(origin, scratch / "vllm")
                     except git.GitError as err:
                         raise _classify(str(err)) from err
+                    refuse_object_format(cloned, f"--vllm-repo {origin}")
                 journal.point("clone.cloned")
                 try:
                     os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
