@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+import traceback
 import urllib.parse
 
 MASK = "***"
@@ -142,3 +144,10 @@ class Stream:
 
     def __getattr__(self, name: str):  # isatty, fileno, flush, encoding, ...
         return getattr(self._current(), name)
+
+
+def excepthook(kind, value, tb) -> None:
+    """``sys.excepthook`` of the entry points: a bug's traceback is the one text the tool does
+    not print itself, and its messages may quote a URL with a password; it goes through
+    ``redact`` too."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))

@@ -248,3 +248,23 @@ def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream,
     out, err = capsys.readouterr()
     assert SECRET not in out + err and (wd / ".git" / "FETCH_HEAD").exists()
     assert _leaks(tmp_path) == []
+
+
+@pytest.mark.parametrize("entry", ["apply.py", "ci/rebase.py"])
+def test_the_traceback_of_a_bug_is_masked_too(tmp_path, entry):
+    # a traceback is the one text the tool does not print itself; an exception quoting the
+    # source URL printed its password
+    import subprocess
+    import sys
+    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+    boom = ("import runpy, sys; from k3overlay import source\n"
+            "URL = sys.argv[-1]\n"
+            "def locate(*a, **k): raise RuntimeError('a bug while fetching ' + URL)\n"
+            "source.locate = locate\n"
+            f"sys.argv = [{entry!r}, '--vllm-repo', URL] + (['--onto', 'v0.28.0', '--no-tests']"
+            f" if 'rebase' in {entry!r} else ['--workdir', {str(tmp_path / 'wd')!r}])\n"
+            f"runpy.run_path({entry!r}, run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", boom, url], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert "RuntimeError: a bug while fetching https://***@127.0.0.1" in run.stderr, run.stderr[-2000:]
+    assert SECRET not in run.stdout + run.stderr
