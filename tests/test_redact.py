@@ -231,7 +231,8 @@ def test_quote_like_characters_do_not_end_a_password(text, kept):
     assert SECRET not in redact(text) and kept in redact(text)
 
 
-def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream, tmp_path, monkeypatch, capsys):
+def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream, tmp_path, monkeypatch,
+                                                              capsys):
     # git's own anonymising takes user info only: a query token went into the clone's reflog
     # ("clone: from URL") and, fetching into the checkout, into FETCH_HEAD and its reflogs
     url = f"https://127.0.0.1:{_closed_port()}/up.git?private_token={SECRET}"

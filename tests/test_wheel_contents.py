@@ -192,8 +192,9 @@ HOSTILE = {
     "RECORD row of four fields": (
         lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"vllm/a.py,", b"vllm/a.py,,")),
         r"RECORD's row for 'vllm/a.py' has 4 fields, not 3|\(its RECORD\): too many values"),
-    "compression zipfile lacks (deflate64)": (lambda d: _method(craft(d), 9),
-                                              r"cannot be read as a (zip file|wheel \(it\)): That compression method"),
+    "compression zipfile lacks (deflate64)": (
+        lambda d: _method(craft(d), 9),
+        r"cannot be read as a (zip file|wheel \(it\)): That compression method"),
     "RECORD a decompression bomb": (
         lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"", b"") + b"\n" * (65 << 20)),
         r"RECORD is \d+ bytes unpacked|cannot be read"),
