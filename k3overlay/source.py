@@ -155,6 +155,23 @@ def check_source(source: str) -> None:
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise UsageError(f"{bad} is neither a folder nor a file (a FIFO, device or socket); "
                          f"give a repository folder, a bundle or a URL")
+    if stat.S_ISREG(mode) and not _starts_as_a_bundle(path):
+        raise UsageError(f"{bad} is a file but not a git bundle (it does not start with '# v2 git "
+                         f"bundle' or '# v3 git bundle'); give a repository folder, a bundle or a URL")
+
+
+# A bundle's first line. git reads a file's whole first line to tell, byte by byte: a large
+# file without a newline (a disk image, a sparse file) held it for minutes and its size in memory.
+_BUNDLE_SIGNATURES = (b"# v2 git bundle\n", b"# v3 git bundle\n")
+
+
+def _starts_as_a_bundle(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_BUNDLE_SIGNATURES[0]))
+    except OSError:
+        return True  # unreadable: git says why
+    return head in _BUNDLE_SIGNATURES
 
 
 def _absolute(source: str) -> str:
