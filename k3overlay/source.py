@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from . import git, journal, redact
@@ -147,7 +148,7 @@ def check_source(source: str) -> None:
                          f"or git URL or a local path")
     if scheme and scheme[1].lower() != "file" or not scheme and ":" in source.split("/", 1)[0]:
         return  # a remote; git reaches it (scp-like host:path is ssh)
-    path = Path(source[len("file://"):] if scheme else source)
+    path = Path(_file_url_path(source[len(scheme[0]):]) if scheme else source)
     try:
         mode = path.stat().st_mode
     except OSError:
@@ -172,6 +173,14 @@ def _starts_as_a_bundle(path: Path) -> bool:
     except OSError:
         return True  # unreadable: git says why
     return head in _BUNDLE_SIGNATURES
+
+
+def _file_url_path(rest: str) -> str:
+    """The path git reads a ``file://`` URL's ``rest`` as: a host (``localhost``) dropped,
+    percent-escapes decoded (``file://localhost/srv/%76llm`` is ``/srv/vllm``)."""
+    if not rest.startswith("/") and "/" in rest:
+        rest = rest[rest.index("/"):]
+    return urllib.parse.unquote(rest)
 
 
 def _absolute(source: str) -> str:
