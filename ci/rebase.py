@@ -43,6 +43,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
+    from k3overlay.redact import excepthook
     from k3overlay.report import (
         Report,
         check_writable,
@@ -136,6 +137,7 @@ class JobStages:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the job; return its exit code. Ctrl-C (or SIGTERM) at any point: one line, 130."""
+    sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
         stop_like_ctrl_c()
         return _main(argv)

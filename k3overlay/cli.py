@@ -18,7 +18,7 @@ from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
 from .source import check_ref
-from .redact import Stream, redact
+from .redact import Stream, excepthook, redact
 from .rebase import rebase_to
 from .report import Report, check_writable, write_human, write_json
 from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
@@ -86,6 +86,7 @@ def parser(project: Project) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
     args = None
+    sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
         line_by_line()
         stop_like_ctrl_c()

@@ -66,8 +66,9 @@ def mailinfo(patch: Path) -> tuple[dict[str, str], str, bool]:
         message, diff = Path(tmp) / "msg", Path(tmp) / "patch"
         # Exit 1 for a mail without a diff ("empty patch"): the empty diff file says so.
         _, out, _ = _execute(["mailinfo", "-b", str(message), str(diff)], cwd=tmp, stdin=mail)
-        headers = dict(line.split(": ", 1) for line in out.decode(errors="replace").splitlines()
-                       if ": " in line)
+        # decoded as git am's own output is (``_text``): a subject compares equal to its
+        # "Applying:" line even when it is not UTF-8 (the reader refuses that, naming it)
+        headers = dict(line.split(": ", 1) for line in _text(out).splitlines() if ": " in line)
         text = message.read_bytes().decode(errors="replace") if message.exists() else ""
         return headers, text, diff.exists() and diff.stat().st_size > 0
 

@@ -43,7 +43,7 @@ from git.exc import InvalidGitRepositoryError, NoSuchPathError
 from .errors import OverlayError
 from . import reaper
 from .interrupts import deferred
-from .redact import url_without_credentials
+from .redact import redact, url_without_credentials
 
 Repo = gitpython.Repo
 
@@ -309,7 +309,19 @@ def clone(source: str, dest: Path) -> Repo:
         status, _, err = _execute(["config", "--local", "remote.origin.url", stored], cwd=dest)
         if status != 0:
             raise GitError(f"git config failed: {first_line(_text(err))}")
+        _redact_reflogs(dest / ".git" / "logs")
     return Repo(dest)
+
+
+def _redact_reflogs(logs: Path) -> None:
+    """Pass a fresh clone's reflogs through ``redact``: git takes the user info out of its
+    "clone: from URL" line, but not a token in the URL's query (``?private_token=``)."""
+    for path in logs.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            clean = redact(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+            if clean != data:
+                path.write_bytes(clean)
 
 
 def _z(listing: str) -> list[str]:

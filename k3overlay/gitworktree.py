@@ -122,8 +122,25 @@ def _scratch(repo: Repo, tree: Path, sha: str) -> Repo:
     (git_dir / "info").mkdir(exist_ok=True)
     (git_dir / "info" / "attributes").write_text(NEUTRAL_ATTRIBUTES)
     scratch = Repo(tree)
+    for key, value in _promisor_settings(repo):
+        run(scratch, "config", "--local", "--", key, value)
     run(scratch, "checkout", "--quiet", "--detach", commit, "--")
     return scratch
+
+
+# What makes ``repo`` a partial clone (``git clone --filter=blob:none``): the scratch
+# repository needs it too, or a blob or tree not fetched yet is "unable to read" there
+# instead of being fetched from the promisor remote as in the checkout itself.
+_PROMISOR = ("core.repositoryformatversion", "extensions.partialclone",
+             r"remote\..*\.(url|promisor|partialclonefilter)")
+
+
+def _promisor_settings(repo: Repo) -> list[tuple[str, str]]:
+    """(key, value) of ``repo``'s own config that make it a partial clone; none if it is not."""
+    ok, out = attempt(repo, "config", "--local", "--null", "--get-regexp", f"^({'|'.join(_PROMISOR)})$")
+    entries = [tuple(record.split("\n", 1)) for record in out.split("\0") if "\n" in record] if ok else []
+    promisor = any(k == "extensions.partialclone" or k.endswith(".promisor") for k, _ in entries)
+    return entries if promisor else []
 
 
 def _refuse_unwritable_objects(objects: Path) -> None:

@@ -105,10 +105,12 @@ class Journal:
                 entry = json.loads(line)
             except ValueError:
                 continue  # cut short as it was written: that step had not begun
-            if isinstance(entry, dict) and "done" in entry:
+            if not isinstance(entry, dict):
+                continue  # no line this tool writes
+            if isinstance(entry.get("done"), str):
                 begun.pop(entry["done"], None)
-            elif isinstance(entry, dict) and entry.get("step") in STEPS:
-                begun[entry["id"]] = entry
+            elif entry.get("step") in STEPS and isinstance(entry.get("id"), str):
+                begun[entry["id"]] = entry  # its facts are checked by whoever undoes it
         return list(reversed(begun.values()))
 
 

@@ -19,21 +19,50 @@ from .errors import OverlayError, UsageError
 from .files import TEMPORARY
 
 
-def _scratch(facts: dict, prefix: str, what: str) -> str | None:
+# The facts each step records, and their types (``journal``'s docstring). An entry
+# without them (written by another version of the tool, or damaged) is set aside, never
+# acted on: recovery must not fail on it, and a journal is no licence for anything else.
+_NUMBER = (int, float)
+FACTS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "clone": {"scratch": str}, "check": {"scratch": str},
+    "worktree": {"repo": str, "parent": str}, "fetch": {"repo": str, "since": _NUMBER},
+    "publish": {"repo": str, "branch": str, "sha": str, "ref": str, "since": _NUMBER,
+                "old_head": (str, type(None))},
+    "write": {"root": str, "folders": list},
+}
+
+
+def readable(entry: dict) -> bool:
+    """Whether ``entry`` holds every fact its step records, each of its type, and nothing
+    that points outside what the step made (a write's folders are relative, without ``..``)."""
+    facts = FACTS.get(entry.get("step"), {})
+    if not facts or not all(isinstance(entry.get(k), t) and not isinstance(entry.get(k), bool)
+                            for k, t in facts.items()):
+        return False
+    if entry["step"] == "write":
+        return all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
+                   for f in entry["folders"])
+    return True
+
+
+def _scratch(facts: dict, marker: str, what: str) -> str | None:
     folder = Path(facts["scratch"])
-    if not folder.name.startswith(prefix) or not folder.exists():
+    if marker not in folder.name or not folder.exists():
         return None
     shutil.rmtree(folder, ignore_errors=True)
     return f"its {what} {folder} was removed"
 
 
 def clone(facts: dict) -> str | None:
-    """A clone into a fresh work directory: its scratch folder beside it goes."""
-    return _scratch(facts, facts.get("prefix", ".k3-clone-"), "half-made clone")
+    """A clone into a fresh work directory: its scratch folder beside it goes (one named
+    ``.WORKDIR.k3-clone-…``, whatever prefix the entry says)."""
+    return _scratch(facts, ".k3-clone-", "half-made clone")
 
 
 def check(facts: dict) -> str | None:
     """``--check``'s throwaway clone goes."""
+    if not Path(facts["scratch"]).name.startswith("k3-check-"):
+        return None
     return _scratch(facts, "k3-check-", "--check clone")
 
 
@@ -90,9 +119,13 @@ def recover(journal: journal_.Journal, say: Callable[[str], None]) -> None:
     """Finish or undo every step a killed run left unfinished (newest first), then empty
     the journal. Raises what a recovery raises (UsageError: the user must decide)."""
     # Scratch trees go first: what was written inside one then needs nothing more.
-    entries = sorted(journal.unfinished(), key=lambda e: e["step"] not in journal_.SCRATCH)
+    unfinished = journal.unfinished()
+    entries = sorted(filter(readable, unfinished), key=lambda e: e["step"] not in journal_.SCRATCH)
     try:
         notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+        if len(entries) < len(unfinished):
+            notes.append(f"{len(unfinished) - len(entries)} step(s) of its journal {journal.path} "
+                         f"could not be read (another version of the tool?) and were left alone")
     except UsageError:
         raise  # the user must decide (it says so); the journal is kept
     except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again

@@ -4,12 +4,12 @@ What counts as a secret (the kinds git's own redaction covers, and their neighbo
 
 - the user info of a URL, ``scheme://user:password@host`` (the password; for any scheme but
   ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user);
-- a query parameter that carries a credential: ``?token=``, ``access_token``,
+- a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
   ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth);
 - an HTTP header that does (``Authorization: Bearer …``, ``Proxy-Authorization``,
-  ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``), as git's
+  ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``, ``X-…-Key``, ``Api-Key``), as git's
   ``GIT_TRACE_REDACT`` does: the scheme word stays, the rest goes.
 
 Each is replaced by ``***``. ``redact`` takes a string, ``scrub`` anything a report holds
@@ -21,25 +21,74 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+import traceback
+import urllib.parse
 
 MASK = "***"
 
 # scheme://userinfo@ — the authority ends at the first / ? # (an @ after it is a path's);
-# greedy up to the last @ before that, as curl reads ``user:p@ss@host``.
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s'\"<>`]*)@")
+# greedy up to the last @ before that, as curl reads ``user:p@ss@host``. Quotes, ``<>`` and
+# backticks belong to it: ``'`` is a sub-delim RFC 3986 allows there unescaped, and git hands
+# ``"<>``` to curl as they are (a password ``it's`` works); stopping at them showed the rest.
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
-_SECRET_NAME = (r"[A-Za-z0-9_.\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
+# (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
+# ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
+_SECRET_NAME = (r"[A-Za-z0-9_.%\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
                 r"|auth)")
-_QUERY = re.compile(rf"(?P<lead>[?&](?i:{_SECRET_NAME})=)(?P<value>[^&#\s'\"<>`]+)")
+_QUERY = re.compile(rf"(?P<lead>[?&;#](?i:{_SECRET_NAME})=)(?P<value>[^&;#\s'\"<>`]+)")
 _HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|private-token"
-                     r"|job-token|x-[a-z0-9\-]*token)\s*:\s*(?:(?i:basic|bearer|token|digest"
+                     r"|job-token|api-key|x-[a-z0-9\-]*(?:token|key|secret))"
+                     r"\s*:\s*(?:(?i:basic|bearer|token|digest"
                      r"|negotiate)\s+)?)(?P<value>[^\s'\"<>`][^'\"<>`\n]*)")
+
+
+# The user info of each source the user gave (``remember``), as literal text: masked
+# wherever it shows, whatever characters it holds (a space, which ends ``_USERINFO``).
+_REMEMBERED: dict[str, str] = {}
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def _userinfo(url: str) -> tuple[str, str, str] | None:
+    """(``scheme://``, user info, the rest from the host on) of a URL that has user info, as
+    git reads it (up to the last @ before the first / ? #, whatever the characters)."""
+    scheme = _SCHEME.match(url)
+    if not scheme:
+        return None
+    authority = re.split(r"[/?#]", url[scheme.end():], maxsplit=1)[0]
+    info, at, _host = authority.rpartition("@")
+    return (scheme[0], info, url[scheme.end() + len(info) + 1:]) if at else None
+
+
+def remember(url: str) -> None:
+    """Mask from now on the user info of ``url`` (a source the user gave) wherever it appears,
+    as given and percent-decoded: ``https://user:pa ss@host`` is refused by curl, yet the
+    message that says so must not show ``pa ss``. Only user info that holds a password, or
+    a user name of 8 characters or more (a token), is remembered: a short login name is
+    no secret, and masking it everywhere would mangle unrelated text."""
+    parts = _userinfo(url)
+    if parts is None:
+        return
+    scheme, info, _rest = parts
+    ssh = scheme[:-3].lower() in _SSH
+    _user, colon, password = info.partition(":")
+    if ssh and colon:
+        literal, masked = f":{password}@", f":{MASK}@"
+    elif not ssh and (colon or len(info) >= 8):
+        literal, masked = f"{info}@", f"{MASK}@"
+    else:
+        return
+    for form in {literal, urllib.parse.unquote(literal)}:
+        _REMEMBERED[form] = masked
 
 
 def redact(text: str) -> str:
     """``text`` with every credential it holds replaced by ``***`` (see the module)."""
     if not isinstance(text, str) or not text:
         return text
+    for literal in sorted(_REMEMBERED, key=len, reverse=True):
+        text = text.replace(literal, _REMEMBERED[literal])
     text = _USERINFO.sub(_masked_userinfo, text)
     text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
@@ -72,13 +121,13 @@ def scrub(value):
 def url_without_credentials(url: str) -> str:
     """``url`` with its user info's password (ssh) or whole user info (any other scheme)
     removed, for storing: ``https://user:pw@host/x`` -> ``https://host/x``,
-    ``ssh://git:pw@host/x`` -> ``ssh://git@host/x``. A path or scp-like address as it is."""
-    def stripped(match: re.Match) -> str:
-        scheme, info = match["scheme"], match["info"]
-        if scheme[:-3].lower() in _SSH:
-            return f"{scheme}{info.partition(':')[0]}@"
-        return scheme
-    url = _USERINFO.sub(stripped, url, count=1)
+    ``ssh://git:pw@host/x`` -> ``ssh://git@host/x``; the user info is read as git reads it,
+    whatever characters it holds. A path or scp-like address as it is."""
+    parts = _userinfo(url)
+    if parts is not None:
+        scheme, info, rest = parts
+        kept = info.partition(":")[0] + "@" if scheme[:-3].lower() in _SSH else ""
+        url = f"{scheme}{kept}{rest}"
     return _QUERY.sub(lambda m: m["lead"] + MASK, url)
 
 
@@ -95,3 +144,10 @@ class Stream:
 
     def __getattr__(self, name: str):  # isatty, fileno, flush, encoding, ...
         return getattr(self._current(), name)
+
+
+def excepthook(kind, value, tb) -> None:
+    """``sys.excepthook`` of the entry points: a bug's traceback is the one text the tool does
+    not print itself, and its messages may quote a URL with a password; it goes through
+    ``redact`` too."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))

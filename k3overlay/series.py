@@ -108,6 +108,7 @@ def read_patch(path: Path) -> Patch:
         raise UsageError(f"cannot read {path.name}: {err.strerror}") from err
     if not has_diff:
         raise UsageError(f"{path.name} holds no diff")
+    _refuse_subject_am_reads_otherwise(path.name, headers.get("Subject", ""))
     status = STATUS_LINE.search(message)
     if status is None:
         raise UsageError(
@@ -161,6 +162,20 @@ def notes_in_message(patch: Patch, folder: Path) -> Patch:
     copy = folder / patch.name
     copy.write_bytes(message + b"\nNotes:\n" + indented.rstrip(b"\n") + b"\n---\n" + rest)
     return Patch(patch.name, copy, patch.subject, patch.upstream_status)
+
+
+def _refuse_subject_am_reads_otherwise(name: str, subject: str) -> None:
+    """UsageError unless ``subject`` is what ``git am`` commits and prints for the mail: an
+    empty one makes am take the message's first line instead, and one that is not UTF-8 (a
+    raw Latin-1 byte, no charset declared) is printed undecodable; either way the result was
+    charged to no patch ("a mail … which is no patch of the series")."""
+    if not subject.strip():
+        raise UsageError(f"{name} has an empty subject: git am would take its first message "
+                         f"line for one; give it a subject line")
+    if any("\udc80" <= c <= "\udcff" for c in subject):
+        shown = subject.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise UsageError(f"{name}'s subject is not UTF-8 ({shown[:60]!r}): declare its charset "
+                         f"(=?iso-8859-1?q?...?=) or save it as UTF-8")
 
 
 def _refuse_more_than_one_mail(path: Path) -> None:

@@ -12,9 +12,10 @@ import re
 import shutil
 import stat
 import tempfile
+import urllib.parse
 from pathlib import Path
 
-from . import git, journal
+from . import git, journal, redact
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
 from .interrupts import deferred
@@ -133,6 +134,7 @@ def check_source(source: str) -> None:
     on it as a bundle). Git refuses the same transports on its own (``TRANSPORTS``), also
     after a ``url.*.insteadOf`` rewrite.
     """
+    redact.remember(source)  # its user info is masked from here on, whatever it holds
     bad = f"--vllm-repo {source!r}"
     if source.startswith("-") or not source.isprintable():
         raise UsageError(f"{bad} is not a URL or a path (it starts with '-' or holds a control "
@@ -146,7 +148,7 @@ def check_source(source: str) -> None:
                          f"or git URL or a local path")
     if scheme and scheme[1].lower() != "file" or not scheme and ":" in source.split("/", 1)[0]:
         return  # a remote; git reaches it (scp-like host:path is ssh)
-    path = Path(source[len("file://"):] if scheme else source)
+    path = Path(_file_url_path(source[len(scheme[0]):]) if scheme else source)
     try:
         mode = path.stat().st_mode
     except OSError:
@@ -154,6 +156,31 @@ def check_source(source: str) -> None:
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise UsageError(f"{bad} is neither a folder nor a file (a FIFO, device or socket); "
                          f"give a repository folder, a bundle or a URL")
+    if stat.S_ISREG(mode) and not _starts_as_a_bundle(path):
+        raise UsageError(f"{bad} is a file but not a git bundle (it does not start with '# v2 git "
+                         f"bundle' or '# v3 git bundle'); give a repository folder, a bundle or a URL")
+
+
+# A bundle's first line. git reads a file's whole first line to tell, byte by byte: a large
+# file without a newline (a disk image, a sparse file) held it for minutes and its size in memory.
+_BUNDLE_SIGNATURES = (b"# v2 git bundle\n", b"# v3 git bundle\n")
+
+
+def _starts_as_a_bundle(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_BUNDLE_SIGNATURES[0]))
+    except OSError:
+        return True  # unreadable: git says why
+    return head in _BUNDLE_SIGNATURES
+
+
+def _file_url_path(rest: str) -> str:
+    """The path git reads a ``file://`` URL's ``rest`` as: a host (``localhost``) dropped,
+    percent-escapes decoded (``file://localhost/srv/%76llm`` is ``/srv/vllm``)."""
+    if not rest.startswith("/") and "/" in rest:
+        rest = rest[rest.index("/"):]
+    return urllib.parse.unquote(rest)
 
 
 def _absolute(source: str) -> str:
@@ -178,9 +205,22 @@ def open_existing(workdir: Path) -> git.Repo | None:
     if not any(workdir.iterdir()):
         return None
     try:
-        return git.open_repo(workdir)
+        repo = git.open_repo(workdir)
     except git.GitError as err:
         raise UsageError(f"--workdir {workdir} exists and is not a git checkout") from err
+    refuse_object_format(repo, f"--workdir {workdir}")
+    return repo
+
+
+def refuse_object_format(repo: git.Repo, what: str) -> None:
+    """UsageError unless ``repo`` stores SHA-1 objects, as vLLM's repository does: the
+    manifest's blob ids, the release commit ids and every sha the tool records are SHA-1's,
+    so in a SHA-256 repository every overlay file would read as drift and no ref as a
+    release (the tool's scratch repositories failed on it: "invalid reference")."""
+    form = git.run(repo, "rev-parse", "--show-object-format").strip()
+    if form != "sha1":
+        raise UsageError(f"{what} is a {form.upper()} repository; vLLM's and this overlay's ids are "
+                         f"SHA-1: use a SHA-1 clone of vLLM")
 
 
 def clone(origin: str, workdir: Path) -> git.Repo:
@@ -202,9 +242,10 @@ def clone(origin: str, workdir: Path) -> git.Repo:
             try:
                 with step(f"cloning {origin} into {workdir}"):
                     try:
-                        git.clone(origin, scratch / "vllm")
+                        cloned = git.clone(origin, scratch / "vllm")
                     except git.GitError as err:
                         raise _classify(str(err)) from err
+                    refuse_object_format(cloned, f"--vllm-repo {origin}")
                 journal.point("clone.cloned")
                 try:
                     os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too

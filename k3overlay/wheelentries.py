@@ -39,13 +39,16 @@ import configparser
 import contextlib
 import csv
 import email
+import hashlib
 import io
+import lzma
 import re
 import stat
 import struct
 import tomllib
 import unicodedata
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +91,16 @@ def check(wheel: Path, expected: Expected, error: type[Exception]) -> None:
         raise error(f"{wheel.name}: {found[0]}{more}")
 
 
+def names(wheel: Path) -> list[str]:
+    """The entry names of ``wheel``'s central directory; none if it is no zip file (``check``
+    says why)."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return archive.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return []
+
+
 def problems(wheel: Path, expected: Expected) -> list[str]:
     """Every reason ``wheel`` holds something it should not (see the module), as text."""
     try:
@@ -101,9 +114,25 @@ def problems(wheel: Path, expected: Expected) -> list[str]:
             found += _record(archive, names, expected.dist_info)
             found += _entry_points(archive, names, expected)
             found += _requirements(archive, names, expected)
-    except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError) as err:
-        return [f"cannot be read as a zip file: {err}"]
+    except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError, NotImplementedError,
+            RuntimeError, ValueError, zlib.error, lzma.LZMAError) as err:
+        # a compression method zipfile lacks (deflate64), an encrypted or corrupt stream
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        return [f"cannot be read as a zip file: {reason}"]
     return found
+
+
+# Largest dist-info file read whole (bytes, as the entry declares it; zipfile reads no
+# more): vLLM 0.28.0's RECORD is about 300 kB; a decompression bomb is refused unread.
+_MAX_INFO_BYTES = 64 << 20
+
+
+def _read_info(archive: zipfile.ZipFile, name: str) -> bytes:
+    """A dist-info file's bytes. Raises ValueError for one larger than ``_MAX_INFO_BYTES``."""
+    size = archive.getinfo(name).file_size
+    if size > _MAX_INFO_BYTES:
+        raise ValueError(f"{name} is {size} bytes unpacked, more than any wheel's")
+    return archive.read(name)
 
 
 def _layout(path: Path, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> list[str]:
@@ -242,19 +271,47 @@ def _record(archive: zipfile.ZipFile, names: set[str], dist_info: str) -> list[s
     record = f"{dist_info}/RECORD"
     if record not in names:
         return [f"no {record}"]
-    rows = [row[0] for row in csv.reader(io.StringIO(archive.read(record).decode())) if row]
+    try:
+        table = [row for row in csv.reader(io.StringIO(_read_info(archive, record).decode())) if row]
+    except csv.Error as err:  # a field over csv's limit, ...
+        return [f"RECORD cannot be read: {err}"]
+    rows = [row[0] for row in table]
     found = [f"RECORD lists {p!r} twice" for p in sorted({p for p in rows if rows.count(p) > 1})]
     found += [f"RECORD lists {p!r}, which is not in it" for p in sorted(set(rows) - names)]
     found += [f"entry {p!r} is not in RECORD" for p in sorted(names - set(rows))
               if p not in (f"{dist_info}/RECORD.jws", f"{dist_info}/RECORD.p7s")]
-    return found
+    return found + [problem for row in table for problem in [_record_row(row, record)] if problem]
+
+
+# What RECORD may give as a file's hash: ``ALGORITHM=DIGEST`` (urlsafe base64, unpadded)
+# of a strong algorithm every Python has (what pip and ``wheel`` read; md5, sha1 refused).
+_HASH = re.compile(r"(?P<algorithm>[a-z0-9_]+)=[A-Za-z0-9_\-]+")
+_STRONG = frozenset(hashlib.algorithms_guaranteed) - {"md5", "sha1"}
+
+
+def _record_row(row: list[str], record: str) -> str | None:
+    """Why a RECORD row is not ``path,ALGORITHM=DIGEST,size`` (the signature files and
+    RECORD itself: no hash), or None."""
+    path = row[0]
+    if len(row) != 3:
+        return f"RECORD's row for {path!r} has {len(row)} fields, not 3"
+    if path in (record, f"{record}.jws", f"{record}.p7s"):
+        return None
+    digest = _HASH.fullmatch(row[1])
+    if digest is None or digest["algorithm"] not in _STRONG:
+        return (f"RECORD gives {path!r} the hash {row[1][:40]!r}, not ALGORITHM=DIGEST of a "
+                f"strong algorithm")
+    return None
 
 
 def _entry_points(archive: zipfile.ZipFile, names: set[str], expected: Expected) -> list[str]:
     if expected.entry_points is None:
         return []
     path = f"{expected.dist_info}/entry_points.txt"
-    found = parse_entry_points(archive.read(path).decode()) if path in names else {}
+    try:
+        found = parse_entry_points(_read_info(archive, path).decode()) if path in names else {}
+    except configparser.Error as err:  # no section, a section or name twice, a bad line
+        return [f"entry_points.txt cannot be read: {str(err).splitlines()[0]}"]
     if found == expected.entry_points:
         return []
     extra = sorted(f"{g}:{n}" for g, items in found.items() for n in items
@@ -269,7 +326,7 @@ def _requirements(archive: zipfile.ZipFile, names: set[str], expected: Expected)
     path = f"{expected.dist_info}/METADATA"
     if expected.named_by_tree is None or path not in names:
         return []
-    message = email.message_from_bytes(archive.read(path))
+    message = email.message_from_bytes(_read_info(archive, path))
     found = []
     for text in message.get_all("Requires-Dist") or []:
         try:

@@ -11,7 +11,10 @@ build do not account for, a RECORD or entry points that do not match).
 from __future__ import annotations
 
 import contextlib
+import csv
+import lzma
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,13 +57,16 @@ def check_release(repo: git.Repo, ref_sha: str, wheel: Path, release: Version) -
         raise UsageError(f"{wheel.name} is not vLLM {release}'s wheel")
     expected = git.tree_files(repo, ref_sha, PACKAGE)
     width = len(ref_sha)
+    names = wheelentries.names(wheel)
+    if RECORD_PATH in names:
+        raise UsageError(f"{wheel.name} already holds {RECORD_PATH}")
+    if any(p.startswith(f"{'-'.join(wheel.name.split('-')[:2])}.data/") for p in names):
+        raise UsageError(f"{wheel.name} has a .data folder; repacking handles wheels without one")
+    # with plain zipfile first, whose every read is guarded: WheelFile parses RECORD as it
+    # opens, and raised on a crafted one (a csv field over its limit, a hash without '=')
+    wheelentries.check(wheel, expected_entries(repo, ref_sha, release, expected), UsageError)
     with opened(wheel) as archive:
         members = {i.filename: i for i in archive.infolist()}
-        if RECORD_PATH in members:
-            raise UsageError(f"{wheel.name} already holds {RECORD_PATH}")
-        if any(p.startswith(f"{archive.parsed_filename.group('namever')}.data/") for p in members):
-            raise UsageError(f"{wheel.name} has a .data folder; repacking handles wheels without one")
-        wheelentries.check(wheel, expected_entries(repo, ref_sha, release, expected), UsageError)
         bad = [f"{p} is not in it" if p not in members else f"{p} differs"
                for p, blob in sorted(expected.items())
                if p not in members or git.blob_id(archive.read(members[p]), width=width) != blob]
@@ -101,8 +107,13 @@ def opened(path: Path) -> Iterator[WheelFile]:
     blamed on this wheel."""
     try:
         archive = WheelFile(path)
-    except (WheelError, zipfile.BadZipFile, OSError, EOFError) as err:
-        raise SourceError(f"{path.name} cannot be read as a wheel: {err}") from err
+    except (WheelError, zipfile.BadZipFile, OSError, EOFError, csv.Error, ValueError,
+            NotImplementedError, RuntimeError, zlib.error, lzma.LZMAError) as err:
+        # (its RECORD parsed as it opens: a row of other than 3 fields, a hash without '=',
+        # a field over csv's limit, a compression method zipfile lacks)
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        what = "its RECORD" if isinstance(err, (csv.Error, ValueError)) else "it"
+        raise SourceError(f"{path.name} cannot be read as a wheel ({what}): {reason}") from err
     with archive:
         try:
             yield archive

@@ -62,6 +62,13 @@ def _leaks(folder: Path) -> list[str]:
     (f"http.extraHeader=Authorization: Basic {SECRET}", "Basic ***"),
     (f"PRIVATE-TOKEN: {SECRET}", "PRIVATE-TOKEN: ***"),
     (f"Cookie: session={SECRET}", "Cookie: ***"),
+    # round 3: the query kind's neighbours (a fragment, ';', a percent-encoded name), key headers
+    (f"https://h/cb#access_token={SECRET}&state=1", "#access_token=***&state=1"),
+    (f"https://h/x?a=1;token={SECRET}", ";token=***"),
+    (f"https://h/x?access%5Ftoken={SECRET}", "access%5Ftoken=***"),
+    (f"X-Api-Key: {SECRET}", "X-Api-Key: ***"),
+    (f"x-goog-api-key: {SECRET}", "x-goog-api-key: ***"),
+    (f"Api-Key: {SECRET}", "Api-Key: ***"),
 ])
 def test_each_kind_of_secret_is_masked(text, kept):
     assert SECRET not in redact(text) and kept in redact(text)
@@ -188,3 +195,77 @@ def test_a_secret_in_what_git_itself_says_is_masked(project, upstream, tmp_path,
                      "--json", str(tmp_path / "r.json")])
     out, err = capsys.readouterr()
     assert code == errors.SOURCE and SECRET not in out + err and _leaks(tmp_path) == []
+
+
+@pytest.mark.parametrize("password", [f"it's{SECRET}", f'a"{SECRET}', f"<{SECRET}>", f"a`{SECRET}",
+                                      f"pa ss{SECRET}", f"pa%20ss{SECRET}"])
+def test_a_password_with_quotes_or_spaces_is_masked_everywhere(project, upstream, password, tmp_path,
+                                                               monkeypatch, capsys):
+    # RFC 3986 allows ' in user info unescaped and git hands "<>` to curl as they are (the
+    # masking used to stop at them and show the rest); a space, which curl refuses, is still
+    # what the user meant as a password: the source's user info is masked as given
+    url = f"https://user:{password}@127.0.0.1:{_closed_port()}/up.git"
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url.replace(chr(34), chr(92) + chr(34))}\n')
+    monkeypatch.setenv("HOME", str(config.parent))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    assert cli.main(["--vllm-repo", url, "--vllm-ref", "v1.1.0", "--workdir", str(wd),
+                     "--json", str(tmp_path / "r.json")]) == errors.OK
+    assert cli.main(["--vllm-repo", url, "--vllm-ref", "nosuch", "--workdir", str(wd),
+                     "--json", str(tmp_path / "e.json")]) == errors.USAGE
+    out, err = capsys.readouterr()
+    assert "cloning https://***@127.0.0.1" in err and SECRET not in out + err
+    assert _leaks(tmp_path) == []  # reports, and the checkout's config
+
+
+@pytest.mark.parametrize("text, kept", [
+    (f"fatal: 'https://u:it's{SECRET}@h/x' refused", "'https://***@h/x'"),
+    (f"<https://u:<{SECRET}>@h/x>", "<https://***@h/x>"),
+    (f"https://u:{SECRET}\"@h/x", "https://***@h/x"),
+])
+def test_quote_like_characters_do_not_end_a_password(text, kept):
+    assert SECRET not in redact(text) and kept in redact(text)
+
+
+def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream, tmp_path, monkeypatch,
+                                                              capsys):
+    # git's own anonymising takes user info only: a query token went into the clone's reflog
+    # ("clone: from URL") and, fetching into the checkout, into FETCH_HEAD and its reflogs
+    url = f"https://127.0.0.1:{_closed_port()}/up.git?private_token={SECRET}"
+    config = tmp_path / "home" / ".gitconfig"
+    config.parent.mkdir()
+    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
+    monkeypatch.setenv("HOME", str(config.parent))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    for ref in ("v1.1.0", "main", "v1.2.0"):
+        cli.main(["--vllm-repo", url, "--vllm-ref", ref, "--workdir", str(wd)])
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err and (wd / ".git" / "FETCH_HEAD").exists()
+    assert _leaks(tmp_path) == []
+
+
+@pytest.mark.parametrize("entry", ["apply.py", "ci/rebase.py"])
+def test_the_traceback_of_a_bug_is_masked_too(tmp_path, entry):
+    # a traceback is the one text the tool does not print itself; an exception quoting the
+    # source URL printed its password
+    import subprocess
+    import sys
+    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+    boom = ("import runpy, sys; from k3overlay import source\n"
+            "URL = sys.argv[-1]\n"
+            "def locate(*a, **k): raise RuntimeError('a bug while fetching ' + URL)\n"
+            "source.locate = locate\n"
+            f"sys.argv = [{entry!r}, '--vllm-repo', URL] + (['--onto', 'v0.28.0', '--no-tests']"
+            f" if 'rebase' in {entry!r} else ['--workdir', {str(tmp_path / 'wd')!r}])\n"
+            f"runpy.run_path({entry!r}, run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", boom, url], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=120)
+    assert "RuntimeError: a bug while fetching https://***@127.0.0.1" in run.stderr, run.stderr[-2000:]
+    assert SECRET not in run.stdout + run.stderr

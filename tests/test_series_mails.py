@@ -118,3 +118,37 @@ def test_an_error_inside_git_am_names_the_patch_and_the_reason(project, upstream
     assert "0001-model-line-4.patch" in said and f"line {line} starts another" in said
     assert g(tmp_path / "wd", "rev-parse", "HEAD") == head
     assert not (tmp_path / "wd" / ".git" / "rebase-apply").exists()
+
+
+@pytest.mark.parametrize("subject, reason", [
+    (b"Subject: [PATCH] caf\xe9 latin1, no charset", "subject is not UTF-8 ('caf\ufffd latin1"),
+    (b"Subject: [PATCH] \xff\xfe", "subject is not UTF-8"),
+    (b"Subject: [PATCH] ", "has an empty subject: git am would take its first message line"),
+    (b"Subject: [PATCH]", "has an empty subject"),
+])
+def test_a_subject_git_am_reads_otherwise_is_refused_naming_the_patch(project, upstream, tmp_path,
+                                                                      monkeypatch, capsys, subject, reason):
+    # git am printed and committed another subject than the one read ("Applying: caf\udce9",
+    # or the message's first line): the run was undone as "a mail … which is no patch of the
+    # series: one patch file must be one commit", naming neither the patch nor the cause
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    lines = patch.read_bytes().split(b"\n")
+    lines[next(i for i, line in enumerate(lines) if line.startswith(b"Subject: "))] = subject
+    patch.write_bytes(b"\n".join(lines))
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    code = cli.main(["--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0", "--workdir", str(tmp_path / "wd")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == errors.USAGE and err[-1].startswith("apply.py: error: 0001-model-line-4.patch")
+    assert reason in err[-1] and not (tmp_path / "wd").exists()
+
+
+def test_a_subject_in_a_declared_charset_applies(project, upstream, tmp_path, monkeypatch, capsys):
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    lines = patch.read_bytes().split(b"\n")
+    lines[next(i for i, line in enumerate(lines) if line.startswith(b"Subject: "))] = \
+        b"Subject: [PATCH] =?iso-8859-1?q?caf=E9?= model line 4"
+    patch.write_bytes(b"\n".join(lines))
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    assert cli.main(["--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0",
+                     "--workdir", str(tmp_path / "wd")]) == errors.OK
+    assert g(tmp_path / "wd", "log", "-1", "--format=%s", "HEAD~1").strip() == "café model line 4"

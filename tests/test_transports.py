@@ -112,3 +112,38 @@ def test_git_reads_nothing_from_the_tools_stdin(tmp_path):
          "print(gitproc._execute(['-c', 'alias.rd=!cat', 'rd'], cwd=sys.argv[1])[1])", str(tmp_path)],
         cwd=ROOT, stdin=subprocess.PIPE, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == "b''"
+
+
+@pytest.mark.parametrize("kind", ["sparse 20 GB, no newline", "empty", "a text file",
+                                  "a bundle cut after its line"])
+def test_a_file_that_is_no_bundle_is_refused_at_once_not_read_whole(project, upstream, tmp_path, monkeypatch,
+                                                                    capsys, kind):
+    # git reads a file's first line whole, byte by byte, to tell a bundle: a 20 GB sparse file
+    # held the run past 5 minutes (and its size in memory)
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    path = tmp_path / "up.bundle"
+    if kind.startswith("sparse"):
+        with open(path, "wb") as f:
+            f.truncate(20 << 30)
+    elif kind == "a bundle cut after its line":
+        path.write_bytes(b"# v2 git bundle\n")
+    else:
+        path.write_bytes(b"" if kind == "empty" else b"not a bundle\n")
+    escaped = f"file://localhost{path.parent}/%75p.bundle"  # git drops the host, decodes %75 (u)
+    for source in (str(path), f"file://{path}", escaped):
+        code = cli.main(["--vllm-repo", source, "--vllm-ref", "v1.1.0", "--workdir", str(tmp_path / "wd")])
+        err = capsys.readouterr().err.strip().splitlines()
+        if kind == "a bundle cut after its line":  # a bundle to the check: git says what is wrong
+            assert code in (errors.USAGE, errors.SOURCE) and err[-1].startswith("apply.py: error: "), err
+        else:
+            assert code == errors.USAGE and "is a file but not a git bundle" in err[-1], err
+        assert not (tmp_path / "wd").exists()
+
+
+def test_a_real_bundle_is_taken(project, upstream, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    bundle = tmp_path / "up.bundle"
+    subprocess.run(["git", "bundle", "create", str(bundle), "--all"], cwd=upstream, check=True,
+                   capture_output=True)
+    assert cli.main(["--vllm-repo", str(bundle), "--vllm-ref", "v1.1.0",
+                     "--workdir", str(tmp_path / "wd")]) == errors.OK

@@ -176,7 +176,47 @@ HOSTILE = {
         lambda d: _local_name(craft(d, [("vllm/zz1.py", b"Z = 1\n", REG)]), b"vllm/zz1.py", b"vllm/a.py\0\0"),
         r"'vllm/zz1.py': its local header names"),
     "encrypted": (lambda d: _encrypted(craft(d), "vllm/a.py"), r"'vllm/a.py' is encrypted|cannot be read"),
+    # round 3: what the readers of the checks raised on (a traceback, exit 1)
+    "entry points without a section": (lambda d: craft(d, info={"entry_points.txt": b"ls = vllm.a:A\n"}),
+                                       r"entry_points.txt cannot be read: File contains no section"),
+    "entry point named twice": (lambda d: craft(d, info={"entry_points.txt": b"[a]\nx=y\nx=z\n"}),
+                                r"entry_points.txt cannot be read: .*'x' in section 'a' already exists"),
+    "RECORD field over csv's limit": (lambda d: craft(d, record=b"x" * 200_000 + b",,\n"),
+                                      r"RECORD\)?:? (cannot be read: )?field larger than field limit"),
+    "RECORD hash without an algorithm": (
+        lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"sha256=", b"")),
+        r"RECORD gives '[^']+' the hash '[^']+', not ALGORITHM=DIGEST|\(its RECORD\): not enough values"),
+    "RECORD hash of a weak algorithm": (
+        lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"sha256=", b"md5=")),
+        r"not ALGORITHM=DIGEST of a strong algorithm|Weak hash algorithm \(md5\)"),
+    "RECORD row of four fields": (
+        lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"vllm/a.py,", b"vllm/a.py,,")),
+        r"RECORD's row for 'vllm/a.py' has 4 fields, not 3|\(its RECORD\): too many values"),
+    "compression zipfile lacks (deflate64)": (
+        lambda d: _method(craft(d), 9),
+        r"cannot be read as a (zip file|wheel \(it\)): That compression method"),
+    "RECORD a decompression bomb": (
+        lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"", b"") + b"\n" * (65 << 20)),
+        r"RECORD is \d+ bytes unpacked|cannot be read"),
 }
+
+
+def _record_rewritten(good_wheel: Path, old: bytes, new: bytes) -> bytes:
+    """The RECORD of ``good_wheel`` with ``old`` replaced by ``new`` (every row's)."""
+    with zipfile.ZipFile(good_wheel) as archive:
+        return archive.read(f"{INFO}/RECORD").replace(old, new) if old else archive.read(f"{INFO}/RECORD")
+
+
+def _method(path: Path, method: int) -> Path:
+    """Every entry's compression method set to ``method`` (local headers and central directory)."""
+    data = bytearray(path.read_bytes())
+    for sig, at_method in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        at = 0
+        while (at := data.find(sig, at)) >= 0:
+            data[at + at_method:at + at_method + 2] = method.to_bytes(2, "little")
+            at += 4
+    path.write_bytes(bytes(data))
+    return path
 
 
 def _metadata_with(line: str) -> bytes:

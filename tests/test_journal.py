@@ -1,0 +1,43 @@
+"""A journal the next run cannot make sense of (issue 18, G, round 3): entries of another
+version of the tool (facts missing or of other types), or a fact that would have recovery
+remove something not the tool's own. The run still goes on, alone, and nothing but the
+tool's own scratch folders is ever removed."""
+
+from __future__ import annotations
+
+import json
+
+from k3overlay import cli, errors
+from k3overlay.lock import workdir_lock_path
+
+
+def test_a_journal_it_cannot_read_is_set_aside_never_a_traceback_or_a_licence(project, upstream, tmp_path,
+                                                                               monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    args = ["--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0", "--workdir", str(wd)]
+    assert cli.main(args) == errors.OK
+    precious = tmp_path / "precious"  # the user's: no journal line may have it removed
+    (precious / "k3-check-x").mkdir(parents=True)
+    (precious / "k3-check-x" / "keep.txt").write_text("mine\n")
+    entries = [
+        {"step": "clone", "id": "1"},                                          # no scratch
+        {"step": "clone", "id": "2", "scratch": str(precious), "prefix": ""},  # any name matches ""
+        {"step": "clone", "id": "3", "scratch": str(precious), "prefix": "pre"},
+        {"step": "worktree", "id": "4", "parent": 5, "repo": None},
+        {"step": "write", "id": "5", "root": str(wd), "folders": "pkg"},       # a string, not a list
+        {"step": "write", "id": "6", "root": str(wd), "folders": ["../../" + precious.name]},
+        {"step": "publish", "id": "7", "repo": str(wd)},                      # older: fewer facts
+        {"step": "fetch", "id": "8", "repo": str(wd), "since": "yesterday"},
+        {"step": "check", "id": "9", "scratch": ["a"]},
+        {"step": "clone", "id": 10, "scratch": str(tmp_path / ".wd.k3-clone-x")},
+        [1, 2], "text", None,
+    ]
+    journal = workdir_lock_path(wd).with_suffix(".journal")
+    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    capsys.readouterr()
+    assert cli.main(args) == errors.OK
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "could not be read" in err and err.count("note:") == 1
+    assert (precious / "k3-check-x" / "keep.txt").read_text() == "mine\n" and precious.is_dir()
+    assert not journal.exists()
