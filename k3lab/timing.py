@@ -57,17 +57,29 @@ def time_us(
     """
     calls = max(len(ws), MIN_CALLS)
     args = [(xs[i % len(xs)], ws[i % len(ws)]) for i in range(calls)]
+
+    def run(pairs):
+        for x, w in pairs:
+            fn(x, w, residual) if residual is not None else fn(x, w)
+
+    # warm-up: compile, cuBLAS handle, workspace
+    return graph_replay_us(lambda: run(args[:3]), lambda: run(args), calls, replays)
+
+
+def graph_replay_us(warm: Callable[[], object], body: Callable[[], object], per: int,
+                    replays: int) -> float:
+    """Median µs of one replay of ``body`` captured in a CUDA graph, divided by ``per`` (the
+    calls ``body`` makes). ``warm`` runs first on a side stream (compiles, handles), and the
+    first replay (which uploads the graph) is not timed. Raises whatever they raise."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for x, w in args[:3]:  # warm-up: compile, cuBLAS handle, workspace
-            fn(x, w, residual) if residual is not None else fn(x, w)
+        warm()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x, w in args:
-            fn(x, w, residual) if residual is not None else fn(x, w)
+        body()
     graph.replay()  # first replay uploads the graph
     torch.cuda.synchronize()
     times = []
@@ -78,7 +90,7 @@ def time_us(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
+        times.append(start.elapsed_time(end) * 1000.0 / per)
     del graph
     return statistics.median(times)
 

@@ -26,7 +26,8 @@ import os
 import pathlib
 import sys
 
-from k3lab.decode_step import imports, replay
+from k3lab import timing
+from k3lab.decode_step import imports
 
 # (prologue, N, K, the plain kernel's config for this weight)
 CASES = [
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
     sab, fg = imports.overlay("swap_ab_gemm"), imports.overlay("fused_gemm")
-    bw = replay.read_bw(torch)
+    bw = timing.read_bandwidth_Bps(replays=12)
     gen = torch.Generator(device="cuda").manual_seed(5)
 
     def rnd(*s):
@@ -88,14 +89,22 @@ def main(argv: list[str] | None = None) -> int:
             return fg.mtp_input_gemm(pos, e, hd, g[: k // 2], g[k // 2 :], 1e-6, w, cfg)
 
         plain_cfg = sab.SwapAbConfig(*base)
-        plain = replay.graph_us(torch, lambda: [sab.swap_ab_gemm(x, w, plain_cfg) for w in ws], 8, 9)
+
+        def plain_gemms():
+            return [sab.swap_ab_gemm(x, w, plain_cfg) for w in ws]
+
+        plain = timing.graph_replay_us(plain_gemms, plain_gemms, 8, 9)
         rec = {"prologue": pro, "N": n, "K": k, "M": m, "config": list(base),
                "plain_swap_ab_us": round(plain, 2), "roof_us": round(2 * n * k / bw * 1e6, 2),
                "fused_us": {}}  # fmt: skip
         for c in sweep_configs(sab, n, k, base):
             cfg = sab.SwapAbConfig(*c)
+
+            def fused(cfg=cfg):
+                return [call(w, cfg) for w in ws]
+
             try:
-                us = round(replay.graph_us(torch, lambda cfg=cfg: [call(w, cfg) for w in ws], 8, 9), 2)
+                us = round(timing.graph_replay_us(fused, fused, 8, 9), 2)
             except Exception as ex:  # refused (mtp_norm: split-K) or out of shared memory: a finding
                 us = f"{type(ex).__name__}: {str(ex)[:160]}"
             rec["fused_us"]["-".join(map(str, c))] = us

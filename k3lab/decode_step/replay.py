@@ -69,10 +69,10 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import sys
 import time
 
+from k3lab import timing
 from k3lab.decode_step import imports, layers
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -87,48 +87,6 @@ def parse_ms(text: str) -> list[int]:
     if not out or min(out) < 1 or max(out) > 16:
         raise ValueError(f"token counts {text!r} outside 1..16")
     return out
-
-
-def read_bw(torch) -> float:
-    """Read bandwidth (bytes/s) of a bf16 sum over 4 GiB, median of 12."""
-    big = torch.empty(2 * 1024**3, dtype=torch.bfloat16, device="cuda").normal_()
-    ts = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        big.sum(dtype=torch.float32)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    bw = big.numel() * 2 / statistics.median(ts)
-    del big
-    torch.cuda.empty_cache()
-    return bw
-
-
-def graph_us(torch, fn, per: int, reps: int) -> float:
-    """Median µs of one ``fn()`` replayed in a CUDA graph, divided by ``per``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per)
-    del g
-    return statistics.median(ts)
 
 
 def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
@@ -177,7 +135,7 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
                     for op in ops:
                         op.run(s2, w)
 
-            rec[f"{variant}_us"] = round(graph_us(torch, step, copies, reps), 2)
+            rec[f"{variant}_us"] = round(timing.graph_replay_us(step, step, copies, reps), 2)
             if m in per_op_ms:
                 for op in ops:
                     def one(op=op, st=st):
@@ -190,7 +148,7 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
                             and (variant == "stock" or first_cover[o.name] == op.name)]
                     nbytes = sum(o.nbytes(m) for o in mine)
                     per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name,
-                                   "us": round(graph_us(torch, one, copies, reps), 2),
+                                   "us": round(timing.graph_replay_us(one, one, copies, reps), 2),
                                    "roof_us": round(nbytes / bw * 1e6, 3), "runs": op.runs,
                                    "where": op.where, "covers": list(op.covers)})  # fmt: skip
         rec["rel_diff_ours_vs_stock"] = float((outs["ours"] - outs["stock"]).norm() / outs["stock"].norm())
@@ -236,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bw = read_bw(torch)
+    bw = timing.read_bandwidth_Bps(replays=12)
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "tag": args.tag, "read_bw_TBps": round(bw / 1e12, 4),
