@@ -23,24 +23,16 @@ from typing import Any, ClassVar
 import torch
 
 from vllm.models.kimi_k3.nvidia import pointwise
-from vllm.triton_utils import HAS_TRITON
 
-from .base import KernelBackend, WarmupCall, bf16_on
-from .pdl_rmsnorm import token_rows_ok
+from .base import WarmupCall, bf16_on
+from .pdl_rmsnorm import PdlKernel, token_rows_ok
 
 
-class PdlActMul(KernelBackend):
+class PdlActMul(PdlKernel):
     """Our PDL-aware act-and-mul kernel."""
 
     name = "pdl_act_mul"
     op: ClassVar[str] = "act_mul"
-
-    def is_available(self) -> bool:
-        return HAS_TRITON
-
-    def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """No config."""
-        return None if config is None else f"{self.name} takes no config"
 
     def operands_ok(self, config: Any, gate_up: torch.Tensor) -> bool:
         """Whether :meth:`launch` takes ``gate_up`` (module docstring)."""

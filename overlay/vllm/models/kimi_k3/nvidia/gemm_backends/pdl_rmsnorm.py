@@ -44,11 +44,9 @@ def token_rows_ok(t: torch.Tensor, width: int, m: int | None = None) -> bool:
     )
 
 
-class PdlRmsNorm(KernelBackend):
-    """Our PDL-aware one-launch RMSNorm / fused add + RMSNorm."""
-
-    name = "pdl_rmsnorm"
-    op: ClassVar[str] = "rmsnorm"
+class PdlKernel(KernelBackend):
+    """What our PDL-aware norm and pointwise kernels say of their table data: available
+    wherever Triton is, and no config (a row routes the op, nothing to tune)."""
 
     def is_available(self) -> bool:
         return HAS_TRITON
@@ -56,6 +54,13 @@ class PdlRmsNorm(KernelBackend):
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
         """No config."""
         return None if config is None else f"{self.name} takes no config"
+
+
+class PdlRmsNorm(PdlKernel):
+    """Our PDL-aware one-launch RMSNorm / fused add + RMSNorm."""
+
+    name = "pdl_rmsnorm"
+    op: ClassVar[str] = "rmsnorm"
 
     def operands_ok(
         self,
