@@ -27,17 +27,22 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def secret_url(upstream, tmp_path, monkeypatch) -> str:
-    """An https URL with a password in it, which the user's git config maps to ``upstream``."""
-    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+def _user_git_config(tmp_path: Path, monkeypatch, text: str) -> None:
+    """``text`` as the user's only git config (``~/.gitconfig`` of a HOME under ``tmp_path``)."""
     config = tmp_path / "home" / ".gitconfig"
     config.parent.mkdir()
-    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
+    config.write_text(text)
     monkeypatch.setenv("HOME", str(config.parent))
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(config.parent / ".config"))
+
+
+@pytest.fixture
+def secret_url(upstream, tmp_path, monkeypatch) -> str:
+    """An https URL with a password in it, which the user's git config maps to ``upstream``."""
+    url = f"https://user:{SECRET}@127.0.0.1:{_closed_port()}/up.git"
+    _user_git_config(tmp_path, monkeypatch, f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
     return url
 
 
@@ -184,12 +189,8 @@ def test_a_secret_in_vllm_repo_from_the_environment_or_in_a_ref_is_masked(projec
 
 def test_a_secret_in_what_git_itself_says_is_masked(project, upstream, tmp_path, monkeypatch, capsys):
     # the user's insteadOf sends git to a credentialed URL that refuses: git's own message names it
-    config = tmp_path / "home" / ".gitconfig"
-    config.parent.mkdir()
-    config.write_text(f'[url "https://user:{SECRET}@127.0.0.1:{_closed_port()}/"]\n'
-                      f'\tinsteadOf = https://mirror.invalid/\n')
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    _user_git_config(tmp_path, monkeypatch, f'[url "https://user:{SECRET}@127.0.0.1:{_closed_port()}/"]\n'
+                                            f'\tinsteadOf = https://mirror.invalid/\n')
     monkeypatch.setattr(cli, "Project", lambda: project)
     code = cli.main(["--workdir", str(tmp_path / "wd"), "--vllm-repo", "https://mirror.invalid/up.git",
                      "--json", str(tmp_path / "r.json")])
@@ -205,12 +206,8 @@ def test_a_password_with_quotes_or_spaces_is_masked_everywhere(project, upstream
     # masking used to stop at them and show the rest); a space, which curl refuses, is still
     # what the user meant as a password: the source's user info is masked as given
     url = f"https://user:{password}@127.0.0.1:{_closed_port()}/up.git"
-    config = tmp_path / "home" / ".gitconfig"
-    config.parent.mkdir()
-    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url.replace(chr(34), chr(92) + chr(34))}\n')
-    monkeypatch.setenv("HOME", str(config.parent))
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    _user_git_config(tmp_path, monkeypatch,
+                     f'[url "{upstream}"]\n\tinsteadOf = {url.replace(chr(34), chr(92) + chr(34))}\n')
     monkeypatch.setattr(cli, "Project", lambda: project)
     wd = tmp_path / "wd"
     assert cli.main(["--vllm-repo", url, "--vllm-ref", "v1.1.0", "--workdir", str(wd),
@@ -236,12 +233,7 @@ def test_a_token_in_the_query_reaches_no_file_of_the_checkout(project, upstream,
     # git's own anonymising takes user info only: a query token went into the clone's reflog
     # ("clone: from URL") and, fetching into the checkout, into FETCH_HEAD and its reflogs
     url = f"https://127.0.0.1:{_closed_port()}/up.git?private_token={SECRET}"
-    config = tmp_path / "home" / ".gitconfig"
-    config.parent.mkdir()
-    config.write_text(f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
-    monkeypatch.setenv("HOME", str(config.parent))
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    _user_git_config(tmp_path, monkeypatch, f'[url "{upstream}"]\n\tinsteadOf = {url}\n')
     monkeypatch.setattr(cli, "Project", lambda: project)
     wd = tmp_path / "wd"
     for ref in ("v1.1.0", "main", "v1.2.0"):
