@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3lab.decode_step import layers, replay
+from k3lab.decode_step import layers, patched, replay
 
 
 class _Any:
@@ -56,3 +56,44 @@ def test_token_counts_outside_decode_are_refused(text) -> None:
 def test_bad_layer_name_exits_2(capsys) -> None:
     assert replay.main(["--stock-dir", ".", "--layers", "mtp,dense"]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layer", sorted(patched.LAYERS))
+def test_patched_covers_every_stock_op_once_in_stock_order(layer) -> None:
+    # The patched variant replays v0.28.0's order call site by call site: each stock op is
+    # covered by exactly one patched op, and the covering ops come in the stock order.
+    stock, _ = _ops(layer)
+    ops = patched.LAYERS[layer](_Any(), layers.Kernels(*([_Any()] * 9)))
+    covered = [c for op in ops for c in (op.covers or (op.name,))]
+    names = [op.name for op in stock]
+    assert sorted(covered) == sorted(names), set(covered) ^ set(names)
+    assert covered == names
+
+
+def test_patched_via_marks_fallbacks(monkeypatch) -> None:
+    # A try_* entry that answers None is recorded as the stock path, one that answers as ours.
+    import torch
+
+    state: dict = {"gu": torch.ones(2, 8)}
+
+    class Fused:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def try_act_mul(self, gate_up, situ_beta=None):
+            return self.answer
+
+    class Kn:
+        class stock:
+            @staticmethod
+            def situ_and_mul(gu, beta):
+                return gu[:, :4] * 0
+
+    for answer, want in ((None, "stock"), (torch.full((2, 4), 7.0), "patched")):
+        pk = type("Pk", (), {"fused": Fused(answer), "llg": _Any()})()
+        situ = next(
+            op for op in patched._moe(pk, Kn, "hn2", {"router_gate": _Any()}) if op.name == "situ_and_mul"
+        )
+        situ.run(state, {})
+        assert state["_via"]["situ_and_mul"] == want
+        assert float(state["act"].sum()) == (0.0 if answer is None else 56.0)

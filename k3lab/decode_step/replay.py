@@ -1,7 +1,9 @@
 """Decode-step replay: the dense path of three Kimi-K3 layers, stock vs ours vs the roof (a benchmark).
 
-``python -m k3lab.decode_step.replay --stock-dir DIR [--out DIR] [--m 1-16] [--per-op-m 1,8,16]``
-on a CUDA GPU (no vLLM needed: :mod:`k3lab.decode_step.imports`). DIR holds v0.28.0's
+``python -m k3lab.decode_step.replay --stock-dir DIR [--out DIR] [--m 1-16] [--per-op-m 1,8,16]
+[--patched]`` on a CUDA GPU (no vLLM needed: :mod:`k3lab.decode_step.imports`; ``--patched``
+adds a third variant, the patched model's call sites (:mod:`k3lab.decode_step.patched`),
+which needs the GPU bundle's vLLM tree with the overlay laid: ``k3lab/device/run.sh replay``). DIR holds v0.28.0's
 three Triton op files (``python -m k3lab.decode_step.imports extract DIR``). Writes
 ``decode_step_<date>.json`` to ``--out`` (default ``$OUT``, else the current folder).
 Exit codes: 0 done, 2 bad usage / no GPU / missing stock files.
@@ -73,7 +75,7 @@ import sys
 import time
 
 from k3lab import timing
-from k3lab.decode_step import imports, layers
+from k3lab.decode_step import imports, layers, patched
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -108,21 +110,26 @@ def _output_key(layer: str) -> str:
 
 
 def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies: int, reps: int,
-              bw: float) -> tuple[list[dict], list[dict]]:  # fmt: skip
+              bw: float, pk=None) -> tuple[list[dict], list[dict]]:  # fmt: skip
     stock_ops, our_ops = layers.LAYERS[layer](kn)
+    variants = [("stock", stock_ops), ("ours", our_ops)]
+    if pk is not None:
+        variants.append(("patched", patched.LAYERS[layer](pk, kn)))
     gen = torch.Generator(device="cuda").manual_seed(21)
     ws = [layers.weights(layer, "cuda", gen) for _ in range(copies)]
+    enabled = None if pk is None else patched.enable(pk, ws)
     steps, per_op = [], []
-    first_cover = {}
-    for op in our_ops:
-        for name in op.covers:
-            first_cover.setdefault(name, op.name)
+    first_cover = {}  # (variant, stock op) -> the variant's first op that covers it
+    for variant, ops in variants:
+        for op in ops:
+            for name in op.covers or (op.name,):
+                first_cover.setdefault((variant, name), op.name)
     for m in ms:
         st0 = layers.inputs(layer, m, "cuda", gen)
         roof_bytes = sum(op.nbytes(m) for op in stock_ops)
         rec = {"layer": layer, "M": m, "roof_bytes": roof_bytes, "roof_us": round(roof_bytes / bw * 1e6, 2)}
         outs = {}
-        for variant, ops in (("stock", stock_ops), ("ours", our_ops)):
+        for variant, ops in variants:
             st = {k: v.clone() for k, v in st0.items()}
             for op in ops:  # eager once: compiles, fills the state for the per-op graphs
                 op.run(st, ws[0])
@@ -136,25 +143,38 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
                         op.run(s2, w)
 
             rec[f"{variant}_us"] = round(timing.graph_replay_us(step, step, copies, reps), 2)
+            if variant == "patched":
+                # Which call sites took the patched path, as decided under capture (the
+                # step's copies of the state share one ``_via``; KDA's two streams only
+                # exist while capturing).
+                rec["patched_via"], rec["patched_enabled"] = dict(st.get("_via", {})), enabled
             if m in per_op_ms:
                 for op in ops:
+
                     def one(op=op, st=st):
                         s2 = dict(st)
                         for w in ws:
                             op.run(s2, w)
 
                     covers = op.covers or (op.name,)
-                    mine = [o for o in stock_ops if o.name in covers
-                            and (variant == "stock" or first_cover[o.name] == op.name)]
+                    mine = [
+                        o
+                        for o in stock_ops
+                        if o.name in covers and first_cover.get((variant, o.name)) == op.name
+                    ]
                     nbytes = sum(o.nbytes(m) for o in mine)
                     per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name,
                                    "us": round(timing.graph_replay_us(one, one, copies, reps), 2),
                                    "roof_us": round(nbytes / bw * 1e6, 3), "runs": op.runs,
                                    "where": op.where, "covers": list(op.covers)})  # fmt: skip
-        rec["rel_diff_ours_vs_stock"] = float((outs["ours"] - outs["stock"]).norm() / outs["stock"].norm())
-        rec["frac_roof_ours"] = round(rec["roof_us"] / rec["ours_us"], 3)
-        rec["frac_roof_stock"] = round(rec["roof_us"] / rec["stock_us"], 3)
+        for variant, _ in variants:
+            rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)
+            if variant != "stock":
+                diff = (outs[variant] - outs["stock"]).norm() / outs["stock"].norm()
+                rec[f"rel_diff_{variant}_vs_stock"] = float(diff)
         rec["speedup"] = round(rec["stock_us"] / rec["ours_us"], 3)
+        if pk is not None:
+            rec["speedup_patched"] = round(rec["stock_us"] / rec["patched_us"], 3)
         print(json.dumps(rec), flush=True)
         steps.append(rec)
     ws.clear()  # free the copies before the next layer
@@ -163,8 +183,9 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.replay",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m k3lab.decode_step.replay", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--layers", default="mtp,kda,mla")
@@ -173,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--patched",
+        action="store_true",
+        help="also time the patched model's call sites (needs the GPU bundle's vLLM tree)",
+    )
     args = ap.parse_args(argv)
     try:
         ms, per_op_ms = parse_ms(args.m), parse_ms(args.per_op_m)
@@ -194,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    pk = None
+    if args.patched:
+        try:
+            pk = patched.load()
+        except ImportError as e:
+            print(f"error: --patched needs the patched vLLM tree importable: {e}", file=sys.stderr)
+            return 2
     bw = timing.read_bandwidth_Bps(replays=12)
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
@@ -205,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_step_{doc['date']}{args.tag}.json"
     for name in names:
-        steps, per_op = run_layer(torch, kn, name, ms, per_op_ms, args.copies, args.reps, bw)
+        steps, per_op = run_layer(torch, kn, name, ms, per_op_ms, args.copies, args.reps, bw, pk)
         doc["steps"] += steps
         doc["per_op"] += per_op
         path.write_text(json.dumps(doc, indent=1))

@@ -7,6 +7,8 @@
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
 #   tests                every GPU test file of the overlay (TEST_S seconds at most; TESTS: a subset)
+#   replay STOCK_DIR     issue 21: the decode-step replay, stock vs ours vs the patched model's
+#                        call sites (k3lab.decode_step.replay --patched; REPLAY_ARGS: more flags)
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
@@ -37,6 +39,13 @@ tests)
   (cd /tmp/k3t && timeout ${TEST_S:-400} python3 -m pytest -p no:cacheprovider -q -rs --tb=short -o "markers=gpu: needs a CUDA GPU" \
      --junitxml="$OUT/pytest_gpu.xml" ${TESTS:-tests/kernels/*_gpu.py tests/kernels/test_kimi_k3_fused_ptx.py} \
      2>&1 | tail -n 60 | tee "$OUT/pytest_gpu.log") ;;
+replay)
+  # v0.28.0's own Triton ops come from STOCK_DIR (python -m k3lab.decode_step.imports extract);
+  # the patched variant imports the installed tree with the overlay as committed now.
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/
+  lab k3lab.decode_step.replay --stock-dir "$1" --out "$OUT" --patched ${REPLAY_ARGS:-} 2>&1 \
+     | grep -v "^\[kernels\]" | tee "$OUT/replay.log" ;;
 install)
   bash "$HERE/install.sh" --target $SITE /root/stash "$1" > /tmp/env.sh || exit $?
   mv /tmp/env.sh $SITE/.k3/env.sh; cat $SITE/.k3/env.sh; envs

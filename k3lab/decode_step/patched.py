@@ -1,0 +1,237 @@
+"""The third variant of the replay: what the *patched* v0.28.0 model runs at decode.
+
+``ours`` (:mod:`k3lab.decode_step.layers`) is the layer as we would build it: our kernel
+on every projection, stacked weights, residuals in epilogues. ``patched`` is what our
+patch series makes v0.28.0's model files run today, call site by call site, through the
+very entry points the patched lines call, with their guards and fallbacks:
+
+=========================  ===============================================================
+v0.28.0 op                 the patched line's call (fallback: the stock op)
+=========================  ===============================================================
+fused_mtp_input            ``low_latency_fused_dispatch.try_mtp_input`` (patch 0006)
+eh_proj, every projection  ``low_latency_gemm_dispatch.try_low_latency_gemm`` (0002, 0004:
+                           the layers' method), else cuBLAS (the base method)
+input_layernorm, post_attention_layernorm (MTP block), shared_head.norm
+                           ``try_rms_norm`` (0005, 0006)
+fused_q_kv_rmsnorm+q_b     ``try_rmsnorm_gemm`` (q_a_layernorm in q_b_proj's prologue) and
+                           ``try_rms_norm`` (kv_a_layernorm) when both apply (0006)
+gate_sigmoid_mul           ``try_sigmoid_mul`` (0006)
+in_proj_qkvgfab, f_b_proj  ``kda_projection.run_kda_projection_overlap`` at the token counts
+                           of ``overlap_tokens`` (0003, under graph capture: two streams),
+                           else the two projections through the dispatch
+situ_and_mul               ``try_act_mul`` (0005)
+routed_expert_norm+up      ``try_rmsnorm_gemm(..., add_to=shared)`` (0005)
+attn_res, router_gate      v0.28.0's (no patch touches them)
+=========================  ===============================================================
+
+vLLM runs the router gate, ``routed_down`` and MLA's ``g_proj`` on aux streams; as in the
+other two variants they run in line here. The KDA projections' two streams are the
+patch's own, so they are kept. A ``try_*`` entry the tree does not have (an older overlay)
+counts as a fallback. Each op records, per M, whether its patched call was taken
+(``st["_via"]``), so the JSON says which sites ran ours.
+
+Needs the real vLLM tree with the overlay laid (the GPU bundle): the dispatch imports
+vLLM's envs, logger and linear layers. Nothing here runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import torch
+
+from k3lab.decode_step import layers
+from k3lab.decode_step.layers import EPS, FA, FA_AT, KVL, QL, SITU_BETA, Op
+
+
+def load() -> SimpleNamespace:
+    """The patched tree's entry points; ImportError without a real vLLM."""
+    base = "vllm.models.kimi_k3.nvidia."
+    llg = importlib.import_module(base + "low_latency_gemm_dispatch")
+    fused = importlib.import_module(base + "low_latency_fused_dispatch")
+    kda = importlib.import_module(base + "kda_projection")
+    return SimpleNamespace(llg=llg, fused=fused, kda=kda)
+
+
+def enable(pk: SimpleNamespace, weights: list[dict]) -> dict:
+    """Turn the fused switch on and warm up every projection weight's planned kernels,
+    as ``enable_kimi_k3_low_latency_gemm`` does for a model. Returns what was enabled."""
+    holder = torch.nn.Module()
+    holder.register_buffer("w", next(iter(weights[0].values())))
+    warmed = pk.fused.enable_kimi_k3_fused_decode(holder, torch.bfloat16)
+    planned = sum(bool(pk.llg.request_low_latency_warmup(w)) for ws in weights[:1]
+                  for w in ws.values() if w.dim() == 2)  # fmt: skip
+    table = pk.llg.device_table()
+    return {"fused_kernels_warmed": warmed, "weights_planned": planned,
+            "gemm_table": getattr(table, "arch", None),
+            "fused_table": getattr(pk.fused.device_table(), "arch", None)}  # fmt: skip
+
+
+def _via(st: dict, name: str, taken: bool) -> None:
+    st.setdefault("_via", {})[name] = "patched" if taken else "stock"  # shared by shallow copies
+
+
+def _try(pk: SimpleNamespace, name: str):
+    return getattr(pk.fused, name, None)
+
+
+def _gemm(pk, st, name, x, w):
+    """A linear layer of the patched model: its dispatch method, else the base method."""
+    out = pk.llg.try_low_latency_gemm(x, w)
+    _via(st, name, out is not None)
+    return torch.mm(x, w.t()) if out is None else out
+
+
+def _proj(pk, name: str, src: str, dst: str, wname: str) -> Op:
+    def run(st, w):
+        st[dst] = _gemm(pk, st, name, st[src], w[wname])
+
+    return Op(name, "", run, "dispatch (try_low_latency_gemm), else cuBLAS", covers=(name,))
+
+
+def _moe(pk, kn, src: str, stock: dict) -> list[Op]:
+    def situ(st, w):
+        out = pk.fused.try_act_mul(st["gu"], situ_beta=SITU_BETA)
+        _via(st, "situ_and_mul", out is not None)
+        st["act"] = kn.stock.situ_and_mul(st["gu"], SITU_BETA) if out is None else out
+
+    def up(st, w):
+        fused = pk.fused.try_rmsnorm_gemm(st["lat_out"], w["lat_norm"], EPS, w["up"], add_to=st["shared"])
+        _via(st, "routed_up", fused is not None)
+        if fused is not None:
+            st["moe_out"] = fused[0]
+            return
+        # The patched line's fallback: the norm, then residual.addmm_ (cuBLAS beta-add).
+        stock["routed_expert_norm"].run(st, w)
+        st["moe_out"] = st["shared"].addmm_(st["lat_n"], w["up"].t())
+
+    return [
+        stock["router_gate"],
+        _proj(pk, "routed_down", src, "lat", "down"),
+        _proj(pk, "shared_gate_up", src, "gu", "sgu"),
+        Op("situ_and_mul", "", situ, "try_act_mul, else stock", covers=("situ_and_mul",)),
+        _proj(pk, "shared_down", "act", "shared", "sdown"),
+        Op("routed_expert_norm+routed_up+shared", "", up, "try_rmsnorm_gemm(add_to), else stock",
+           covers=("routed_expert_norm", "routed_up+shared")),
+    ]  # fmt: skip
+
+
+def _mla(pk, kn, src: str, stock: dict) -> list[Op]:
+    def q_kv(st, w):
+        q_c, kv_c = st["qkv"][:, :QL], st["qkv"][:, QL : QL + KVL]
+        fused_q = pk.fused.try_rmsnorm_gemm(q_c, w["q_a_norm"], EPS, w["q_b"])
+        fused_kv = None if fused_q is None else pk.fused.try_rms_norm(kv_c, w["kv_a_norm"], EPS)
+        _via(st, "q_b_proj", fused_kv is not None)
+        if fused_kv is not None:
+            st["q"], st["kv_n"] = fused_q[0], fused_kv[0]
+            return
+        stock["fused_q_kv_rmsnorm"].run(st, w)
+        st["q"] = _gemm(pk, st, "q_b_proj(dispatch)", st["q_c"], w["q_b"])
+
+    def gate(st, w):
+        fn = _try(pk, "try_sigmoid_mul")
+        out = None if fn is None else fn(st["attn_out"], st["gate_o"])
+        _via(st, "gate_sigmoid_mul", out is not None)
+        if out is None:
+            stock["gate_sigmoid_mul"].run(st, w)
+        else:
+            st["a_gated"] = out
+
+    return [
+        _proj(pk, "fused_qkv_a_proj", src, "qkv", "qkv_a"),
+        Op("fused_q_kv_rmsnorm+q_b_proj", "", q_kv, "try_rmsnorm_gemm + try_rms_norm, else stock",
+           covers=("fused_q_kv_rmsnorm", "q_b_proj")),
+        _proj(pk, "g_proj", src, "gate_o", "g"),
+        Op("gate_sigmoid_mul", "", gate, "try_sigmoid_mul, else stock", covers=("gate_sigmoid_mul",)),
+        _proj(pk, "o_proj", "a_gated", "o_out", "o"),
+    ]  # fmt: skip
+
+
+def _norm(pk, kn, name: str, src: str, dst: str, wname: str, residual: str | None, new_res: str | None,
+          stock: dict) -> Op:  # fmt: skip
+    def run(st, w):
+        fused = pk.fused.try_rms_norm(st[src], w[wname], EPS, st[residual] if residual else None)
+        _via(st, name, fused is not None)
+        if fused is None:
+            stock[name].run(st, w)
+            return
+        st[dst] = fused[0]
+        if new_res:
+            st[new_res] = fused[1]
+
+    return Op(name, "", run, "try_rms_norm, else stock", covers=(name,))
+
+
+def mtp_ops(pk, kn) -> list[Op]:
+    stock = {op.name: op for op in layers.mtp_ops(kn)[0]}
+
+    def mtp_in(st, w):
+        fn = _try(pk, "try_mtp_input")
+        args = (st["positions"], st["embeds"], st["prev"], w["enorm"], w["hnorm"], EPS)
+        out = None if fn is None else fn(*args)
+        _via(st, "fused_mtp_input", out is not None)
+        if out is None:
+            stock["fused_mtp_input"].run(st, w)
+        else:
+            st["cat"] = out
+
+    return [
+        Op("fused_mtp_input", "", mtp_in, "try_mtp_input, else stock", covers=("fused_mtp_input",)),
+        _proj(pk, "eh_proj", "cat", "h0", "eh"),
+        _norm(pk, kn, "input_layernorm", "h0", "hn", "in_norm", None, None, stock),
+        *_mla(pk, kn, "hn", stock),
+        _norm(pk, kn, "post_attention_layernorm", "o_out", "hn2", "post_norm", "h0", "r1", stock),
+        *_moe(pk, kn, "hn2", stock),
+        _norm(pk, kn, "shared_head.norm", "moe_out", "logits_h", "head_norm", "r1", "r2", stock),
+    ]
+
+
+def kda_ops(pk, kn) -> list[Op]:
+    stock = {op.name: op for op in layers.kda_ops(kn)[0]}
+    streams = {}  # made at the first run: the layer's aux stream and its fork/join events
+
+    def proj(st, w):
+        if not streams:
+            streams["tokens"] = pk.kda.overlap_tokens(pk.llg._device_capability()).tokens
+            streams["aux"] = pk.kda.high_priority_aux_stream(st["hn"].device)
+            streams["events"] = (torch.cuda.Event(), torch.cuda.Event())
+        m = st["hn"].shape[0]
+        two = pk.kda.use_kda_projection_overlap(m, streams["tokens"])
+        _via(st, "in_proj_qkvgfab", two)
+        if two:
+            # The patched KDA layer reads qkvg and g1 (beta is a view it reads later).
+            qkvg, st["g1"], _beta = pk.kda.run_kda_projection_overlap(
+                st["hn"], w["in_proj"], w["f_b"], streams["aux"], streams["events"]
+            )
+            st["proj"] = qkvg
+            return
+        st["proj"] = _gemm(pk, st, "in_proj(dispatch)", st["hn"], w["in_proj"])
+        st["g1"] = _gemm(pk, st, "f_b_proj(dispatch)", st["proj"][:, FA_AT : FA_AT + FA], w["f_b"])
+
+    return [
+        stock["attn_res (pre-attn)"],
+        Op(
+            "in_proj_qkvgfab+f_b_proj",
+            "",
+            proj,
+            "two-stream overlap (patch 0003), else dispatch",
+            covers=("in_proj_qkvgfab", "f_b_proj"),
+        ),
+        _proj(pk, "o_proj", "core_out", "o_out", "o"),
+        stock["attn_res (post-attn)"],
+        *_moe(pk, kn, "hn2", stock),
+    ]
+
+
+def mla_ops(pk, kn) -> list[Op]:
+    stock = {op.name: op for op in layers.mla_ops(kn)[0]}
+    return [
+        stock["attn_res (pre-attn)"],
+        *_mla(pk, kn, "hn", stock),
+        stock["attn_res (post-attn)"],
+        *_moe(pk, kn, "hn2", stock),
+    ]
+
+
+LAYERS = {"mtp": mtp_ops, "kda": kda_ops, "mla": mla_ops}
