@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,11 @@ def test_fd_transport_is_refused_at_once_not_a_hang(project, tmp_path):
     assert proc.stderr.splitlines() == ["apply.py: error: --vllm-repo 'fd::0': the 'fd::' transport "
                                         "is not allowed; give an https, ssh or git URL or a local path"]
     assert not (tmp_path / "wd").exists() and "fd::" in (tmp_path / "r.json").read_text()
+    # Refused before any work, the report still names the base and the ref the run was for
+    # (the pinned base: no --vllm-ref was given), never an empty one.
+    data = json.loads((tmp_path / "r.json").read_text())
+    base = json.loads((project.root / "overlay.json").read_text())["base"]
+    assert data["base_ref"] == data["ref"] == base and base
 
 
 @pytest.mark.parametrize("source, said", [
