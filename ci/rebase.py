@@ -53,7 +53,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
         write_json,
         write_text,
     )
-    from k3overlay.source import default_mirror
+    from k3overlay.source import default_mirror, release_for_ref
     from k3overlay.stages import StageResults, Target, TestRun
     from k3overlay.wheel import WheelOptions
 except KeyboardInterrupt:
@@ -211,7 +211,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _run(args) -> list:
     """One report per ``--onto`` ref (see ``run_rebase``)."""
-    refs = [f"v{default_mirror().latest()}" if ref == "latest" else ref for ref in args.onto]
+    refs, notes = _targets(args.onto, args.vllm_repo)
     results = None
     if args.gpu_results:
         from ci.gpu_stage.stage import load_results
@@ -219,9 +219,28 @@ def _run(args) -> list:
         results = load_results(args.gpu_results)
     stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,
                        gpu_results=results, gpu_export=args.gpu_export)
-    return run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                      stages=stages,
-                      wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
+    reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
+                         stages=stages,
+                         wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
+    for report in reports:
+        report.notes[:0] = notes.get(report.ref, [])
+    return reports
+
+
+def _targets(onto: list[str], vllm_repo: str | None) -> tuple[list[str], dict[str, list[str]]]:
+    """The ``--onto`` refs as the job runs them, with a note per translated one: ``latest``
+    is the newest release, and upstream's commit id of a release is that release's tag (as
+    ``apply.py --vllm-ref`` takes it), so the target is built from its sdist."""
+    refs, notes = [], {}
+    for ref in onto:
+        if ref == "latest":
+            refs.append(f"v{default_mirror().latest()}")
+            continue
+        found = release_for_ref(ref, vllm_repo, "--onto")
+        refs.append(found.release.tag if found else ref)
+        if found:
+            notes.setdefault(found.release.tag, []).append(found.note())
+    return refs, notes
 
 
 def _stopped(refs: list[str], error: str, code: int) -> list:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from dataclasses import replace
@@ -147,7 +146,8 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             check_writable(args.json, "--json")
         if args.export:
             return _export(project, args.workdir or project.default_workdir)
-        upstream = _upstream_release(args.rebase_to or args.vllm_ref, args.vllm_repo)
+        upstream = source.release_for_ref(args.rebase_to or args.vllm_ref, args.vllm_repo,
+                                           "--rebase-to" if args.rebase_to else "--vllm-ref")
         ref = upstream.release.tag if upstream else args.vllm_ref
         opts = Options(ref=ref, vllm_repo=args.vllm_repo, workdir=args.workdir,
                        branch=args.branch, check=args.check, allow_drift=args.allow_drift)
@@ -195,15 +195,6 @@ def _json_report(report: Report, path: Path) -> int:
         tell(f"apply.py: error: {err}")
         return report.exit_code or err.exit_code
     return report.exit_code
-
-
-def _upstream_release(ref: str | None, vllm_repo: str | None) -> releases.Resolved | None:
-    """``ref`` as upstream's commit id of a release, when the source is the release mirror
-    (no ``--vllm-repo``/``$VLLM_REPO``: a git clone's own shas are upstream's already)."""
-    if not ref or vllm_repo or os.environ.get("VLLM_REPO"):
-        return None
-    source.check_ref(ref)
-    return releases.upstream_release(ref, source.default_mirror())
 
 
 def _list_releases(args: argparse.Namespace) -> int:

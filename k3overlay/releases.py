@@ -18,6 +18,7 @@ sdist's record too.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -57,8 +58,13 @@ class Resolved:
     release: Release
     by_record: bool
 
+    option: str = "--vllm-ref"  # the flag the ref came with, for the note
+
+    def as_option(self, option: str) -> Resolved:
+        return dataclasses.replace(self, option=option)
+
     def note(self) -> str:
-        head = f"--vllm-ref {self.ref}: upstream's commit of vLLM {self.release.tag}"
+        head = f"{self.option} {self.ref}: upstream's commit of vLLM {self.release.tag}"
         if self.by_record:
             return (f"{head}, matched by the abbreviation its sdist records (g{self.release.recorded}); "
                     f"its full sha is not known here, so the rest of the ref was not checked")

@@ -22,7 +22,7 @@ from .interrupts import deferred
 from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
-from .releases import unknown_ref_hint
+from .releases import Resolved, unknown_ref_hint, upstream_release
 
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")  # SHA-1 or SHA-256
 _HEX = re.compile(r"[0-9a-f]{4,64}")
@@ -317,3 +317,15 @@ def _classify(git_output: str, what: str | None = None) -> UsageError | SourceEr
     if any(marker in git_output for marker in _NOT_FOUND):
         return UsageError(what or reason)
     return SourceError(f"cannot reach the vLLM source: {reason}")
+
+
+def release_for_ref(ref: str | None, vllm_repo: str | None, option: str = "--vllm-ref") -> Resolved | None:
+    """``ref`` as upstream's commit id of a release, when the source is the release mirror
+    (no ``vllm_repo``/``$VLLM_REPO``: a git clone's own shas are upstream's already); None
+    for any other ref. ``option`` names the flag in the note. Raises what ``check_ref``
+    and ``releases.upstream_release`` raise (UsageError, SourceError)."""
+    if not ref or vllm_repo or os.environ.get("VLLM_REPO"):
+        return None
+    check_ref(ref)
+    found = upstream_release(ref, default_mirror())
+    return found if found is None else found.as_option(option)

@@ -165,3 +165,17 @@ def test_list_releases_takes_no_other_option(capsys):
     assert cli.main(["--list-releases", "--vllm-ref", "v1.0.0"]) == errors.USAGE
     assert capsys.readouterr().err == ("apply.py: error: --list-releases takes no other option "
                                        "(got --vllm-ref)\n")
+
+
+def test_the_rebase_job_takes_an_upstream_commit_id_for_its_release(released, monkeypatch):
+    # ci.rebase --onto <upstream sha> builds the release, as apply.py --vllm-ref does, and
+    # says so in that target's notes; a tag or 'latest' is left as the job always took it.
+    from ci import rebase
+
+    monkeypatch.delenv("VLLM_REPO", raising=False)
+    refs, notes = rebase._targets([FULL["v1.1.0"][:12], "v1.0.0"], None)
+    assert refs == ["v1.1.0", "v1.0.0"]
+    assert notes == {"v1.1.0": [f"--onto {FULL['v1.1.0'][:12]}: upstream's commit of vLLM v1.1.0 "
+                                f"(its sdist records g2222222bb, checked)"]}
+    # A git source's own shas are upstream's: nothing is translated there.
+    assert rebase._targets([FULL["v1.1.0"]], "https://example.invalid/vllm.git") == ([FULL["v1.1.0"]], {})
