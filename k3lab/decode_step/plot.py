@@ -3,7 +3,8 @@
 ``python -m k3lab.decode_step.plot RUN.json OUT.png [--m 8]``: one row per layer; left,
 per op of ours at token count ``--m``: our µs, the stock µs of the stock ops it
 replaces (their per-op graphs summed) and the roof of those ops; right, the whole
-step against M = 1..16 (stock, ours, roof). Exit 2 for a file that is not a replay
+step against M = 1..16 (stock, ours, roof, and the patched model's call sites where the
+run timed them). Exit 2 for a file that is not a replay
 JSON or a token count it has no per-op records for.
 """
 
@@ -61,13 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         row[0].invert_yaxis()
         row[0].set_xlabel("µs")
         step = next(r for r in doc["steps"] if r["layer"] == layer and r["M"] == args.m)
+        patched = f", patched {step['patched_us']} µs" if "patched_us" in step else ""
         row[0].set_title(f"{layer.upper()} at M={args.m}: stock {step['stock_us']} µs, "
-                         f"ours {step['ours_us']} µs, roof {step['roof_us']} µs (whole step, one graph)",
-                         fontsize=10)  # fmt: skip
+                         f"ours {step['ours_us']} µs{patched}, roof {step['roof_us']} µs "
+                         f"(whole step, one graph)", fontsize=10)  # fmt: skip
         row[0].legend(fontsize=8, loc="lower right")
         steps = sorted((r for r in doc["steps"] if r["layer"] == layer), key=lambda r: r["M"])
         ms = [r["M"] for r in steps]
-        for key, color in (("stock_us", "#c44e52"), ("ours_us", "#4c72b0"), ("roof_us", "#999999")):
+        lines = [("stock_us", "#c44e52"), ("ours_us", "#4c72b0"), ("roof_us", "#999999")]
+        if all("patched_us" in r for r in steps):  # the patched model's call sites (--patched)
+            lines.insert(1, ("patched_us", "#dd8452"))
+        for key, color in lines:
             row[1].plot(ms, [r[key] for r in steps], marker="o", ms=3, color=color, label=key[:-3])
         row[1].set_ylim(bottom=0)
         row[1].set_xlabel("M (tokens)")
