@@ -57,8 +57,8 @@ def load() -> SimpleNamespace:
 def enable(pk: SimpleNamespace, weights: list[dict]) -> dict:
     """Turn the fused switch on and warm up every projection weight's planned kernels,
     as ``enable_kimi_k3_low_latency_gemm`` does for a model. Returns what was enabled."""
-    holder = torch.nn.Module()
-    holder.register_buffer("w", next(iter(weights[0].values())))
+    holder = torch.nn.Module()  # the switch reads only its parameters' device
+    holder.w = torch.nn.Parameter(next(iter(weights[0].values())), requires_grad=False)
     warmed = pk.fused.enable_kimi_k3_fused_decode(holder, torch.bfloat16)
     planned = sum(bool(pk.llg.request_low_latency_warmup(w)) for ws in weights[:1]
                   for w in ws.values() if w.dim() == 2)  # fmt: skip
@@ -72,8 +72,20 @@ def _via(st: dict, name: str, taken: bool) -> None:
     st.setdefault("_via", {})[name] = "patched" if taken else "stock"  # shared by shallow copies
 
 
-def _try(pk: SimpleNamespace, name: str):
-    return getattr(pk.fused, name, None)
+def _pointwise(pk, name: str, entry: str, inputs: tuple, wnames: tuple, dst: str, stock: dict, *extra) -> Op:
+    """A small op whose patched line calls ``fused.<entry>(*inputs, *weights, *extra)``,
+    else the stock op; an overlay without that entry counts as the stock path."""
+
+    def run(st, w):
+        fn = getattr(pk.fused, entry, None)
+        out = None if fn is None else fn(*(st[i] for i in inputs), *(w[n] for n in wnames), *extra)
+        _via(st, name, out is not None)
+        if out is None:
+            stock[name].run(st, w)
+        else:
+            st[dst] = out
+
+    return Op(name, "", run, f"{entry}, else stock", covers=(name,))
 
 
 def _gemm(pk, st, name, x, w):
@@ -129,21 +141,12 @@ def _mla(pk, kn, src: str, stock: dict) -> list[Op]:
         stock["fused_q_kv_rmsnorm"].run(st, w)
         st["q"] = _gemm(pk, st, "q_b_proj(dispatch)", st["q_c"], w["q_b"])
 
-    def gate(st, w):
-        fn = _try(pk, "try_sigmoid_mul")
-        out = None if fn is None else fn(st["attn_out"], st["gate_o"])
-        _via(st, "gate_sigmoid_mul", out is not None)
-        if out is None:
-            stock["gate_sigmoid_mul"].run(st, w)
-        else:
-            st["a_gated"] = out
-
     return [
         _proj(pk, "fused_qkv_a_proj", src, "qkv", "qkv_a"),
         Op("fused_q_kv_rmsnorm+q_b_proj", "", q_kv, "try_rmsnorm_gemm + try_rms_norm, else stock",
            covers=("fused_q_kv_rmsnorm", "q_b_proj")),
         _proj(pk, "g_proj", src, "gate_o", "g"),
-        Op("gate_sigmoid_mul", "", gate, "try_sigmoid_mul, else stock", covers=("gate_sigmoid_mul",)),
+        _pointwise(pk, "gate_sigmoid_mul", "try_sigmoid_mul", ("attn_out", "gate_o"), (), "a_gated", stock),
         _proj(pk, "o_proj", "a_gated", "o_out", "o"),
     ]  # fmt: skip
 
@@ -166,18 +169,17 @@ def _norm(pk, kn, name: str, src: str, dst: str, wname: str, residual: str | Non
 def mtp_ops(pk, kn) -> list[Op]:
     stock = {op.name: op for op in layers.mtp_ops(kn)[0]}
 
-    def mtp_in(st, w):
-        fn = _try(pk, "try_mtp_input")
-        args = (st["positions"], st["embeds"], st["prev"], w["enorm"], w["hnorm"], EPS)
-        out = None if fn is None else fn(*args)
-        _via(st, "fused_mtp_input", out is not None)
-        if out is None:
-            stock["fused_mtp_input"].run(st, w)
-        else:
-            st["cat"] = out
-
     return [
-        Op("fused_mtp_input", "", mtp_in, "try_mtp_input, else stock", covers=("fused_mtp_input",)),
+        _pointwise(
+            pk,
+            "fused_mtp_input",
+            "try_mtp_input",
+            ("positions", "embeds", "prev"),
+            ("enorm", "hnorm"),
+            "cat",
+            stock,
+            EPS,
+        ),
         _proj(pk, "eh_proj", "cat", "h0", "eh"),
         _norm(pk, kn, "input_layernorm", "h0", "hn", "in_norm", None, None, stock),
         *_mla(pk, kn, "hn", stock),
