@@ -97,3 +97,38 @@ def test_patched_via_marks_fallbacks(monkeypatch) -> None:
         situ.run(state, {})
         assert state["_via"]["situ_and_mul"] == want
         assert float(state["act"].sum()) == (0.0 if answer is None else 56.0)
+
+
+class _Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def attn_res(self, *a, **k):  # v0.28.0's module
+        self.calls.append((self.name, a, k))
+        return self.name
+
+    def __call__(self, *a, **k):  # replay.py's wrapper of ours
+        self.calls.append((self.name, a, k))
+        return self.name
+
+
+@pytest.mark.parametrize("layer", ["kda", "mla"])
+def test_attn_res_switch_routes_ours_only_and_keeps_stock_on_v028(layer) -> None:
+    calls = []
+    v028, mine = _Recorder("v028", calls), _Recorder("mine", calls)
+    for ours_fn, want in ((None, "v028"), (mine, "mine")):
+        kn = layers.Kernels(*([_Any()] * 4), v028, *([_Any()] * 4), attn_res_ours=ours_fn)
+        stock, ours = layers.LAYERS[layer](kn)
+        st = {k: k for k in ("prefix", "delta_in", "o_out", "blocks")}
+        w = {k: k for k in layers.RES_W}
+        for variant, ops, expect in (("stock", stock, "v028"), ("ours", ours, want)):
+            calls.clear()
+            for op in (o for o in ops if o.name.startswith("attn_res")):
+                op.run(st, w)
+            assert [c[0] for c in calls] == [expect, expect], (variant, ours_fn)
+            assert st["hn"] == expect and st["hn2"] == expect
+            if expect == "mine":  # num_blocks, eps, output-norm eps follow the six tensors
+                assert calls[0][1] == ("prefix", "delta_in", "blocks", "sa_res_norm", "sa_res_proj",
+                                       "in_norm", layers.NB, layers.EPS, layers.EPS)  # fmt: skip
+            else:
+                assert calls[1][2]["num_blocks"] == layers.NB and calls[1][2]["block_write_idx"] == -1

@@ -88,6 +88,10 @@ class Kernels(NamedTuple):
     mtp_input: object  # v0.28.0 common/mtp.py
     stock: object  # k3lab.decode_step.stock
     cfg: Callable[..., object]  # (N, K[, fused]) -> SwapAbConfig
+    # ours' attn-res when not v0.28.0's: (prefix, delta, blocks, norm_w, qk_w, out_norm_w,
+    # num_blocks, eps, out_eps) -> out (replay.py --attn-res)
+    attn_res_ours: Callable[..., object] | None = None
+    attn_res_ours_name: str = "v0.28.0's"
 
 
 def _moe_stock(kn, src: str) -> list[Op]:
@@ -163,14 +167,19 @@ def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
     ]
 
 
-def _attn_res(kn, which: str, delta: str) -> Callable[[dict, dict], None]:
+def _attn_res(kn, which: str, delta: str, ours: bool = False) -> Callable[[dict, dict], None]:
     pre = which == "pre"
+    mine = kn.attn_res_ours if ours else None
 
     def run(st, w):
+        args = (st["prefix"], st[delta], st["blocks"],
+                w["sa_res_norm" if pre else "mlp_res_norm"], w["sa_res_proj" if pre else "mlp_res_proj"],
+                w["in_norm" if pre else "post_norm"])  # fmt: skip
+        if mine is not None:
+            st["hn" if pre else "hn2"] = mine(*args, NB, EPS, EPS)
+            return
         st["hn" if pre else "hn2"] = kn.attn_res.attn_res(
-            st["prefix"], st[delta], st["blocks"], w["sa_res_norm" if pre else "mlp_res_norm"],
-            w["sa_res_proj" if pre else "mlp_res_proj"], w["in_norm" if pre else "post_norm"],
-            num_blocks=NB, block_write_idx=-1, eps=EPS, output_norm_eps=EPS)  # fmt: skip
+            *args, num_blocks=NB, block_write_idx=-1, eps=EPS, output_norm_eps=EPS)  # fmt: skip
 
     return run
 
@@ -344,12 +353,12 @@ def kda_ops(kn) -> tuple[list[Op], list[Op]]:
         st["o_out"] = sab.swap_ab_gemm(st["core_out"], w["o"], c(H, KDA_P))
 
     ours = [
-        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in", True), kn.attn_res_ours_name,
            covers=("attn_res (pre-attn)",)),
         Op("in_proj_qkvgfab", "", in_proj_o, "ours", covers=("in_proj_qkvgfab",)),
         Op("f_b_proj", "", f_b_o, "ours", covers=("f_b_proj",)),
         Op("o_proj", "", o_o, "ours", covers=("o_proj",)),
-        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
+        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out", True), kn.attn_res_ours_name,
            covers=("attn_res (post-attn)",)),
         *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip
@@ -368,10 +377,10 @@ def mla_ops(kn) -> tuple[list[Op], list[Op]]:
         *_moe_stock(kn, "hn2"),
     ]  # fmt: skip
     ours = [
-        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in"), "v0.28.0's",
+        Op("attn_res (pre-attn)", "", _attn_res(kn, "pre", "delta_in", True), kn.attn_res_ours_name,
            covers=("attn_res (pre-attn)",)),
         *_mla_ours(kn, "hn", None),
-        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out"), "v0.28.0's",
+        Op("attn_res (post-attn)", "", _attn_res(kn, "post", "o_out", True), kn.attn_res_ours_name,
            covers=("attn_res (post-attn)",)),
         *_moe_ours(kn, "hn2", None),
     ]  # fmt: skip

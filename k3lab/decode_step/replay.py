@@ -3,8 +3,8 @@
 ``python -m k3lab.decode_step.replay --stock-dir DIR [--out DIR] [--m 1-16] [--per-op-m 1,8,16]
 [--patched]`` on a CUDA GPU (no vLLM needed: :mod:`k3lab.decode_step.imports`; ``--patched``
 adds a third variant, the patched model's call sites (:mod:`k3lab.decode_step.patched`),
-which needs the GPU bundle's vLLM tree with the overlay laid: ``k3lab/device/run.sh replay``). DIR holds v0.28.0's
-three Triton op files (``python -m k3lab.decode_step.imports extract DIR``). Writes
+which needs the GPU bundle's vLLM tree with the overlay laid: ``k3lab/device/run.sh replay``).
+DIR holds v0.28.0's three Triton op files (``python -m k3lab.decode_step.imports extract DIR``). Writes
 ``decode_step_<date>.json`` to ``--out`` (default ``$OUT``, else the current folder).
 Exit codes: 0 done, 2 bad usage / no GPU / missing stock files.
 
@@ -53,7 +53,9 @@ configs of ``configs.json``, two projections of one input as one stacked weight
 (``fused_qkv_a_proj``+``g_proj``, ``routed_down``+shared ``gate_up``), residual adds in
 GEMM epilogues, a norm in the prologue of the GEMM that is its only reader
 (``fused_gemm.py``), and the PDL-aware ``norm.py`` / ``pointwise.py`` kernels for the
-rest (``layers.py`` says which op covers which); attn_res is v0.28.0's.
+rest (``layers.py`` says which op covers which); attn_res is v0.28.0's, unless
+``--attn-res {last,row,spin}`` (with ``--attn-res-opts '{"chunk": 512}'``) puts a kernel of
+``k3lab/experiments/attn_res_split.py`` in ours (stock keeps v0.28.0's).
 
 Timing: each variant of a step is one CUDA graph over ``--copies`` rotated copies of
 the layer's weights (>= 4x the 60 MiB L2 in all), median of ``--reps`` replays, µs per
@@ -91,7 +93,8 @@ def parse_ms(text: str) -> list[int]:
     return out
 
 
-def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
+def kernels(stock_dir: pathlib.Path, attn_res: str = "v028", attn_res_opts: dict | None = None
+            ) -> layers.Kernels:  # fmt: skip
     from k3lab.decode_step import stock
 
     sab = imports.overlay("swap_ab_gemm")
@@ -102,7 +105,18 @@ def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
 
     ours = [imports.overlay(name) for name in ("fused_gemm", "norm", "pointwise")]
     v028 = [imports.stock(stock_dir, name) for name in ("attn_res", "fused_qk_rmsnorm", "common_mtp")]
-    return layers.Kernels(sab, *ours, *v028, stock, cfg)
+    kn = layers.Kernels(sab, *ours, *v028, stock, cfg)
+    if attn_res != "v028":  # ours' attn-res: a kernel of attn_res_split.py at the given options
+        from k3lab.experiments import attn_res_split
+
+        fn = attn_res_split.KINDS[attn_res]
+        opts = dict(attn_res_opts or {})
+
+        def mine(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps):
+            return fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts)
+
+        kn = kn._replace(attn_res_ours=mine, attn_res_ours_name=f"attn_res_split {attn_res} {opts}")
+    return kn
 
 
 def _output_key(layer: str) -> str:
@@ -199,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the patched model's call sites (needs the GPU bundle's vLLM tree)",
     )
+    ap.add_argument("--attn-res", default="v028", choices=("v028", "last", "row", "spin"),
+                    help="ours' attn-res: v0.28.0's kernel (default) or one of attn_res_split.py")
+    ap.add_argument("--attn-res-opts", default="{}", help="JSON options of that kernel (chunk, num_warps)")
     args = ap.parse_args(argv)
     try:
         ms, per_op_ms = parse_ms(args.m), parse_ms(args.per_op_m)
@@ -216,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
     try:
-        kn = kernels(args.stock_dir)
-    except FileNotFoundError as e:
+        kn = kernels(args.stock_dir, args.attn_res, json.loads(args.attn_res_opts))
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pk = None
@@ -231,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "tag": args.tag, "read_bw_TBps": round(bw / 1e12, 4),
+           "attn_res_ours": kn.attn_res_ours_name,
            "copies": args.copies, "reps": args.reps,
            "method": "one CUDA graph per variant over rotated weight copies, median of reps, µs per step; "
                      "per-op: one graph per op; roof = stock ops' bytes / read bandwidth of this run",

@@ -1,0 +1,160 @@
+"""attn-res alone: v0.28.0's Triton kernel against ours (``attn_res_split.py``), a benchmark.
+
+``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
+[--kinds last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
+Writes ``attn_res_bench_<date><tag>.json`` to ``--out`` (default ``$OUT``) and prints the
+best config of each kind (lowest summed µs over the M asked for). Exit codes: 0 done,
+2 bad usage / no GPU / missing stock files.
+
+Shapes: the replay's (hidden 7168, 8 earlier blocks in a ``[M, 9, 7168]`` buffer, delta
+given, output norm on, no block write). Timing as the replay's per-op figures
+(``replay.py``): one CUDA graph of 8 calls, each with its own copy of the three weight
+vectors, the same activations; median of ``--reps`` replays, µs per call
+(:func:`k3lab.timing.graph_replay_us`). Numerics on fresh inputs: the output against
+float64 of the math (``rel_err``) and against v0.28.0's output; the prefix write
+against v0.28.0's (``prefix_equal``: bit-exact expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+from k3lab import timing
+from k3lab.decode_step import imports
+from k3lab.decode_step.layers import EPS, NB, H
+
+COPIES = 8
+GRID = {  # kind -> list of option dicts
+    "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
+    "row": [dict(chunk=c, num_warps=w, unroll=u)
+            for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
+    "spin": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024, 2048), (4, 8))],
+}  # fmt: skip
+
+
+def reference(torch, prefix, delta, blocks, nw, qw, ow):
+    """float64 output and the bf16 prefix write of the math in attn_res_split's docstring."""
+    d = torch.float64
+    u = (prefix.to(d) + delta.to(d)).to(prefix.dtype)
+    src = torch.cat([blocks[:, :NB].to(d), u.to(d)[:, None]], 1)
+    logit = (src * (nw.to(d) * qw.to(d))).sum(-1) * torch.rsqrt(src.pow(2).mean(-1) + EPS)
+    mixed = (torch.softmax(logit, -1)[..., None] * src).sum(1)
+    return mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + EPS) * ow.to(d), u
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.attn_res_bench")
+    ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--m", default="1,2,4,8,16")
+    ap.add_argument("--kinds", default="last,row,spin")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--grid", default="{}", help="JSON {kind: [options, ...]} replacing GRID[kind]")
+    args = ap.parse_args(argv)
+    ms = [int(x) for x in args.m.split(",")]
+    kinds = args.kinds.split(",")
+    grid = {**GRID, **json.loads(args.grid)}
+    if any(k not in grid for k in kinds):
+        print(f"error: --kinds {args.kinds!r}: each of {sorted(grid)}", file=sys.stderr)
+        return 2
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        stock = imports.stock(args.stock_dir, "attn_res")
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from k3lab.experiments import attn_res_split as ours
+
+    def v028(prefix, delta, blocks, nw, qw, ow):
+        return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,
+                              eps=EPS, output_norm_eps=EPS)  # fmt: skip
+
+    variants = [("v028", {}, v028)]
+    for kind in kinds:
+        for opts in grid[kind]:
+
+            def fn(prefix, delta, blocks, nw, qw, ow, f=ours.KINDS[kind], o=opts):
+                return f(prefix, delta, blocks, nw, qw, ow, NB, EPS, EPS, **o)
+
+            variants.append((kind, opts, fn))
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    wcopies = [[(1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+                for _ in range(3)] for _ in range(COPIES)]  # fmt: skip
+    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "tag": args.tag, "reps": args.reps,
+           "shape": {"H": H, "num_blocks": NB, "blocks_rows": NB + 1},
+           "method": "one CUDA graph of 8 calls (8 copies of the 3 weight vectors, same activations, "
+                     "PDL launches where the kernel supports it), median of reps, us per call "
+                     "(k3lab.timing.graph_replay_us); rel_err vs float64, rel_diff vs v0.28.0",
+           "rows": []}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"attn_res_bench_{doc['date']}{args.tag}.json"
+    for m in ms:
+        prefix0, delta, blocks = rnd(m, H), rnd(m, H), rnd(m, NB + 1, H)
+        ref, u = reference(torch, prefix0, delta, blocks, *wcopies[0])
+        p_stock = prefix0.clone()
+        out_stock = v028(p_stock, delta, blocks, *wcopies[0]).double()
+        for kind, opts, fn in variants:
+            if kind == "spin" and m * triton.cdiv(H, opts["chunk"]) > ours.MAX_SPIN_PROGRAMS:
+                continue
+            rec = {"M": m, "kind": kind, "opts": opts}
+            try:
+                p = prefix0.clone()
+                out = fn(p, delta, blocks, *wcopies[0])
+                out2 = fn(prefix0.clone(), delta, blocks, *wcopies[0])  # counters reset?
+                torch.cuda.synchronize()
+                rec["rel_err"] = timing.rel_err(out, ref)
+                rec["rel_diff_v028"] = timing.rel_err(out, out_stock)
+                rec["second_call_equal"] = bool(torch.equal(out, out2))
+                rec["prefix_equal"] = bool(torch.equal(p, p_stock) and torch.equal(p, u))
+                pw = prefix0.clone()
+
+                def body(fn=fn, pw=pw):
+                    for w in wcopies:
+                        fn(pw, delta, blocks, *w)
+
+                rec["us"] = round(timing.graph_replay_us(body, body, COPIES, args.reps), 3)
+            except Exception as e:  # a config that does not compile or run: record, go on
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps(rec), flush=True)
+            doc["rows"].append(rec)
+            path.write_text(json.dumps(doc, indent=1))
+    best = {}
+    for kind in ["v028", *kinds]:
+        sums = {}
+        for r in doc["rows"]:
+            if r["kind"] == kind and "us" in r:
+                key = json.dumps(r["opts"], sort_keys=True)
+                sums.setdefault(key, []).append(r["us"])
+        full = {k: v for k, v in sums.items() if len(v) == len(ms)}
+        if full:
+            key = min(full, key=lambda k: sum(full[k]))
+            best[kind] = {"opts": json.loads(key), "us": full[key]}
+    doc["best"] = best
+    path.write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"best": best}))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
