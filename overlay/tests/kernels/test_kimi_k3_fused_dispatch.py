@@ -15,7 +15,9 @@
   has no bf16) against float64 of the unfused sequence, new residual included; and the
   call sites of patch 0006 (MLA's q/kv front end and output gate, the MTP input and
   ``shared_head``'s add + norm) end to end through the dispatch on the real kernels;
-* patches 0005 and 0006 route the model files' call sites through ``fused_decode``.
+* patches 0005 and 0006 route the model files' call sites through ``fused_decode``; the
+  patched ``mla.py`` / ``mtp.py`` methods, run on stub ``self`` objects, hand the fused
+  result on and run v0.28.0's lines (and only those) when the fused path answers None.
 """
 
 from __future__ import annotations
@@ -730,6 +732,101 @@ def test_patch_0005_routes_each_call_site_through_fused_decode() -> None:
     assert "routed_output" in _calls_in(tree, "KimiRoutedOutputTransform", "forward")
     for method in ("_pre_attn_norm", "_post_attn_norm"):
         assert "rms_norm" in _calls_in(tree, "KimiDecoderLayer", method), method
+
+
+class Calls:
+    """Records calls by name; each returns what ``answers`` says for it."""
+
+    def __init__(self, **answers) -> None:
+        self.answers, self.log = answers, []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            self.log.append((name, args))
+            return self.answers[name]
+
+        return call
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.log]
+
+
+def _mla_stub(calls: Calls, q_lora_rank: int | None = 1536) -> SimpleNamespace:
+    """What the patched ``MultiHeadLatentAttention._forward_attn`` / ``forward`` read of
+    ``self`` (TP8 widths, M = 2), each module a recorder of ``calls``."""
+    m = 2
+    kv_norm = calls.kv_norm  # called by the uncompressed-q branch, its weight read by the stock line
+    kv_norm.weight = SimpleNamespace(data="wk")
+    return SimpleNamespace(
+        q_lora_rank=q_lora_rank, kv_lora_rank=512, qk_rope_head_dim=64, num_local_heads=12, qk_head_dim=192,
+        v_head_dim=128, rms_norm_eps=1e-6, q_a_layernorm=SimpleNamespace(weight=SimpleNamespace(data="wq")),
+        kv_a_layernorm=kv_norm,
+        fused_qkv_a_proj=lambda h: (bf16(m, 1536 + 512 + 64),),
+        q_b_proj=lambda x: (bf16(m, 12 * 192),), q_proj=lambda h: (bf16(m, 12 * 192),),
+        kv_a_proj_with_mqa=lambda h: (bf16(m, 512 + 64),), _attention=calls.attention,
+        g_proj=lambda h: ("gate",), _gate_events=None, aux_stream=None, run_gemm_rs=False,
+        o_proj=lambda x: ((x,),), _forward_attn=lambda pos, h: "attn_out",
+    )  # fmt: skip
+
+
+def test_patched_mla_takes_the_fused_front_end_or_runs_the_stock_lines(monkeypatch) -> None:
+    """Patch 0006's control flow in the tree's mla.py, on a stub ``self``: the fused
+    result goes to the attention core; None runs v0.28.0's lines; the uncompressed-q
+    branch never asks for the fused path; the gate goes through ``output_gate``."""
+    from vllm.models.kimi_k3.nvidia import mla
+
+    fused_q, fused_kv = bf16(2, 12, 192), bf16(2, 512)
+    calls = Calls(front=(fused_q, fused_kv), stock_norms=(bf16(2, 1536), "stock kv"), attention=None,
+                  kv_norm="kv normed", gate="gated")  # fmt: skip
+    monkeypatch.setattr(mla, "mla_q_and_kv_c", calls.front)
+    monkeypatch.setattr(mla, "fused_q_kv_rmsnorm", calls.stock_norms)
+    monkeypatch.setattr(mla, "output_gate", calls.gate)
+    attn = _mla_stub(calls)
+    hidden = bf16(2, 7168)
+    mla.MultiHeadLatentAttention._forward_attn(attn, torch.arange(2), hidden)
+    assert calls.names() == ["front", "attention"], "the stock norms ran next to the fused path"
+    _, (_, q, kv_c_normed, k_pe, _) = calls.log[-1]
+    assert q is fused_q and kv_c_normed is fused_kv and k_pe.shape == (2, 1, 64)
+    calls.log.clear()
+    calls.answers["front"] = None
+    mla.MultiHeadLatentAttention._forward_attn(attn, torch.arange(2), hidden)
+    assert calls.names() == ["front", "stock_norms", "attention"]
+    _, (_, q, kv_c_normed, _, _) = calls.log[-1]
+    assert q.shape == (2, 12, 192) and kv_c_normed == "stock kv"
+    calls.log.clear()
+    mla.MultiHeadLatentAttention._forward_attn(_mla_stub(calls, q_lora_rank=None), torch.arange(2), hidden)
+    assert calls.names() == ["kv_norm", "attention"], "the uncompressed-q branch changed"
+    calls.log.clear()
+    assert mla.MultiHeadLatentAttention.forward(attn, torch.arange(2), hidden) == ("gated",)
+    assert calls.log == [("gate", (mla._gate_sigmoid_mul, "attn_out", "gate"))]
+
+
+def test_patched_mtp_layer_takes_the_fused_input_and_head_norm(monkeypatch) -> None:
+    """Patch 0006 in the tree's mtp.py, on a stub ``self``: ``fused_mtp_input`` is handed
+    to ``mtp_input`` as the fallback with v0.28.0's arguments; the non-sequence-parallel
+    ``shared_head.norm(hidden_states, residual)`` goes through ``rms_norm``."""
+    from vllm.models.kimi_k3.nvidia import mtp
+
+    calls = Calls(mtp_input="cat", eh_proj="h0", block=("h", None, "residual"),
+                  rms_norm=("logits h", "new residual"))  # fmt: skip
+    monkeypatch.setattr(mtp, "mtp_input", calls.mtp_input)
+    monkeypatch.setattr(mtp, "rms_norm", calls.rms_norm)
+    def block(**kwargs):
+        return calls.block(kwargs)
+
+    block.use_sequence_parallel = False
+    layer = SimpleNamespace(eh_proj=calls.eh_proj, enorm=SimpleNamespace(weight="we", variance_epsilon=1e-5),
+                            hnorm=SimpleNamespace(weight="wh"), mtp_block=block,
+                            shared_head=SimpleNamespace(norm="head norm"))  # fmt: skip
+    positions, embeds, prev = torch.arange(2), bf16(2, 7168), bf16(2, 7168)
+    out = mtp.KimiK3MultiTokenPredictorLayer.forward(layer, None, positions, prev, embeds)
+    assert out == ("logits h", "new residual")
+    assert calls.log[0] == ("mtp_input", (mtp.fused_mtp_input, positions, embeds, prev, "we", "wh", 1e-5))
+    assert calls.log[1] == ("eh_proj", ("cat",))
+    assert calls.log[-1] == ("rms_norm", ("head norm", "h", "residual"))
 
 
 def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_lines() -> None:
