@@ -151,4 +151,6 @@ FUSED = {
     "swap_ab_add_rmsnorm": "k3lab.decode_step.prologue_bench (add_norm)",
     "pdl_rmsnorm": "k3lab.decode_step.replay (kv_a_norm, MTP norms)",
     "pdl_act_mul": "k3lab.decode_step.replay (situ_and_mul)",
+    "pdl_sigmoid_mul": "k3lab.decode_step.replay (gate_sigmoid_mul)",
+    "pdl_mtp_input": "k3lab.decode_step.replay (fused_mtp_input)",
 }

@@ -10,9 +10,14 @@
   table, no row, M outside the row, dtype, device, strides, shapes, batch-invariant
   mode, a backend not built;
 * the model's call sites (``fused_decode``) return the fused result when routed and
-  run the very vLLM module they wrap otherwise;
+  run the very vLLM module (or function) they wrap otherwise;
 * each backend's ``launch`` on the real kernel under Triton's interpreter (fp16: numpy
-  has no bf16) against float64 of the unfused sequence, new residual included.
+  has no bf16) against float64 of the unfused sequence, new residual included; and the
+  call sites of patch 0006 (MLA's q/kv front end and output gate, the MTP input and
+  ``shared_head``'s add + norm) end to end through the dispatch on the real kernels;
+* patches 0005 and 0006 route the model files' call sites through ``fused_decode``; the
+  patched ``mla.py`` / ``mtp.py`` methods, run on stub ``self`` objects, hand the fused
+  result on and run v0.28.0's lines (and only those) when the fused path answers None.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from torch import nn
 
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
 from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
 from vllm.models.kimi_k3.nvidia import low_latency_fused_sm90 as sm90_data
@@ -165,6 +174,86 @@ def test_try_rms_norm_and_act_mul_route_their_rows(routed) -> None:
     assert routed["act_mul"].calls[0][-2:] == (2.0, 3.0)
 
 
+def mtp_operands(m: int | None = None) -> dict:
+    """Valid ``try_mtp_input`` arguments for the first SM90 ``mtp_input`` row."""
+    (h,), _, m0 = _a_row("mtp_input")
+    m = m or m0
+    return dict(positions=torch.arange(m), embeds=bf16(m, h), prev=bf16(m, h),
+                enorm_weight=bf16(h), hnorm_weight=bf16(h), eps=1e-5)  # fmt: skip
+
+
+def test_try_sigmoid_mul_and_mtp_input_route_their_rows(routed) -> None:
+    (d,), _, m = _a_row("sigmoid_mul")
+    x, gate = bf16(m, d), bf16(m, 2 * d)[:, d:]  # a row-strided gate is fine
+    assert fd.try_sigmoid_mul(x, gate) == "out"
+    ((got_x, got_gate),) = routed["sigmoid_mul"].calls  # the recorder keeps the operands
+    assert got_x is x and got_gate is gate, "operands swapped: the gate is the sigmoid's"
+    args = mtp_operands()
+    assert fd.try_mtp_input(**args) == "out"
+    (got,) = routed["mtp_input"].calls
+    assert all(a is b for a, b in zip(got[:5], list(args.values())[:5])), "operands reordered"
+    assert got[5] == 1e-5 and isinstance(got[5], float)
+    args["positions"] = args["positions"].int()  # vLLM's int64, or int32
+    assert fd.try_mtp_input(**args) == "out"
+
+
+def _sigmoid_refusals():
+    """(why, function(x, gate) -> kwargs for try_sigmoid_mul) per precondition."""
+    return {
+        "no gate": lambda x, g: dict(gate=None),
+        "a gate of another M": lambda x, g: dict(gate=g[:-1]),
+        "an fp16 gate": lambda x, g: dict(gate=g.half()),
+        "an fp32 x": lambda x, g: dict(x=x.float()),
+        "a gate of another width": lambda x, g: dict(gate=bf16(x.shape[0], x.shape[1] + 8)),
+        "x with a column stride": lambda x, g: dict(x=bf16(x.shape[0], 2 * x.shape[1])[:, ::2]),
+        "a width without a row": lambda x, g: dict(x=bf16(x.shape[0], 64), gate=bf16(x.shape[0], 64)),
+        "M = 17": lambda x, g: dict(x=bf16(17, x.shape[1]), gate=bf16(17, x.shape[1])),
+        "a 1-D x": lambda x, g: dict(x=x[0], gate=g[0]),
+        "a meta gate": lambda x, g: dict(gate=torch.empty(g.shape, dtype=BF16, device="meta")),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("why", sorted(_sigmoid_refusals()))
+def test_try_sigmoid_mul_answers_none_on_each_precondition(routed, why) -> None:
+    (d,), _, m = _a_row("sigmoid_mul")
+    x, gate = bf16(m, d), bf16(m, d)
+    kwargs = dict(x=x, gate=gate)
+    kwargs.update(_sigmoid_refusals()[why](x, gate))
+    assert fd.try_sigmoid_mul(**kwargs) is None, why
+    assert not routed["sigmoid_mul"].calls
+
+
+def _mtp_refusals():
+    """(why, function(args) -> changed arguments of try_mtp_input) per precondition."""
+    m, h = mtp_operands()["embeds"].shape
+    return {
+        "no positions": lambda a: dict(positions=None),
+        "2-D positions": lambda a: dict(positions=a["positions"][None]),
+        "float positions": lambda a: dict(positions=a["positions"].float()),
+        "positions of another M": lambda a: dict(positions=torch.arange(m + 1)),
+        "strided positions": lambda a: dict(positions=torch.arange(2 * m)[::2]),
+        "meta positions": lambda a: dict(positions=a["positions"].to("meta")),
+        "no previous hidden states": lambda a: dict(prev=None),
+        "fp16 previous hidden states": lambda a: dict(prev=a["prev"].half()),
+        "previous hidden states of another M": lambda a: dict(prev=a["prev"][:-1]),
+        "embeds with a column stride": lambda a: dict(embeds=bf16(m, 2 * h)[:, ::2]),
+        "an fp32 enorm weight": lambda a: dict(enorm_weight=a["enorm_weight"].float()),
+        "an hnorm weight of another length": lambda a: dict(hnorm_weight=bf16(h + 8)),
+        "no eps": lambda a: dict(eps=None),
+        "an H without a row": lambda a: dict(embeds=bf16(m, 64), prev=bf16(m, 64), enorm_weight=bf16(64),
+                                             hnorm_weight=bf16(64)),
+        "M = 17": lambda a: mtp_operands(17),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("why", sorted(_mtp_refusals()))
+def test_try_mtp_input_answers_none_on_each_precondition(routed, why) -> None:
+    args = mtp_operands()
+    args.update(_mtp_refusals()[why](args))
+    assert fd.try_mtp_input(**args) is None, why
+    assert not routed["mtp_input"].calls
+
+
 def _gemm_refusals():
     """(why, function(x, g, w, residual) -> kwargs for try_rmsnorm_gemm) per precondition."""
     return {
@@ -229,6 +318,9 @@ def test_every_entry_answers_none_off_the_table(routed, monkeypatch, state) -> N
     if state != "M without an entry":
         assert fd.try_rms_norm(bf16(m, k), bf16(k), 1e-6) is None
         assert fd.try_act_mul(bf16(m, 2 * d)) is None
+        (w_gate,), _, m_gate = _a_row("sigmoid_mul")
+        assert fd.try_sigmoid_mul(bf16(m_gate, w_gate), bf16(m_gate, w_gate)) is None
+        assert fd.try_mtp_input(**mtp_operands()) is None
         assert fd.try_rmsnorm_gemm(*gemm_operands("rmsnorm_gemm")[:1], bf16(_a_row("rmsnorm_gemm")[0][1]),
                                    1e-6, gemm_operands("rmsnorm_gemm")[2]) is None  # fmt: skip
     assert not any(rec.calls for rec in routed.values())
@@ -331,6 +423,141 @@ def test_call_sites_take_the_fused_path_for_vllm_modules(monkeypatch) -> None:
     assert fused_decode.routed_output(SimpleNamespace(norm=weightless, up_proj=up), x, None) is None
 
 
+def a_norm(width: int, **attrs) -> nn.Module:
+    """A bare vLLM ``RMSNorm`` of ``width`` the call sites take."""
+    kw = dict(weight=nn.Parameter(bf16(width)), variance_epsilon=1e-5, has_weight=True,
+              variance_size_override=None)  # fmt: skip
+    kw.update(attrs)
+    return bare(RMSNorm, **kw)
+
+
+def an_mla(heads: int = 12, head_dim: int = 192, q_lora: int = 1536, kv_lora: int = 512, **over):
+    """The attributes of v0.28.0's MultiHeadLatentAttention that ``mla_q_and_kv_c`` reads."""
+    q_b_proj = bare(ColumnParallelLinear, quant_method=UnquantizedLinearMethod(), bias=None,
+                    weight=bf16(heads * head_dim, q_lora), gather_output=False)  # fmt: skip
+    attrs = dict(q_a_layernorm=a_norm(q_lora), kv_a_layernorm=a_norm(kv_lora), q_b_proj=q_b_proj,
+                 rms_norm_eps=1e-6, num_local_heads=heads, qk_head_dim=head_dim)  # fmt: skip
+    attrs.update(over)
+    return SimpleNamespace(**attrs)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The dispatch entries fused_decode calls, as recorders answering a marker; the dict
+    holds each one's calls under its name and, under ``"answer"``, what they return
+    (set an entry to None to refuse)."""
+    seen: dict = {"answer": {}}
+
+    def entry(name, result):
+        seen["answer"][name] = result
+
+        def call(*args, **kwargs):
+            seen.setdefault(name, []).append((args, kwargs))
+            return seen["answer"][name]
+
+        monkeypatch.setattr(fused_decode, name, call)
+
+    entry("try_rmsnorm_gemm", (bf16(4, 12 * 192), None))
+    entry("try_rms_norm", ("kv normed", None))
+    entry("try_sigmoid_mul", "gated")
+    entry("try_mtp_input", "mtp in")
+    return seen
+
+
+def test_mla_front_end_takes_q_b_with_its_norm_and_the_kv_norm(fused_calls) -> None:
+    attn = an_mla()
+    qkv = bf16(4, 1536 + 512 + 64)
+    q_c, kv_c, _ = qkv.split([1536, 512, 64], dim=-1)
+    q, kv_c_normed = fused_decode.mla_q_and_kv_c(attn, q_c, kv_c)
+    assert q.shape == (4, 12, 192), "q not in the stock line's (M, heads, qk_head_dim) view"
+    assert kv_c_normed == "kv normed"
+    ((args, kwargs),) = fused_calls["try_rmsnorm_gemm"]
+    assert args[0] is q_c and args[1] is attn.q_a_layernorm.weight and args[2] == 1e-6
+    assert args[3] is attn.q_b_proj.weight and kwargs == {}
+    ((args, _),) = fused_calls["try_rms_norm"]
+    assert args[0] is kv_c and args[1] is attn.kv_a_layernorm.weight
+
+
+@pytest.mark.parametrize(
+    "why, over",
+    [
+        ("q_a_layernorm of another class", lambda a: dict(q_a_layernorm=Module())),
+        ("a weightless q_a_layernorm", lambda a: dict(q_a_layernorm=a_norm(1536, has_weight=False))),
+        ("kv_a_layernorm of another class", lambda a: dict(kv_a_layernorm=Module())),
+        ("no kv_a_layernorm", lambda a: dict(kv_a_layernorm=None)),
+        ("q_b_proj a RowParallelLinear", lambda a: dict(q_b_proj=bare(
+            RowParallelLinear, **{k: getattr(a.q_b_proj, k) for k in ("quant_method", "bias", "weight")}))),
+        ("q_b_proj gathers its output", lambda a: dict(q_b_proj=bare(
+            ColumnParallelLinear, quant_method=UnquantizedLinearMethod(), bias=None,
+            weight=a.q_b_proj.weight, gather_output=True))),
+        ("a quantized q_b_proj", lambda a: dict(q_b_proj=bare(
+            ColumnParallelLinear, quant_method=object(), bias=None, weight=a.q_b_proj.weight,
+            gather_output=False))),
+        ("a biased q_b_proj", lambda a: dict(q_b_proj=bare(
+            ColumnParallelLinear, quant_method=UnquantizedLinearMethod(), bias=bf16(2304),
+            weight=a.q_b_proj.weight, gather_output=False))),
+        ("q_b_proj rows not heads x head_dim", lambda a: dict(num_local_heads=11)),
+        ("no eps", lambda a: dict(rms_norm_eps=None)),
+    ],
+)  # fmt: skip
+def test_mla_front_end_keeps_the_stock_lines_and_launches_nothing(fused_calls, why, over) -> None:
+    attn = an_mla()
+    for name, value in over(attn).items():
+        setattr(attn, name, value)
+    q_c, kv_c = bf16(4, 1536), bf16(4, 512)
+    assert fused_decode.mla_q_and_kv_c(attn, q_c, kv_c) is None, why
+    assert "try_rmsnorm_gemm" not in fused_calls and "try_rms_norm" not in fused_calls
+
+
+def test_mla_front_end_without_a_routed_q_b_keeps_the_stock_lines(fused_calls) -> None:
+    fused_calls["answer"]["try_rmsnorm_gemm"] = None
+    assert fused_decode.mla_q_and_kv_c(an_mla(), bf16(4, 1536), bf16(4, 512)) is None
+    assert "try_rms_norm" not in fused_calls, "kv_a_layernorm ran although the stock lines run"
+
+
+def test_mla_front_end_falls_back_to_the_kv_norm_module(fused_calls) -> None:
+    """q_b_proj's fused path ran; a kv_c our norm refuses goes through vLLM's RMSNorm."""
+    fused_calls["answer"]["try_rms_norm"] = None
+    kv_norm = a_norm(512)
+    kv_norm.forward = lambda x: ("stock kv_a_layernorm", x)
+    kv_c = bf16(4, 512)
+    q, kv_c_normed = fused_decode.mla_q_and_kv_c(an_mla(kv_a_layernorm=kv_norm), bf16(4, 1536), kv_c)
+    assert kv_c_normed[0] == "stock kv_a_layernorm" and kv_c_normed[1] is kv_c
+
+
+def test_output_gate_and_mtp_input_call_the_stock_function_unless_routed(fused_calls) -> None:
+    stock_calls = []
+
+    def stock(*args):
+        stock_calls.append(args)
+        return "stock"
+
+    x, gate = bf16(2, 1536), bf16(2, 1536)
+    assert fused_decode.output_gate(stock, x, gate) == "gated" and not stock_calls
+    ((args, _),) = fused_calls["try_sigmoid_mul"]
+    assert args[0] is x and args[1] is gate
+    mtp_args = tuple(mtp_operands().values())
+    assert fused_decode.mtp_input(stock, *mtp_args) == "mtp in" and not stock_calls
+    assert fused_calls["try_mtp_input"][0][0] == mtp_args
+    fused_calls["answer"].update(try_sigmoid_mul=None, try_mtp_input=None)
+    assert fused_decode.output_gate(stock, x, gate) == "stock"
+    assert fused_decode.mtp_input(stock, *mtp_args) == "stock"
+    assert stock_calls == [(x, gate), mtp_args], "the stock function got other arguments"
+
+
+def test_shared_head_norm_takes_the_add_norm_or_runs_the_module(fused_calls) -> None:
+    """MTP's ``shared_head.norm(hidden_states, residual)`` through ``rms_norm``."""
+    norm = a_norm(7168)
+    h, r = bf16(3, 7168), bf16(3, 7168)
+    fused_calls["answer"]["try_rms_norm"] = ("normed", "new residual")
+    assert fused_decode.rms_norm(norm, h, r) == ("normed", "new residual")
+    ((args, _),) = fused_calls["try_rms_norm"]
+    assert args[0] is h and args[1] is norm.weight and args[3] is r
+    fused_calls["answer"]["try_rms_norm"] = None
+    norm.forward = lambda x, residual: ("stock", x, residual)
+    assert fused_decode.rms_norm(norm, h, r) == ("stock", h, r)
+
+
 # ---------------------------------------------------------------------- real kernels
 
 _SCRIPT = textwrap.dedent(
@@ -364,6 +591,13 @@ _SCRIPT = textwrap.dedent(
     gu = rnd(m, 2 * k); gt, up = gu[:, :k].to(D), gu[:, k:].to(D)
     y = of("act_mul").launch(None, gu, 2.0, 3.0)
     out["act_mul"] = err(y, 2.0 * torch.tanh(gt / 2.0) * torch.sigmoid(gt) * 3.0 * torch.tanh(up / 3.0))
+    y = of("sigmoid_mul").launch(None, x, r)
+    out["sigmoid_mul"] = err(y, x.to(D) * torch.sigmoid(r.to(D)))
+    pos = torch.tensor([0, 3, 0, 1, 7])
+    y = of("mtp_input").launch(None, pos, x, r, gw, gw.flip(0), 1e-6)
+    live = (pos != 0).to(D)[:, None]
+    out["mtp_input"] = err(y, torch.cat([rms(x, gw) * live, rms(r, gw.flip(0))], 1))
+    out["mtp_input_zero_rows"] = bool((y[pos == 0, :k] == 0).all())
     print(json.dumps(out))
     """
 )
@@ -377,8 +611,100 @@ def test_each_backend_launches_its_kernel_right_under_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got.pop("rmsnorm_none") is True
+    assert got.pop("mtp_input_zero_rows") is True, "an embedding row at position 0 is not 0"
     for what, rel in got.items():
         # fp16 operands, fp32 accumulation: ~5e-4; a swapped operand or scale is O(1).
+        assert rel < 3e-3, f"{what}: rel err {rel:.2e}"
+
+
+_CALL_SITES_SCRIPT = textwrap.dedent(
+    """
+    import json, types, torch
+    from torch import nn
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+    from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
+    from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
+    from vllm.models.kimi_k3.nvidia.gemm_backends import (
+        pdl_mtp_input, pdl_rmsnorm, pdl_sigmoid_mul, swap_ab_rmsnorm)
+    D, HALF = torch.float64, torch.float16
+    # numpy has no bf16: the backends' dtype guard is pointed at fp16, all else is theirs
+    def half_on(device, *ts):
+        return all(t is None or (t.dtype is HALF and t.device == device) for t in ts)
+    for mod in (pdl_mtp_input, pdl_rmsnorm, pdl_sigmoid_mul, swap_ab_rmsnorm):
+        mod.bf16_on = half_on
+    # Small rows (the interpreter is slow), on the CPU, switch on: the call sites' real path.
+    QL, KVL, ROPE, HEADS, HD, GATE, H = 128, 64, 16, 2, 32, 48, 64
+    data = {"rmsnorm_gemm": {(HEADS * HD, QL): ("swap_ab_rmsnorm", (16, 64, 2, 4, 2), (1, 5, 16))},
+            "rmsnorm": {(KVL,): ("pdl_rmsnorm", None, (1, 5, 16)), (H,): ("pdl_rmsnorm", None, (1, 5, 16))},
+            "sigmoid_mul": {(GATE,): ("pdl_sigmoid_mul", None, (1, 5, 16))},
+            "mtp_input": {(H,): ("pdl_mtp_input", None, (1, 5, 16))}}
+    fd.TABLES_BY_CAPABILITY = {(9, 0): fd.FusedTable("SM90", data, {})}
+    fd._device_capability = lambda: (9, 0)
+    fd._FAST_PATH_DEVICE_TYPE = "cpu"
+    fd._enabled = True
+    def bare(cls, **attrs):
+        module = cls.__new__(cls); nn.Module.__init__(module)
+        for name, value in attrs.items():
+            setattr(module, name, value)
+        return module
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=g).half()
+    def norm(width):
+        return bare(RMSNorm, weight=nn.Parameter((1 + 0.1 * torch.randn(width, generator=g)).half()),
+                    variance_epsilon=1e-6, has_weight=True, variance_size_override=None)
+    def rms(t, w):
+        t = t.to(D); return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w.to(D)
+    def err(y, ref):
+        return float((y.to(D) - ref).norm() / ref.norm())
+    def stock(*args):
+        raise AssertionError("the stock path ran")
+    attn = types.SimpleNamespace(
+        q_a_layernorm=norm(QL), kv_a_layernorm=norm(KVL), rms_norm_eps=1e-6, num_local_heads=HEADS,
+        qk_head_dim=HD, q_b_proj=bare(ColumnParallelLinear, quant_method=UnquantizedLinearMethod(),
+                                      bias=None, gather_output=False,
+                                      weight=(torch.randn(HEADS * HD, QL, generator=g) / QL**0.5).half()))
+    out = {}
+    for m in (1, 5, 16):
+        qkv = rnd(m, QL + KVL + ROPE)  # the q and kv latents are row-strided views of it
+        q_c, kv_c, _ = qkv.split([QL, KVL, ROPE], dim=-1)
+        q, kv_n = fused_decode.mla_q_and_kv_c(attn, q_c, kv_c)
+        ref_q = rms(q_c, attn.q_a_layernorm.weight) @ attn.q_b_proj.weight.to(D).t()
+        out[f"mla_q_M{m}"] = err(q.reshape(m, -1), ref_q)
+        out[f"mla_q_shape_M{m}"] = list(q.shape) == [m, HEADS, HD]
+        out[f"mla_kv_M{m}"] = err(kv_n, rms(kv_c, attn.kv_a_layernorm.weight))
+        x, gate = rnd(m, GATE), rnd(m, 2 * GATE)[:, GATE:]
+        out[f"gate_M{m}"] = err(fused_decode.output_gate(stock, x, gate), x.to(D) * torch.sigmoid(gate.to(D)))
+        pos = torch.arange(m) % 3  # a position 0 every third token
+        e, prev, en, hn = rnd(m, H), rnd(m, H), norm(H), norm(H)
+        y = fused_decode.mtp_input(stock, pos, e, prev, en.weight, hn.weight, 1e-6)
+        live = (pos != 0).to(D)[:, None]
+        out[f"mtp_M{m}"] = err(y, torch.cat([rms(e, en.weight) * live, rms(prev, hn.weight)], 1))
+        out[f"mtp_zero_rows_M{m}"] = bool((y[pos == 0, :H] == 0).all())
+        h, r, head_norm = rnd(m, H), rnd(m, H), norm(H)
+        y, new_r = fused_decode.rms_norm(head_norm, h, r)
+        out[f"head_norm_M{m}"] = err(y, rms(h.to(D) + r.to(D), head_norm.weight))
+        out[f"head_residual_M{m}"] = bool(torch.equal(new_r, (h.float() + r.float()).half()))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_patch_0006_call_sites_compute_the_unfused_sequence_under_the_interpreter() -> None:
+    """MLA's q/kv front end, its output gate, the MTP input and shared_head's add + norm
+    through ``fused_decode``, the dispatch and the real kernels (a stock path that runs
+    fails the test) against float64 of the unfused sequence, the written residual
+    included, at M = 1, 5, 16."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _CALL_SITES_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    flags = {k: got.pop(k) for k in list(got) if "shape" in k or "zero_rows" in k or "residual" in k}
+    assert flags and all(flags.values()), {k: v for k, v in flags.items() if not v}
+    for what, rel in got.items():
+        # fp16 operands, fp32 math, one rounding: ~5e-4; a wrong norm, operand or mask is O(1).
         assert rel < 3e-3, f"{what}: rel err {rel:.2e}"
 
 
@@ -406,3 +732,116 @@ def test_patch_0005_routes_each_call_site_through_fused_decode() -> None:
     assert "routed_output" in _calls_in(tree, "KimiRoutedOutputTransform", "forward")
     for method in ("_pre_attn_norm", "_post_attn_norm"):
         assert "rms_norm" in _calls_in(tree, "KimiDecoderLayer", method), method
+
+
+class Calls:
+    """Records calls by name; each returns what ``answers`` says for it."""
+
+    def __init__(self, **answers) -> None:
+        self.answers, self.log = answers, []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            self.log.append((name, args))
+            return self.answers[name]
+
+        return call
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.log]
+
+
+def _mla_stub(calls: Calls, q_lora_rank: int | None = 1536) -> SimpleNamespace:
+    """What the patched ``MultiHeadLatentAttention._forward_attn`` / ``forward`` read of
+    ``self`` (TP8 widths, M = 2), each module a recorder of ``calls``."""
+    m = 2
+    kv_norm = calls.kv_norm  # called by the uncompressed-q branch, its weight read by the stock line
+    kv_norm.weight = SimpleNamespace(data="wk")
+    return SimpleNamespace(
+        q_lora_rank=q_lora_rank, kv_lora_rank=512, qk_rope_head_dim=64, num_local_heads=12, qk_head_dim=192,
+        v_head_dim=128, rms_norm_eps=1e-6, q_a_layernorm=SimpleNamespace(weight=SimpleNamespace(data="wq")),
+        kv_a_layernorm=kv_norm,
+        fused_qkv_a_proj=lambda h: (bf16(m, 1536 + 512 + 64),),
+        q_b_proj=lambda x: (bf16(m, 12 * 192),), q_proj=lambda h: (bf16(m, 12 * 192),),
+        kv_a_proj_with_mqa=lambda h: (bf16(m, 512 + 64),), _attention=calls.attention,
+        g_proj=lambda h: ("gate",), _gate_events=None, aux_stream=None, run_gemm_rs=False,
+        o_proj=lambda x: ((x,),), _forward_attn=lambda pos, h: "attn_out",
+    )  # fmt: skip
+
+
+def test_patched_mla_takes_the_fused_front_end_or_runs_the_stock_lines(monkeypatch) -> None:
+    """Patch 0006's control flow in the tree's mla.py, on a stub ``self``: the fused
+    result goes to the attention core; None runs v0.28.0's lines; the uncompressed-q
+    branch never asks for the fused path; the gate goes through ``output_gate``."""
+    from vllm.models.kimi_k3.nvidia import mla
+
+    fused_q, fused_kv = bf16(2, 12, 192), bf16(2, 512)
+    calls = Calls(front=(fused_q, fused_kv), stock_norms=(bf16(2, 1536), "stock kv"), attention=None,
+                  kv_norm="kv normed", gate="gated")  # fmt: skip
+    monkeypatch.setattr(mla, "mla_q_and_kv_c", calls.front)
+    monkeypatch.setattr(mla, "fused_q_kv_rmsnorm", calls.stock_norms)
+    monkeypatch.setattr(mla, "output_gate", calls.gate)
+    attn = _mla_stub(calls)
+    hidden = bf16(2, 7168)
+    mla.MultiHeadLatentAttention._forward_attn(attn, torch.arange(2), hidden)
+    assert calls.names() == ["front", "attention"], "the stock norms ran next to the fused path"
+    _, (_, q, kv_c_normed, k_pe, _) = calls.log[-1]
+    assert q is fused_q and kv_c_normed is fused_kv and k_pe.shape == (2, 1, 64)
+    calls.log.clear()
+    calls.answers["front"] = None
+    mla.MultiHeadLatentAttention._forward_attn(attn, torch.arange(2), hidden)
+    assert calls.names() == ["front", "stock_norms", "attention"]
+    _, (_, q, kv_c_normed, _, _) = calls.log[-1]
+    assert q.shape == (2, 12, 192) and kv_c_normed == "stock kv"
+    calls.log.clear()
+    mla.MultiHeadLatentAttention._forward_attn(_mla_stub(calls, q_lora_rank=None), torch.arange(2), hidden)
+    assert calls.names() == ["kv_norm", "attention"], "the uncompressed-q branch changed"
+    calls.log.clear()
+    assert mla.MultiHeadLatentAttention.forward(attn, torch.arange(2), hidden) == ("gated",)
+    assert calls.log == [("gate", (mla._gate_sigmoid_mul, "attn_out", "gate"))]
+
+
+def test_patched_mtp_layer_takes_the_fused_input_and_head_norm(monkeypatch) -> None:
+    """Patch 0006 in the tree's mtp.py, on a stub ``self``: ``fused_mtp_input`` is handed
+    to ``mtp_input`` as the fallback with v0.28.0's arguments; the non-sequence-parallel
+    ``shared_head.norm(hidden_states, residual)`` goes through ``rms_norm``."""
+    from vllm.models.kimi_k3.nvidia import mtp
+
+    calls = Calls(mtp_input="cat", eh_proj="h0", block=("h", None, "residual"),
+                  rms_norm=("logits h", "new residual"))  # fmt: skip
+    monkeypatch.setattr(mtp, "mtp_input", calls.mtp_input)
+    monkeypatch.setattr(mtp, "rms_norm", calls.rms_norm)
+    def block(**kwargs):
+        return calls.block(kwargs)
+
+    block.use_sequence_parallel = False
+    layer = SimpleNamespace(eh_proj=calls.eh_proj, enorm=SimpleNamespace(weight="we", variance_epsilon=1e-5),
+                            hnorm=SimpleNamespace(weight="wh"), mtp_block=block,
+                            shared_head=SimpleNamespace(norm="head norm"))  # fmt: skip
+    positions, embeds, prev = torch.arange(2), bf16(2, 7168), bf16(2, 7168)
+    out = mtp.KimiK3MultiTokenPredictorLayer.forward(layer, None, positions, prev, embeds)
+    assert out == ("logits h", "new residual")
+    assert calls.log[0] == ("mtp_input", (mtp.fused_mtp_input, positions, embeds, prev, "we", "wh", 1e-5))
+    assert calls.log[1] == ("eh_proj", ("cat",))
+    assert calls.log[-1] == ("rms_norm", ("head norm", "h", "residual"))
+
+
+def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_lines() -> None:
+    """The tree's mla.py and mtp.py (patched) call our call-site functions, and still hold
+    the stock calls they fall back to."""
+    import ast
+    from pathlib import Path
+
+    here = Path(fused_decode.__file__)
+    mla = ast.parse(here.with_name("mla.py").read_text("utf-8"))
+    front = _calls_in(mla, "MultiHeadLatentAttention", "_forward_attn")
+    assert {"mla_q_and_kv_c", "fused_q_kv_rmsnorm"} <= front, front
+    assert "output_gate" in _calls_in(mla, "MultiHeadLatentAttention", "forward")
+    mtp = ast.parse(here.with_name("mtp.py").read_text("utf-8"))
+    calls = _calls_in(mtp, "KimiK3MultiTokenPredictorLayer", "forward")
+    assert {"mtp_input", "rms_norm"} <= calls, calls
+    names = {n.id for n in ast.walk(mtp) if isinstance(n, ast.Name)}
+    assert "fused_mtp_input" in names, "the stock fused_mtp_input is no longer passed as fallback"

@@ -3,13 +3,16 @@
 """GPU numerics of every routed row of the fused decode ops, through the dispatch's entries.
 
 For each ``(op, shape, M)`` the device's fused table routes (``FusedTable.rows()``), the
-public entry (``try_rmsnorm_gemm``, ``try_rms_norm``, ``try_act_mul``) is called once
-outside capture (it must route, not answer None), then captured in a CUDA graph; the
-inputs are refilled with fresh random bf16 data and the graph replayed. The output must
-match float64 of the unfused sequence about as closely as vLLM's unfused bf16 sequence
-does, and a new residual must equal ``bf16(x + residual)`` exactly. Also: the model's
-call sites (``fused_decode``) against the stock modules they wrap. Skipped, with the
-reason, without a CUDA GPU or on a GPU without a fused table.
+public entry (``try_rmsnorm_gemm``, ``try_rms_norm``, ``try_act_mul``,
+``try_sigmoid_mul``, ``try_mtp_input``) is called once outside capture (it must route,
+not answer None), then captured in a CUDA graph; the inputs are refilled with fresh
+random bf16 data (positions with fresh 0/1 values) and the graph replayed. The output
+must match float64 of the unfused sequence about as closely as vLLM's unfused bf16
+sequence does, and a new residual must equal ``bf16(x + residual)`` exactly. Also
+patch 0006's MLA front end (``fused_decode.mla_q_and_kv_c``: ``q_b_proj`` with
+``q_a_layernorm`` in its prologue and ``kv_a_layernorm`` on views of one
+``fused_qkv_a_proj`` output, TP8 shapes) at every M = 1..16, captured and replayed the
+same way. Skipped, with the reason, without a CUDA GPU or on a GPU without a fused table.
 """
 
 from __future__ import annotations
@@ -61,8 +64,26 @@ def _inputs(op, shape, m, gen):
     if op == "rmsnorm":
         (k,) = shape
         return {"x": rnd(m, k), "g": 1 + 0.1 * rnd(k), "r": rnd(m, k)}
+    if op == "sigmoid_mul":
+        (d,) = shape
+        # the variant's gate is a row-strided view (the column half of a wider tensor)
+        return {"x": rnd(m, d), "gate": rnd(m, d), "wide": rnd(m, 2 * d)}
+    if op == "mtp_input":
+        (h,) = shape
+        positions = torch.randint(0, 2, (m,), generator=gen, device="cuda")
+        return {"pos": positions, "e": rnd(m, h), "h": rnd(m, h), "ge": 1 + 0.1 * rnd(h),
+                "gh": 1 + 0.1 * rnd(h)}  # fmt: skip
     (d,) = shape
     return {"gu": rnd(m, 2 * d)}
+
+
+def _refill(b, gen) -> None:
+    """Fresh data into every input, in place (the graph reads these very buffers)."""
+    for t in b.values():
+        if t.dtype.is_floating_point:
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        else:  # positions: 0 (embedding half zeroed) or not
+            t.copy_(torch.randint(0, 2, t.shape, generator=gen, device="cuda"))
 
 
 def _call(op, b, variant):
@@ -74,6 +95,12 @@ def _call(op, b, variant):
                                    add_to=b["add"] if variant else None)  # fmt: skip
     if op == "rmsnorm":
         return fd.try_rms_norm(b["x"], b["g"], EPS, b["r"] if variant else None)
+    if op == "sigmoid_mul":
+        d = b["x"].shape[1]
+        return fd.try_sigmoid_mul(b["x"], b["wide"][:, d:] if variant else b["gate"])
+    if op == "mtp_input":
+        positions = b["pos"].int() if variant else b["pos"]  # int32 positions are taken too
+        return fd.try_mtp_input(positions, b["e"], b["h"], b["ge"], b["gh"], EPS)
     return fd.try_act_mul(b["gu"], situ_beta=2.0 if variant else None,
                           situ_linear_beta=3.0 if variant else None)  # fmt: skip
 
@@ -91,6 +118,15 @@ def _reference(op, b, variant):
         hb = (b["x"].float() + b["r"].float()).to(BF) if variant else b["x"]
         ref = _rms(b["x"].to(D) + (b["r"].to(D) if variant else 0), b["g"])
         return ref, _rms(hb, b["g"]).to(BF).to(D), (hb if variant else None)
+    if op == "sigmoid_mul":
+        d = b["x"].shape[1]
+        gate = b["wide"][:, d:] if variant else b["gate"]
+        ref = b["x"].to(D) * torch.sigmoid(gate.to(D))
+        return ref, ref.to(BF).to(D), None  # Inductor's kernel: fp32 math, one rounding
+    if op == "mtp_input":
+        live = (b["pos"] != 0).to(D)[:, None]
+        ref = torch.cat([_rms(b["e"], b["ge"]) * live, _rms(b["h"], b["gh"])], 1)
+        return ref, ref.to(BF).to(D), None  # v0.28.0's kernel: fp32 math, one rounding
     d = b["gu"].shape[1] // 2
     g, u = b["gu"][:, :d].to(D), b["gu"][:, d:].to(D)
     if variant:
@@ -113,8 +149,7 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
         got = _call(op, b, variant)
     out, new_residual = got if isinstance(got, tuple) else (got, None)
     for _ in range(2):  # fresh data each replay: the graph must compute, not remember
-        for t in b.values():
-            t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        _refill(b, gen)
         if new_residual is not None:
             new_residual.fill_(float("nan"))
         graph.replay()
@@ -125,6 +160,9 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
         assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)
         if want_residual is not None:
             assert torch.equal(new_residual, want_residual), "new residual differs from bf16(x + r)"
+        if op == "mtp_input":
+            h = b["e"].shape[1]
+            assert (out[b["pos"] == 0, :h] == 0).all(), "an embedding half at position 0 is not 0"
 
 
 def test_unrouted_calls_answer_none_on_the_gpu() -> None:
@@ -133,6 +171,65 @@ def test_unrouted_calls_answer_none_on_the_gpu() -> None:
     assert fd.try_rms_norm(x, g, EPS) is None, "M = 17 routed"
     assert fd.try_rms_norm(x[:4].float(), g, EPS) is None, "fp32 routed"
     assert fd.try_act_mul(torch.zeros(4, 2 * 1000, device="cuda", dtype=BF)) is None
+    gate = torch.zeros(17, 1536, device="cuda", dtype=BF)
+    assert fd.try_sigmoid_mul(gate, gate) is None, "M = 17 routed"
+    e = torch.zeros(4, 1000, device="cuda", dtype=BF)
+    pos = torch.ones(4, device="cuda", dtype=torch.int64)
+    assert fd.try_mtp_input(pos, e, e, e[0], e[0], EPS) is None, "H = 1000 routed"
+
+
+def _q_b_row():
+    """The routed ``rmsnorm_gemm`` row of MLA's ``q_b_proj`` and the ``rmsnorm`` row of
+    ``kv_a_layernorm`` at TP8 (12 local heads x 192, q_lora 1536, kv_lora 512)."""
+    ms = [m for op, shape, m, _ in ROWS if op == "rmsnorm_gemm" and shape == (2304, 1536)]
+    kv = {m for op, shape, m, _ in ROWS if op == "rmsnorm" and shape == (512,)}
+    return [m for m in ms if m in kv]
+
+
+@pytest.mark.parametrize("m", _q_b_row() or [pytest.param(0, marks=pytest.mark.skip(
+    reason="this GPU's table routes no q_b_proj / kv_a_layernorm row"))])  # fmt: skip
+def test_mla_front_end_of_patch_0006_in_a_cuda_graph_matches_float64(m) -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+    from vllm.models.kimi_k3.nvidia import fused_decode
+
+    def bare(cls, **attrs):
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        for name, value in attrs.items():
+            setattr(module, name, value)
+        return module
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + m)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(BF)  # noqa: E731
+    norm = lambda n: bare(RMSNorm, weight=nn.Parameter(1 + 0.1 * rnd(n)), variance_epsilon=EPS,  # noqa: E731
+                          has_weight=True, variance_size_override=None)  # fmt: skip
+    q_b = bare(ColumnParallelLinear, quant_method=UnquantizedLinearMethod(), bias=None,
+               gather_output=False, weight=nn.Parameter(rnd(2304, 1536) / 1536**0.5))  # fmt: skip
+    attn = SimpleNamespace(q_a_layernorm=norm(1536), kv_a_layernorm=norm(512), q_b_proj=q_b,
+                           rms_norm_eps=EPS, num_local_heads=12, qk_head_dim=192)  # fmt: skip
+    qkv = rnd(m, 1536 + 512 + 64)  # fused_qkv_a_proj's output: q_c and kv_c are views of it
+    q_c, kv_c, _ = qkv.split([1536, 512, 64], dim=-1)
+    assert fused_decode.mla_q_and_kv_c(attn, q_c, kv_c) is not None, "a routed row answered None"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, kv_c_normed = fused_decode.mla_q_and_kv_c(attn, q_c, kv_c)
+    for _ in range(2):
+        qkv.copy_(torch.randn(qkv.shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert q.shape == (m, 12, 192) and kv_c_normed.shape == (m, 512)
+        ref_q = _rms(q_c, attn.q_a_layernorm.weight) @ q_b.weight.to(D).t()
+        unfused_q = (_rms(q_c, attn.q_a_layernorm.weight).to(BF) @ q_b.weight.t()).to(D)
+        err, err_unfused = _rel(q.reshape(m, -1), ref_q), _rel(unfused_q, ref_q)
+        assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)
+        ref_kv = _rms(kv_c, attn.kv_a_layernorm.weight)
+        assert _rel(kv_c_normed, ref_kv) <= 1.5 * _rel(ref_kv.to(BF), ref_kv) + 1e-3
 
 
 def test_enable_warms_up_every_routed_config() -> None:

@@ -2,20 +2,26 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
 """The Kimi-K3 model's call sites of the fused decode ops (vllm-k3-overlay).
 
-Patch 0005 replaces three kinds of lines of v0.28.0's ``nvidia/model.py`` with one call
-each of this module; each call takes the vLLM module the stock line used, tries the
-fused path (``low_latency_fused_dispatch``) and otherwise runs that very module, so the
-model computes what v0.28.0 computes wherever the fused path does not apply:
+Patches 0005 (``nvidia/model.py``) and 0006 (``nvidia/mla.py``, ``nvidia/mtp.py``)
+replace lines of v0.28.0 with one call each of this module; each call takes the vLLM
+module (or function) the stock line used, tries the fused path
+(``low_latency_fused_dispatch``) and otherwise runs that very module, so the model
+computes what v0.28.0 computes wherever the fused path does not apply:
 
-======================  ============================================  =================
-function                stock line it wraps                           fused op
-======================  ============================================  =================
-:func:`rms_norm`        ``self.input_layernorm(h[, residual])``,      ``rmsnorm``
-                        ``self.post_attention_layernorm(h, residual)``
-:func:`act_and_mul`     ``KimiMLP``: ``self.act_fn(gate_up)``          ``act_mul``
-:func:`routed_output`   ``KimiRoutedOutputTransform``: norm, then      ``rmsnorm_gemm``
-                        ``up_proj`` (or ``residual.addmm_``)
-======================  ============================================  =================
+=======================  ============================================  ==================
+function                 stock line it wraps                           fused op
+=======================  ============================================  ==================
+:func:`rms_norm`         ``self.input_layernorm(h[, residual])``,      ``rmsnorm``
+                         ``self.post_attention_layernorm(h, residual)``,
+                         MTP: ``self.shared_head.norm(h, residual)``
+:func:`act_and_mul`      ``KimiMLP``: ``self.act_fn(gate_up)``          ``act_mul``
+:func:`routed_output`    ``KimiRoutedOutputTransform``: norm, then      ``rmsnorm_gemm``
+                         ``up_proj`` (or ``residual.addmm_``)
+:func:`mla_q_and_kv_c`   MLA: ``fused_q_kv_rmsnorm`` then ``q_b_proj``  ``rmsnorm_gemm``,
+                                                                       ``rmsnorm``
+:func:`output_gate`      MLA: ``_gate_sigmoid_mul(attn_out, gate)``     ``sigmoid_mul``
+:func:`mtp_input`        MTP: ``fused_mtp_input(...)``                  ``mtp_input``
+=======================  ============================================  ==================
 
 A module is taken only when it is exactly the vLLM class the model builds
 (``type(...) is``, as the GEMM dispatch does for methods: a subclass may compute
@@ -25,16 +31,20 @@ raises where the stock line would not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     try_act_mul,
+    try_mtp_input,
     try_rms_norm,
     try_rmsnorm_gemm,
+    try_sigmoid_mul,
 )
 
 
@@ -101,3 +111,73 @@ def routed_output(
         hidden_states, norm_weight, norm.variance_epsilon, weight, add_to=residual
     )
     return None if fused is None else fused[0]
+
+
+def mla_q_and_kv_c(
+    attn: nn.Module, q_c: torch.Tensor, kv_c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MLA's q-LoRA front end after ``fused_qkv_a_proj``, or None for the stock lines.
+
+    The stock lines normalize both latents in one launch (``fused_q_kv_rmsnorm``), then
+    run ``q_b_proj``; here ``q_a_layernorm`` rides in ``q_b_proj``'s prologue (op
+    ``rmsnorm_gemm``) and ``kv_a_layernorm`` runs on our PDL-aware norm (op ``rmsnorm``).
+
+    Args:
+        attn: v0.28.0's ``MultiHeadLatentAttention`` with a q-LoRA (``q_a_layernorm``,
+            ``kv_a_layernorm``: vLLM ``RMSNorm``; ``q_b_proj``: an unquantized, bias-free
+            ``ColumnParallelLinear`` that gathers nothing; ``rms_norm_eps``,
+            ``num_local_heads``, ``qk_head_dim``).
+        q_c: (M, q_lora_rank) view of ``fused_qkv_a_proj``'s output.
+        kv_c: (M, kv_lora_rank) view of the same output.
+
+    Returns:
+        ``(q, kv_c_normed)`` as the stock lines give them: ``q`` (M, num_local_heads,
+        qk_head_dim), ``kv_c_normed`` a packed (M, kv_lora_rank); or None (nothing
+        launched) where ``q_b_proj``'s fused path does not apply. Once that one ran, a
+        ``kv_c`` our norm refuses goes through ``attn.kv_a_layernorm`` itself (vLLM's
+        RMSNorm: the same norm as the stock kernel's second half).
+    """
+    q_norm = getattr(attn, "q_a_layernorm", None)
+    kv_norm = getattr(attn, "kv_a_layernorm", None)
+    q_b_proj = getattr(attn, "q_b_proj", None)
+    q_norm_weight = None if q_norm is None else _norm_weight(q_norm)
+    if q_norm_weight is None or kv_norm is None or _norm_weight(kv_norm) is None:
+        return None
+    if type(q_b_proj) is not ColumnParallelLinear or getattr(q_b_proj, "gather_output", True):
+        return None
+    weight = _plain_linear_weight(q_b_proj)
+    heads, head_dim = getattr(attn, "num_local_heads", 0), getattr(attn, "qk_head_dim", 0)
+    eps = getattr(attn, "rms_norm_eps", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] != heads * head_dim or eps is None:
+        return None
+    fused = try_rmsnorm_gemm(q_c, q_norm_weight, eps, weight)
+    if fused is None:
+        return None
+    kv_c_normed = rms_norm(kv_norm, kv_c)
+    return fused[0].view(-1, heads, head_dim), kv_c_normed
+
+
+def output_gate(stock: Callable, attn_out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``stock(attn_out, gate)``, i.e. v0.28.0's ``_gate_sigmoid_mul``: ``attn_out *
+    sigmoid(gate)``, on our PDL-aware kernel where the device's table has a row (BF16
+    both: the stock result's dtype is then BF16 too)."""
+    out = try_sigmoid_mul(attn_out, gate)
+    return stock(attn_out, gate) if out is None else out
+
+
+def mtp_input(
+    stock: Callable,
+    positions: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    previous_hidden_states: torch.Tensor,
+    enorm_weight: torch.Tensor,
+    hnorm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """``stock(positions, ..., eps)``, i.e. v0.28.0's ``fused_mtp_input`` with the same
+    arguments, on our PDL-aware kernel where the device's table has a row: (M, 2H)
+    ``[enorm(inputs_embeds) | hnorm(previous_hidden_states)]``, the embedding half 0
+    where ``positions == 0``."""
+    args = (positions, inputs_embeds, previous_hidden_states, enorm_weight, hnorm_weight, eps)
+    out = try_mtp_input(*args)
+    return stock(*args) if out is None else out

@@ -13,6 +13,8 @@ op                  public entry
 ``add_rmsnorm_gemm`` :func:`try_rmsnorm_gemm` with ``residual``
 ``rmsnorm``         :func:`try_rms_norm`
 ``act_mul``         :func:`try_act_mul`
+``sigmoid_mul``     :func:`try_sigmoid_mul`
+``mtp_input``       :func:`try_mtp_input`
 ==================  ===========================================================
 
 Which backend runs for an (op, shape, M) is table data per GPU architecture
@@ -44,8 +46,9 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
-OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul")
-ROW_OPS = frozenset({"rmsnorm", "act_mul"})  # keyed by (width,), not (N, K)
+OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "sigmoid_mul", "mtp_input")
+# keyed by (width,), not (N, K)
+ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input"})
 DECODE_TOKEN_COUNTS = range(1, 17)
 
 # Device type the fused paths run on: a module constant so that CPU tests can point it
@@ -306,3 +309,62 @@ def try_act_mul(
     if not backend.operands_ok(config, gate_up):
         return None
     return backend.launch(config, gate_up, situ_beta, situ_linear_beta)
+
+
+def try_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """``x * sigmoid(gate)`` (MLA's output gate) on our PDL-aware kernel, or None.
+
+    Args:
+        x: (M, D) BF16 with unit column stride, CUDA (MLA's ``attn_out``).
+        gate: (M, D) BF16 with unit column stride on ``x``'s device (``g_proj``'s
+            output): the operand that goes through the sigmoid.
+
+    Returns:
+        A new packed BF16 (M, D), fp32 math and one rounding; or None for the stock
+        path (module docstring). Never raises for those.
+    """
+    if not (isinstance(gate, torch.Tensor) and _on_fast_device(x, gate)):
+        return None
+    routed = _route("sigmoid_mul", (x.shape[1],), _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, x, gate):
+        return None
+    return backend.launch(config, x, gate)
+
+
+def try_mtp_input(
+    positions: torch.Tensor,
+    embeds: torch.Tensor,
+    prev: torch.Tensor,
+    enorm_weight: torch.Tensor,
+    hnorm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor | None:
+    """v0.28.0's ``fused_mtp_input`` on our PDL-aware kernel, or None.
+
+    Args:
+        positions: (M,) int64 or int32, contiguous, on ``embeds``' device; a token at
+            position 0 has no previous token, so its ``embeds`` row counts as zeros.
+        embeds: (M, H) BF16 with unit column stride, CUDA (the token embeddings).
+        prev: (M, H) BF16 with unit column stride (the previous hidden states).
+        enorm_weight, hnorm_weight: contiguous (H,) BF16 norm weights.
+        eps: the epsilon of both norms (v0.28.0 passes ``enorm``'s).
+
+    Returns:
+        A new packed BF16 (M, 2H): ``[enorm(embeds) | hnorm(prev)]``; or None for the
+        stock path (module docstring). Never raises for those.
+    """
+    operands = (positions, prev, enorm_weight, hnorm_weight)
+    if not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    if not (isinstance(eps, (int, float)) and _on_fast_device(embeds, *operands)):
+        return None
+    routed = _route("mtp_input", (embeds.shape[1],), _tokens(embeds))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, positions, embeds, prev, enorm_weight, hnorm_weight):
+        return None
+    return backend.launch(config, positions, embeds, prev, enorm_weight, hnorm_weight, float(eps))

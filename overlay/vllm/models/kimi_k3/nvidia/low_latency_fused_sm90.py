@@ -5,7 +5,8 @@
 ``FUSED_SM90[op][shape] = (backend, config tuple or None, token counts)``: the backend
 (its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
 ``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``) are
-keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``) by ``(width,)``.
+keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``,
+``mtp_input``) by ``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
@@ -50,5 +51,17 @@ FUSED_SM90 = {
     "act_mul": {
         # shared experts' SITU-and-mul (TP8, D = 768): 1.4 µs vs 2.0 stock at M = 16.
         (768,): ("pdl_act_mul", None, DECODE),
+    },
+    "sigmoid_mul": {
+        # MLA's output gate attn_out * sigmoid(g_proj out) (TP8, D = 1536): "gate_sigmoid_mul
+        # (PDL)" 1.30 / 1.36 / 1.39 µs vs 1.62 / 1.67 / 1.69 stock at M = 1 / 8 / 16 (MLA
+        # layer; MTP block 1.28-1.37 vs 1.65-1.93); in the replay's "ours" at every M 1..16.
+        (1536,): ("pdl_sigmoid_mul", None, DECODE),
+    },
+    "mtp_input": {
+        # fused_mtp_input (H = 7168): "fused_mtp_input (PDL)" 2.33 / 2.42 / 2.44 µs vs
+        # v0.28.0's kernel 2.40 / 2.45 / 2.72 at M = 1 / 8 / 16; in the replay's "ours" at
+        # every M 1..16.
+        (7168,): ("pdl_mtp_input", None, DECODE),
     },
 }
