@@ -131,15 +131,20 @@ def _moe(pk, kn, src: str, stock: dict) -> list[Op]:
 
 def _mla(pk, kn, src: str, stock: dict) -> list[Op]:
     def q_kv(st, w):
+        # fused_decode.mla_q_and_kv_c: q_b_proj with q_a_layernorm in its prologue, then
+        # kv_a_layernorm on our norm (else vLLM's RMSNorm: the stock norm kernel); None
+        # from the first keeps v0.28.0's lines.
         q_c, kv_c = st["qkv"][:, :QL], st["qkv"][:, QL : QL + KVL]
         fused_q = pk.fused.try_rmsnorm_gemm(q_c, w["q_a_norm"], EPS, w["q_b"])
-        fused_kv = None if fused_q is None else pk.fused.try_rms_norm(kv_c, w["kv_a_norm"], EPS)
-        _via(st, "q_b_proj", fused_kv is not None)
-        if fused_kv is not None:
-            st["q"], st["kv_n"] = fused_q[0], fused_kv[0]
+        _via(st, "q_b_proj", fused_q is not None)
+        if fused_q is None:
+            stock["fused_q_kv_rmsnorm"].run(st, w)
+            st["q"] = _gemm(pk, st, "q_b_proj(dispatch)", st["q_c"], w["q_b"])
             return
-        stock["fused_q_kv_rmsnorm"].run(st, w)
-        st["q"] = _gemm(pk, st, "q_b_proj(dispatch)", st["q_c"], w["q_b"])
+        fused_kv = pk.fused.try_rms_norm(kv_c, w["kv_a_norm"], EPS)
+        _via(st, "kv_a_layernorm", fused_kv is not None)
+        kv_n = kn.norm.rms_norm(kv_c, w["kv_a_norm"], EPS, pdl=False) if fused_kv is None else fused_kv[0]
+        st["q"], st["kv_n"] = fused_q[0], kv_n
 
     return [
         _proj(pk, "fused_qkv_a_proj", src, "qkv", "qkv_a"),
