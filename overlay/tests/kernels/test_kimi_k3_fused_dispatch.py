@@ -12,7 +12,8 @@
 * the model's call sites (``fused_decode``) return the fused result when routed and
   run the very vLLM module they wrap otherwise;
 * each backend's ``launch`` on the real kernel under Triton's interpreter (fp16: numpy
-  has no bf16) against float64 of the unfused sequence, new residual included.
+  has no bf16) against float64 of the unfused sequence, new residual included (and the
+  gate GEMM's fp32 logits to fp32 accuracy).
 """
 
 from __future__ import annotations
@@ -229,6 +230,8 @@ def test_every_entry_answers_none_off_the_table(routed, monkeypatch, state) -> N
     if state != "M without an entry":
         assert fd.try_rms_norm(bf16(m, k), bf16(k), 1e-6) is None
         assert fd.try_act_mul(bf16(m, 2 * d)) is None
+        (gn, gk), _, gm = _a_row("gate_gemm")
+        assert fd.try_gate_gemm(bf16(gm, gk), bf16(gn, gk), 384) is None
         assert fd.try_rmsnorm_gemm(*gemm_operands("rmsnorm_gemm")[:1], bf16(_a_row("rmsnorm_gemm")[0][1]),
                                    1e-6, gemm_operands("rmsnorm_gemm")[2]) is None  # fmt: skip
     assert not any(rec.calls for rec in routed.values())
@@ -246,6 +249,24 @@ def test_row_ops_answer_none_on_odd_operands(routed) -> None:
     assert fd.try_act_mul(bf16(17, 2 * d)) is None
     assert fd.try_act_mul("not a tensor") is None
     assert len(routed["rmsnorm"].calls) == 1 and not routed["act_mul"].calls
+
+
+def test_try_gate_gemm_routes_its_row_and_answers_none_on_odd_operands(routed) -> None:
+    (n, k), _, m = _a_row("gate_gemm")
+    x, w = bf16(m, k), bf16(n, k)
+    assert fd.try_gate_gemm(x, w, 384) == "out"
+    (call,) = routed["gate_gemm"].calls
+    assert call[-3] is x and call[-2] is w and call[-1] == 384
+    for bad in (
+        dict(n_fp32=0), dict(n_fp32=n), dict(n_fp32=384.0), dict(n_fp32=True), dict(n_fp32=None),
+        dict(x=x.half()), dict(x=bf16(17, k)), dict(x=bf16(m, 2 * k)[:, ::2]), dict(x=x[0]),
+        dict(x="not a tensor"), dict(stacked_weight=bf16(n + 16, k)),
+        dict(stacked_weight=bf16(k, n).t()), dict(stacked_weight=w.half()), dict(stacked_weight=None),
+        dict(x=torch.empty(x.shape, dtype=BF16, device="meta")),
+    ):  # fmt: skip
+        kwargs = dict(x=x, stacked_weight=w, n_fp32=384) | bad
+        assert fd.try_gate_gemm(**kwargs) is None, bad
+    assert len(routed["gate_gemm"].calls) == 1
 
 
 # ---------------------------------------------------------------------- switch
@@ -364,6 +385,10 @@ _SCRIPT = textwrap.dedent(
     gu = rnd(m, 2 * k); gt, up = gu[:, :k].to(D), gu[:, k:].to(D)
     y = of("act_mul").launch(None, gu, 2.0, 3.0)
     out["act_mul"] = err(y, 2.0 * torch.tanh(gt / 2.0) * torch.sigmoid(gt) * 3.0 * torch.tanh(up / 3.0))
+    lo, hi = of("gate_gemm").launch(cfg, x, w, 13)  # the split inside the first 16-row tile
+    ref = x.to(D) @ w.to(D).t()
+    out["gate_gemm_fp32"] = err(lo, ref[:, :13]); out["gate_gemm_rest"] = err(hi, ref[:, 13:])
+    out["gate_gemm_dtypes"] = [str(lo.dtype), str(hi.dtype)]
     print(json.dumps(out))
     """
 )
@@ -377,6 +402,8 @@ def test_each_backend_launches_its_kernel_right_under_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got.pop("rmsnorm_none") is True
+    assert got.pop("gate_gemm_dtypes") == ["torch.float32", "torch.float16"]
+    assert got["gate_gemm_fp32"] < 2e-5, "the logits went through a 16-bit rounding"
     for what, rel in got.items():
         # fp16 operands, fp32 accumulation: ~5e-4; a swapped operand or scale is O(1).
         assert rel < 3e-3, f"{what}: rel err {rel:.2e}"

@@ -3,12 +3,13 @@
 """GPU numerics of every routed row of the fused decode ops, through the dispatch's entries.
 
 For each ``(op, shape, M)`` the device's fused table routes (``FusedTable.rows()``), the
-public entry (``try_rmsnorm_gemm``, ``try_rms_norm``, ``try_act_mul``) is called once
-outside capture (it must route, not answer None), then captured in a CUDA graph; the
-inputs are refilled with fresh random bf16 data and the graph replayed. The output must
-match float64 of the unfused sequence about as closely as vLLM's unfused bf16 sequence
-does, and a new residual must equal ``bf16(x + residual)`` exactly. Also: the model's
-call sites (``fused_decode``) against the stock modules they wrap. Skipped, with the
+public entry (``try_rmsnorm_gemm``, ``try_rms_norm``, ``try_act_mul``, ``try_gate_gemm``)
+is called once outside capture (it must route, not answer None), then captured in a CUDA
+graph; the inputs are refilled with fresh random bf16 data and the graph replayed. The
+output must match float64 of the unfused sequence about as closely as vLLM's unfused bf16
+sequence does, a new residual must equal ``bf16(x + residual)`` exactly, and the gate
+GEMM's fp32 logits must match float64 to fp32 accuracy. Also: the model's call sites
+(``fused_decode``) against the stock modules they wrap. Skipped, with the
 reason, without a CUDA GPU or on a GPU without a fused table.
 """
 
@@ -61,6 +62,9 @@ def _inputs(op, shape, m, gen):
     if op == "rmsnorm":
         (k,) = shape
         return {"x": rnd(m, k), "g": 1 + 0.1 * rnd(k), "r": rnd(m, k)}
+    if op == "gate_gemm":
+        n, k = shape
+        return {"x": rnd(m, k), "w": rnd(n, k) / k**0.5}
     (d,) = shape
     return {"gu": rnd(m, 2 * d)}
 
@@ -74,12 +78,24 @@ def _call(op, b, variant):
                                    add_to=b["add"] if variant else None)  # fmt: skip
     if op == "rmsnorm":
         return fd.try_rms_norm(b["x"], b["g"], EPS, b["r"] if variant else None)
+    if op == "gate_gemm":  # Kimi-K3's 384 gate rows; the variant splits inside a tile
+        return fd.try_gate_gemm(b["x"], b["w"], _n_fp32(variant))
     return fd.try_act_mul(b["gu"], situ_beta=2.0 if variant else None,
                           situ_linear_beta=3.0 if variant else None)  # fmt: skip
 
 
+def _n_fp32(variant):
+    return 397 if variant else 384
+
+
 def _reference(op, b, variant):
     """(float64 reference, vLLM-style unfused bf16 result, new residual or None)."""
+    if op == "gate_gemm":  # vLLM: the gate in fp32 (cuBLAS bf16 -> fp32), the rest in bf16
+        ref = b["x"].to(D) @ b["w"].to(D).t()
+        nf = _n_fp32(variant)
+        unfused = torch.cat([torch.mm(b["x"].float(), b["w"][:nf].float().t()).to(D),
+                             torch.mm(b["x"], b["w"][nf:].t()).to(D)], 1)  # fmt: skip
+        return ref, unfused, None
     if op in ("rmsnorm_gemm", "add_rmsnorm_gemm"):
         h = b["x"].to(D) + (b["r"].to(D) if "r" in b else 0)
         add = b["add"].to(D) if variant else 0
@@ -111,7 +127,11 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = _call(op, b, variant)
-    out, new_residual = got if isinstance(got, tuple) else (got, None)
+    if op == "gate_gemm":
+        (logits, rest), new_residual = got, None
+        assert logits.dtype == torch.float32 and rest.dtype == BF
+    else:
+        out, new_residual = got if isinstance(got, tuple) else (got, None)
     for _ in range(2):  # fresh data each replay: the graph must compute, not remember
         for t in b.values():
             t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
@@ -120,6 +140,10 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
         graph.replay()
         torch.cuda.synchronize()
         ref, unfused, want_residual = _reference(op, b, variant)
+        if op == "gate_gemm":
+            nf = _n_fp32(variant)
+            assert _rel(logits, ref[:, :nf]) < 1e-5, "logits not at fp32 accuracy"
+            out = torch.cat([logits.to(D), rest.to(D)], 1)
         assert torch.isfinite(out).all(), "NaN/Inf or unwritten output"
         err, err_unfused = _rel(out, ref), _rel(unfused, ref)
         assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)

@@ -13,6 +13,7 @@ op                  public entry
 ``add_rmsnorm_gemm`` :func:`try_rmsnorm_gemm` with ``residual``
 ``rmsnorm``         :func:`try_rms_norm`
 ``act_mul``         :func:`try_act_mul`
+``gate_gemm``       :func:`try_gate_gemm`
 ==================  ===========================================================
 
 Which backend runs for an (op, shape, M) is table data per GPU architecture
@@ -44,7 +45,7 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
-OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul")
+OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "gate_gemm")
 ROW_OPS = frozenset({"rmsnorm", "act_mul"})  # keyed by (width,), not (N, K)
 DECODE_TOKEN_COUNTS = range(1, 17)
 
@@ -306,3 +307,38 @@ def try_act_mul(
     if not backend.operands_ok(config, gate_up):
         return None
     return backend.launch(config, gate_up, situ_beta, situ_linear_beta)
+
+
+def try_gate_gemm(
+    x: torch.Tensor,
+    stacked_weight: torch.Tensor,
+    n_fp32: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A router gate and the bf16 projections of the same input, as one GEMM, or None.
+
+    ``stacked_weight`` holds the gate's ``n_fp32`` rows first, then the other projections'
+    rows (Kimi-K3: the router gate 384 x 7168, then ``routed_expert_down_proj`` and the
+    shared experts' ``gate_up``, TP8 5504 x 7168); one launch streams it once.
+
+    Args:
+        x: (M, K) BF16 with unit column stride, CUDA (the normalized hidden state).
+        stacked_weight: packed (N, K) BF16, the gate's rows first.
+        n_fp32: the gate's rows, 1 <= n_fp32 < N.
+
+    Returns:
+        ``(logits, rest)``: a new packed fp32 (M, n_fp32), accumulated in fp32 and never
+        rounded to bf16 (what a bf16 x bf16 -> fp32 GEMM of the gate gives), and a new
+        packed BF16 (M, N - n_fp32); or None for the stock path (module docstring). Never
+        raises for those.
+    """
+    if not (isinstance(stacked_weight, torch.Tensor) and stacked_weight.dim() == 2):
+        return None
+    if not _on_fast_device(x, stacked_weight):
+        return None
+    routed = _route("gate_gemm", tuple(stacked_weight.shape), _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, x, stacked_weight, n_fp32):
+        return None
+    return backend.launch(config, x, stacked_weight, n_fp32)
