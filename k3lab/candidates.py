@@ -151,4 +151,5 @@ FUSED = {
     "swap_ab_add_rmsnorm": "k3lab.decode_step.prologue_bench (add_norm)",
     "pdl_rmsnorm": "k3lab.decode_step.replay (kv_a_norm, MTP norms)",
     "pdl_act_mul": "k3lab.decode_step.replay (situ_and_mul)",
+    "swap_ab_gate": "k3lab.decode_step.gate_stack_bench and k3lab.decode_step.replay",
 }
