@@ -10,7 +10,9 @@
   table, no row, M outside the row, dtype, device, strides, shapes, batch-invariant
   mode, a backend not built;
 * the model's call sites (``fused_decode``) return the fused result when routed and
-  run the very vLLM module they wrap otherwise;
+  run the very vLLM module they wrap otherwise; the MoE's three input projections are
+  stacked into row views of one weight only where the fused path can run, and read
+  back as one GEMM;
 * each backend's ``launch`` on the real kernel under Triton's interpreter (fp16: numpy
   has no bf16) against float64 of the unfused sequence, new residual included (and the
   gate GEMM's fp32 logits to fp32 accuracy).
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
@@ -352,6 +355,110 @@ def test_call_sites_take_the_fused_path_for_vllm_modules(monkeypatch) -> None:
     assert fused_decode.routed_output(SimpleNamespace(norm=weightless, up_proj=up), x, None) is None
 
 
+# ------------------------------------------------- the MoE's stacked input projections
+
+
+class FakeMoE(nn.Module):
+    """Stands in for v0.28.0's ``KimiMoE``: only the attributes the stacking reads."""
+
+
+E, L, G, H = 384, 3584, 1536, 7168  # Kimi-K3 TP8: gate, routed_down, shared gate_up rows
+
+
+def _linear(weight: torch.Tensor, quant_method=None, bias=None):
+    return SimpleNamespace(quant_method=quant_method or UnquantizedLinearMethod(), bias=bias,
+                           weight=nn.Parameter(weight, requires_grad=False))  # fmt: skip
+
+
+def fake_moe(rows=(E, L, G), empty=True, **changes) -> FakeMoE:
+    """A MegaMoE-branch MoE whose three projections can stack; ``changes`` spoil one thing."""
+    make = (lambda n: torch.empty(n, H, dtype=BF16)) if empty else (lambda n: torch.randn(n, H).to(BF16))
+    moe = FakeMoE()
+    moe.use_mega_moe = changes.get("use_mega_moe", True)
+    moe.gate = changes.get("gate") or bare(
+        GateLinear, weight=nn.Parameter(make(rows[0]), requires_grad=False), bias=None,
+        out_dtype=changes.get("out_dtype", torch.float32))  # fmt: skip
+    moe.routed_expert_down_proj = changes.get("down") or _linear(make(rows[1]))
+    moe.shared_experts = SimpleNamespace(
+        shard_sequence_parallel=changes.get("shard_sp", False), gate_up_proj=_linear(make(rows[2])))
+    return moe
+
+
+def test_stacking_makes_the_three_weights_views_of_one_tensor(routed) -> None:
+    model = nn.Sequential(fake_moe(empty=False), nn.Linear(2, 2))
+    moe = model[0]
+    params = (moe.gate.weight, moe.routed_expert_down_proj.weight, moe.shared_experts.gate_up_proj.weight)
+    before = [p.detach().clone() for p in params]
+    assert fused_decode.stack_moe_input_weights(model, FakeMoE) == 1
+    after = (moe.gate.weight, moe.routed_expert_down_proj.weight, moe.shared_experts.gate_up_proj.weight)
+    assert all(a is b for a, b in zip(after, params)), "the parameters must stay the same objects"
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "values changed"
+    storage = params[0].untyped_storage()
+    # one storage of exactly the stack's bytes: the old ones are no longer held by the params
+    assert all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in params)
+    assert storage.nbytes() == (E + L + G) * H * 2
+    assert [p.data_ptr() - storage.data_ptr() for p in params] == [0, E * H * 2, (E + L) * H * 2]
+    assert all(p.is_contiguous() for p in params)
+
+
+@pytest.mark.parametrize("spoil", [
+    dict(use_mega_moe=False), dict(out_dtype=BF16), dict(shard_sp=True),
+    dict(gate=SimpleNamespace(weight=nn.Parameter(torch.empty(E, H, dtype=BF16)), bias=None,
+                              out_dtype=torch.float32)),
+    dict(down=_linear(torch.empty(L, H, dtype=BF16), quant_method=object())),
+    dict(down=_linear(torch.empty(L, H, dtype=BF16), bias=torch.empty(L, dtype=BF16))),
+    dict(down=_linear(torch.empty(L, H, dtype=torch.float16))),
+    dict(down=_linear(torch.empty(L, 2 * H, dtype=BF16)[:, :H])),
+    dict(rows=(E, L, G + 64)),  # a stacked shape without a table row
+], ids=["FusedMoE branch", "bf16 logits", "sequence-parallel shared experts",
+        "another gate class", "quantized down_proj", "biased down_proj", "fp16 down_proj",
+        "strided down_proj", "no row"])  # fmt: skip
+def test_stacking_leaves_a_moe_alone_where_the_fused_path_cannot_run(routed, spoil) -> None:
+    moe = fake_moe(**spoil)
+    ptrs = [moe.gate.weight.data_ptr(), moe.routed_expert_down_proj.weight.data_ptr()]
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 0
+    assert ptrs == [moe.gate.weight.data_ptr(), moe.routed_expert_down_proj.weight.data_ptr()]
+    assert fused_decode.moe_input_projections(moe, bf16(2, H)) is None
+    assert not routed["gate_gemm"].calls
+
+
+def test_stacking_needs_the_switch_on_and_the_exact_class(routed, monkeypatch) -> None:
+    class SubMoE(FakeMoE):
+        pass
+
+    sub = fake_moe()
+    sub.__class__ = SubMoE
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(sub), FakeMoE) == 0
+    fd.disable_kimi_k3_fused_decode()
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(fake_moe()), FakeMoE) == 0
+
+
+def test_the_stacked_moe_runs_one_gemm_and_hands_out_views(routed) -> None:
+    moe = fake_moe()
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 1
+    logits, rest = torch.empty(3, E), bf16(3, L + G)
+    routed["gate_gemm"].result = (logits, rest)
+    x = bf16(3, H)
+    got_logits, latent, gate_up = fused_decode.moe_input_projections(moe, x)
+    (call,) = routed["gate_gemm"].calls
+    assert call[-3] is x and call[-2] is moe._k3_input_stack.weight and call[-1] == E
+    assert got_logits is logits
+    assert latent.data_ptr() == rest.data_ptr() and latent.shape == (3, L)
+    assert gate_up.data_ptr() == rest[:, L:].data_ptr() and gate_up.shape == (3, G)
+    # a weight reload that replaced a parameter's storage: the stack is stale, stock lines
+    moe.routed_expert_down_proj.weight.data = torch.empty(L, H, dtype=BF16)
+    assert fused_decode.moe_input_projections(moe, x) is None
+    assert len(routed["gate_gemm"].calls) == 1
+
+
+def test_the_stock_activation_gets_a_packed_gate_up(routed) -> None:
+    other = Module()
+    wide = torch.randn(2, 3 * 512).to(BF16)
+    assert fused_decode.act_and_mul(other, wide[:, 512:]) == "stock"
+    (args,) = other.calls
+    assert args[0].is_contiguous() and torch.equal(args[0], wide[:, 512:])
+
+
 # ---------------------------------------------------------------------- real kernels
 
 _SCRIPT = textwrap.dedent(
@@ -419,6 +526,22 @@ def _calls_in(tree, cls: str, method: str) -> set[str]:
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
     (fn,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == method]
     return {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+
+
+def test_patch_0007_stacks_the_moe_input_projections_and_calls_them_as_one() -> None:
+    """The tree's model.py (patched): the post-load hook stacks, the MoE's router/down
+    method tries the one GEMM first, and KimiMLP takes the precomputed gate_up."""
+    import ast
+    from pathlib import Path
+
+    source = Path(fused_decode.__file__).with_name("model.py").read_text("utf-8")
+    tree = ast.parse(source)
+    assert "stack_moe_input_weights" in _calls_in(tree, "KimiLinearForCausalLM",
+                                                  "process_weights_after_loading")  # fmt: skip
+    assert "moe_input_projections" in _calls_in(tree, "KimiMoE", "_maybe_overlap_router_and_down_proj")
+    (mlp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "KimiMLP"]
+    (fwd,) = [f for f in mlp.body if isinstance(f, ast.FunctionDef) and f.name == "forward"]
+    assert [a.arg for a in fwd.args.args] == ["self", "x", "gate_up"]
 
 
 def test_patch_0005_routes_each_call_site_through_fused_decode() -> None:

@@ -156,6 +156,13 @@ def _route(op: str, shape: tuple, num_tokens: int) -> tuple[KernelBackend, Any] 
     return None if backend is None else (backend, call.config)
 
 
+def routes_any(op: str, shape: tuple) -> bool:
+    """Whether ``op`` on ``shape`` would route at some M: the switch on, this device's
+    table has a row, its backend built. For load-time work that only pays if the fused
+    path can run (e.g. stacking weights for ``gate_gemm``); never raises."""
+    return any(_route(op, tuple(shape), m) is not None for m in DECODE_TOKEN_COUNTS)
+
+
 def _on_fast_device(first: Any, *tensors: torch.Tensor | None) -> bool:
     """``first`` a 2-D tensor, it and every other given one (None skipped) on the
     fast path's device type."""
