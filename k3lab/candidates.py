@@ -153,4 +153,5 @@ FUSED = {
     "pdl_act_mul": "k3lab.decode_step.replay (situ_and_mul)",
     "pdl_sigmoid_mul": "k3lab.decode_step.replay (gate_sigmoid_mul)",
     "pdl_mtp_input": "k3lab.decode_step.replay (fused_mtp_input)",
+    "swap_ab_gate": "k3lab.decode_step.gate_stack_bench and k3lab.decode_step.replay",
 }

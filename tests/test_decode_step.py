@@ -132,3 +132,34 @@ def test_attn_res_switch_routes_ours_only_and_keeps_stock_on_v028(layer) -> None
                                        "in_norm", layers.NB, layers.EPS, layers.EPS)  # fmt: skip
             else:
                 assert calls[1][2]["num_blocks"] == layers.NB and calls[1][2]["block_write_idx"] == -1
+def test_every_stacked_weight_has_a_config_and_the_gate_rows_come_first() -> None:
+    import json
+
+    configs = json.loads((replay.HERE / "configs.json").read_text())["configs"]
+    for cat, parts in layers.CONCAT.items():
+        shapes = [layers.WEIGHTS["mla"].get(p) or layers.WEIGHTS["kda"][p] for p in parts]
+        assert len({s[1] for s in shapes}) == 1, f"{cat}: parts of different K"
+        assert f"{sum(s[0] for s in shapes)}x{shapes[0][1]}" in configs, cat
+    # gemm_split_dtype writes the first NE columns as fp32: the router gate must lead
+    assert layers.CONCAT["gate_down_sgu"][0] == "gate"
+
+
+def test_gate_stack_bench_candidates_fit_the_stacked_shape() -> None:
+    import subprocess
+    import sys
+
+    from k3lab.decode_step import gate_stack_bench as gsb
+
+    n = gsb.NE + gsb.REST
+    assert n == layers.NE + layers.LAT + 2 * layers.SI
+    # In a subprocess: the stand-in vllm package must not leak into this test session.
+    code = (
+        "from k3lab.decode_step import imports, gate_stack_bench as g; "
+        "s = imports.overlay('swap_ab_gemm'); "
+        "print([c for c in g.CANDIDATES if s.config_error(s.SwapAbConfig(*c), g.NE + g.REST, g.K)])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=replay.HERE.parents[1], timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"candidates swap_ab_gemm.config_error refuses: {proc.stdout}"

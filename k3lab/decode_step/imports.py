@@ -83,7 +83,8 @@ def install_stand_ins() -> None:
 
     _module("vllm", [])
     tu = _module("vllm.triton_utils")
-    tu.tl, tu.triton = tl, triton
+    # HAS_TRITON: what vLLM's triton_utils says when Triton imports (fused_gemm reads it).
+    tu.tl, tu.triton, tu.HAS_TRITON = tl, triton, True
     _module("vllm._custom_ops")
     _module("vllm.platforms").current_platform = _Platform()
     _module("vllm.models", [])
@@ -127,7 +128,7 @@ def write_stub(dest: pathlib.Path) -> None:
     (pkg / "models" / "kimi_k3").mkdir(parents=True, exist_ok=True)
     for init in (pkg, pkg / "models", pkg / "models" / "kimi_k3"):
         (init / "__init__.py").write_text("")
-    (pkg / "triton_utils.py").write_text("import triton\nimport triton.language as tl\n")
+    (pkg / "triton_utils.py").write_text("import triton\nimport triton.language as tl\n\nHAS_TRITON = True\n")
     link = pkg / "models" / "kimi_k3" / "nvidia"
     if not link.exists():
         link.symlink_to(OVERLAY_PKG, target_is_directory=True)

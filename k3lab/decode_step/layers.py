@@ -42,7 +42,7 @@ WEIGHTS = {"mtp": {**MTP_W, **MLA_W, **MOE_W}, "kda": {**RES_W, **KDA_W, **MOE_W
            "mla": {**RES_W, **MLA_W, **MOE_W}}  # fmt: skip
 
 # ours: concatenated weights (name -> the projections whose rows it stacks)
-CONCAT = {"qkv_a_g": ("qkv_a", "g"), "down_sgu": ("down", "sgu")}
+CONCAT = {"qkv_a_g": ("qkv_a", "g"), "gate_down_sgu": ("gate", "down", "sgu")}
 
 # The ops that stay out of the replay, and where they sit (after the named op).
 LEFT_OUT = {
@@ -136,15 +136,15 @@ def _moe_stock(kn, src: str) -> list[Op]:
 
 
 def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
-    """Ours, input ``st[src]`` (already normalized): our GEMMs, our PDL-aware SITU-and-mul, the
-    latent norm in ``routed_up``'s prologue; ``residual`` is added in ``shared_down``'s epilogue."""
+    """Ours, input ``st[src]`` (already normalized): the router gate, ``routed_down`` and the
+    shared ``gate_up`` as one stacked weight in one launch (fp32 logits, bf16 rest), our
+    PDL-aware SITU-and-mul, the latent norm in ``routed_up``'s prologue; ``residual`` is added
+    in ``shared_down``'s epilogue."""
     fg, sab, c = kn.fg, kn.sab, kn.cfg
 
-    def gate(st, w):
-        st["logits"] = fg.gemm(st[src], w["gate"], c(NE, H), out_dtype=torch.float32)
-
-    def down_sgu(st, w):
-        st["dsg"] = sab.swap_ab_gemm(st[src], w["down_sgu"], c(LAT + 2 * SI, H))
+    def gate_down_sgu(st, w):
+        st["logits"], st["dsg"] = fg.gemm_split_dtype(st[src], w["gate_down_sgu"], NE,
+                                                      c(NE + LAT + 2 * SI, H))  # fmt: skip
         st["lat"], st["gu"] = st["dsg"][:, :LAT], st["dsg"][:, LAT:]
 
     def situ(st, w):
@@ -158,9 +158,9 @@ def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
                                         residual=st["shared"])  # fmt: skip
 
     return [
-        Op("router_gate", "", gate, "ours (fp32 out)", covers=("router_gate",)),
-        Op("routed_down+shared_gate_up", "", down_sgu, "ours (one stacked weight)",
-           covers=("routed_down", "shared_gate_up")),
+        Op("router_gate+routed_down+shared_gate_up", "", gate_down_sgu,
+           "ours (one stacked weight; fp32 logits, bf16 rest)",
+           covers=("router_gate", "routed_down", "shared_gate_up")),
         Op("situ_and_mul (PDL)", "", situ, "ours", covers=("situ_and_mul",)),
         Op("shared_down" + ("+residual" if residual else ""), "", sdown, "ours", covers=("shared_down",)),
         Op("routed_up+norm+shared", "", up, "ours", covers=("routed_expert_norm", "routed_up+shared")),
@@ -415,7 +415,7 @@ def weights(layer: str, device, gen: torch.Generator) -> dict:
         else:
             w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
             out[name] = w.to(torch.bfloat16)
-    # Ours reads two projections of the same input as one weight (rows concatenated at load
+    # Ours reads the projections of one input as one weight (rows concatenated at load
     # time, as vLLM packs qkv): fewer launches, one weight stream instead of two.
     for cat, parts in CONCAT.items():
         if all(p in out for p in parts):

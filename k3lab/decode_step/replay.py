@@ -49,8 +49,9 @@ The stand-ins (:mod:`k3lab.decode_step.stock`; norms: our overlay norm kernel wi
 ``pdl=False``) are one Triton launch each without PDL, as vLLM's CUDA kernels; the
 router gate's CuTe DSL ``ll_bf16`` kernel is replaced by GateLinear's cuBLAS tier (the
 CuTe DSL wheel is not carried). Ours: our swap-AB kernel for every projection at the
-configs of ``configs.json``, two projections of one input as one stacked weight
-(``fused_qkv_a_proj``+``g_proj``, ``routed_down``+shared ``gate_up``), residual adds in
+configs of ``configs.json``, the projections of one input as one stacked weight
+(``fused_qkv_a_proj``+``g_proj``; the router gate+``routed_down``+shared ``gate_up``
+through ``fused_gemm.gemm_split_dtype``: fp32 logits, bf16 rest), residual adds in
 GEMM epilogues, a norm in the prologue of the GEMM that is its only reader
 (``fused_gemm.py``), and the PDL-aware ``norm.py`` / ``pointwise.py`` kernels for the
 rest (``layers.py`` says which op covers which); attn_res is v0.28.0's, unless

@@ -18,6 +18,12 @@
 * patches 0005 and 0006 route the model files' call sites through ``fused_decode``; the
   patched ``mla.py`` / ``mtp.py`` methods, run on stub ``self`` objects, hand the fused
   result on and run v0.28.0's lines (and only those) when the fused path answers None.
+  run the very vLLM module they wrap otherwise; the MoE's three input projections are
+  stacked into row views of one weight only where the fused path can run, and read
+  back as one GEMM;
+* each backend's ``launch`` on the real kernel under Triton's interpreter (fp16: numpy
+  has no bf16) against float64 of the unfused sequence, new residual included (and the
+  gate GEMM's fp32 logits to fp32 accuracy).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -321,6 +328,8 @@ def test_every_entry_answers_none_off_the_table(routed, monkeypatch, state) -> N
         (w_gate,), _, m_gate = _a_row("sigmoid_mul")
         assert fd.try_sigmoid_mul(bf16(m_gate, w_gate), bf16(m_gate, w_gate)) is None
         assert fd.try_mtp_input(**mtp_operands()) is None
+        (gn, gk), _, gm = _a_row("gate_gemm")
+        assert fd.try_gate_gemm(bf16(gm, gk), bf16(gn, gk), 384) is None
         assert fd.try_rmsnorm_gemm(*gemm_operands("rmsnorm_gemm")[:1], bf16(_a_row("rmsnorm_gemm")[0][1]),
                                    1e-6, gemm_operands("rmsnorm_gemm")[2]) is None  # fmt: skip
     assert not any(rec.calls for rec in routed.values())
@@ -338,6 +347,24 @@ def test_row_ops_answer_none_on_odd_operands(routed) -> None:
     assert fd.try_act_mul(bf16(17, 2 * d)) is None
     assert fd.try_act_mul("not a tensor") is None
     assert len(routed["rmsnorm"].calls) == 1 and not routed["act_mul"].calls
+
+
+def test_try_gate_gemm_routes_its_row_and_answers_none_on_odd_operands(routed) -> None:
+    (n, k), _, m = _a_row("gate_gemm")
+    x, w = bf16(m, k), bf16(n, k)
+    assert fd.try_gate_gemm(x, w, 384) == "out"
+    (call,) = routed["gate_gemm"].calls
+    assert call[-3] is x and call[-2] is w and call[-1] == 384
+    for bad in (
+        dict(n_fp32=0), dict(n_fp32=n), dict(n_fp32=384.0), dict(n_fp32=True), dict(n_fp32=None),
+        dict(x=x.half()), dict(x=bf16(17, k)), dict(x=bf16(m, 2 * k)[:, ::2]), dict(x=x[0]),
+        dict(x="not a tensor"), dict(stacked_weight=bf16(n + 16, k)),
+        dict(stacked_weight=bf16(k, n).t()), dict(stacked_weight=w.half()), dict(stacked_weight=None),
+        dict(x=torch.empty(x.shape, dtype=BF16, device="meta")),
+    ):  # fmt: skip
+        kwargs = dict(x=x, stacked_weight=w, n_fp32=384) | bad
+        assert fd.try_gate_gemm(**kwargs) is None, bad
+    assert len(routed["gate_gemm"].calls) == 1
 
 
 # ---------------------------------------------------------------------- switch
@@ -556,6 +583,108 @@ def test_shared_head_norm_takes_the_add_norm_or_runs_the_module(fused_calls) -> 
     fused_calls["answer"]["try_rms_norm"] = None
     norm.forward = lambda x, residual: ("stock", x, residual)
     assert fused_decode.rms_norm(norm, h, r) == ("stock", h, r)
+# ------------------------------------------------- the MoE's stacked input projections
+
+
+class FakeMoE(nn.Module):
+    """Stands in for v0.28.0's ``KimiMoE``: only the attributes the stacking reads."""
+
+
+E, L, G, H = 384, 3584, 1536, 7168  # Kimi-K3 TP8: gate, routed_down, shared gate_up rows
+
+
+def _linear(weight: torch.Tensor, quant_method=None, bias=None):
+    return SimpleNamespace(quant_method=quant_method or UnquantizedLinearMethod(), bias=bias,
+                           weight=nn.Parameter(weight, requires_grad=False))  # fmt: skip
+
+
+def fake_moe(rows=(E, L, G), empty=True, **changes) -> FakeMoE:
+    """A MegaMoE-branch MoE whose three projections can stack; ``changes`` spoil one thing."""
+    make = (lambda n: torch.empty(n, H, dtype=BF16)) if empty else (lambda n: torch.randn(n, H).to(BF16))
+    moe = FakeMoE()
+    moe.use_mega_moe = changes.get("use_mega_moe", True)
+    moe.gate = changes.get("gate") or bare(
+        GateLinear, weight=nn.Parameter(make(rows[0]), requires_grad=False), bias=None,
+        out_dtype=changes.get("out_dtype", torch.float32))  # fmt: skip
+    moe.routed_expert_down_proj = changes.get("down") or _linear(make(rows[1]))
+    moe.shared_experts = SimpleNamespace(
+        shard_sequence_parallel=changes.get("shard_sp", False), gate_up_proj=_linear(make(rows[2])))
+    return moe
+
+
+def test_stacking_makes_the_three_weights_views_of_one_tensor(routed) -> None:
+    model = nn.Sequential(fake_moe(empty=False), nn.Linear(2, 2))
+    moe = model[0]
+    params = (moe.gate.weight, moe.routed_expert_down_proj.weight, moe.shared_experts.gate_up_proj.weight)
+    before = [p.detach().clone() for p in params]
+    assert fused_decode.stack_moe_input_weights(model, FakeMoE) == 1
+    after = (moe.gate.weight, moe.routed_expert_down_proj.weight, moe.shared_experts.gate_up_proj.weight)
+    assert all(a is b for a, b in zip(after, params)), "the parameters must stay the same objects"
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "values changed"
+    storage = params[0].untyped_storage()
+    # one storage of exactly the stack's bytes: the old ones are no longer held by the params
+    assert all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in params)
+    assert storage.nbytes() == (E + L + G) * H * 2
+    assert [p.data_ptr() - storage.data_ptr() for p in params] == [0, E * H * 2, (E + L) * H * 2]
+    assert all(p.is_contiguous() for p in params)
+
+
+@pytest.mark.parametrize("spoil", [
+    dict(use_mega_moe=False), dict(out_dtype=BF16), dict(shard_sp=True),
+    dict(gate=SimpleNamespace(weight=nn.Parameter(torch.empty(E, H, dtype=BF16)), bias=None,
+                              out_dtype=torch.float32)),
+    dict(down=_linear(torch.empty(L, H, dtype=BF16), quant_method=object())),
+    dict(down=_linear(torch.empty(L, H, dtype=BF16), bias=torch.empty(L, dtype=BF16))),
+    dict(down=_linear(torch.empty(L, H, dtype=torch.float16))),
+    dict(down=_linear(torch.empty(L, 2 * H, dtype=BF16)[:, :H])),
+    dict(rows=(E, L, G + 64)),  # a stacked shape without a table row
+], ids=["FusedMoE branch", "bf16 logits", "sequence-parallel shared experts",
+        "another gate class", "quantized down_proj", "biased down_proj", "fp16 down_proj",
+        "strided down_proj", "no row"])  # fmt: skip
+def test_stacking_leaves_a_moe_alone_where_the_fused_path_cannot_run(routed, spoil) -> None:
+    moe = fake_moe(**spoil)
+    ptrs = [moe.gate.weight.data_ptr(), moe.routed_expert_down_proj.weight.data_ptr()]
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 0
+    assert ptrs == [moe.gate.weight.data_ptr(), moe.routed_expert_down_proj.weight.data_ptr()]
+    assert fused_decode.moe_input_projections(moe, bf16(2, H)) is None
+    assert not routed["gate_gemm"].calls
+
+
+def test_stacking_needs_the_switch_on_and_the_exact_class(routed, monkeypatch) -> None:
+    class SubMoE(FakeMoE):
+        pass
+
+    sub = fake_moe()
+    sub.__class__ = SubMoE
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(sub), FakeMoE) == 0
+    fd.disable_kimi_k3_fused_decode()
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(fake_moe()), FakeMoE) == 0
+
+
+def test_the_stacked_moe_runs_one_gemm_and_hands_out_views(routed) -> None:
+    moe = fake_moe()
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 1
+    logits, rest = torch.empty(3, E), bf16(3, L + G)
+    routed["gate_gemm"].result = (logits, rest)
+    x = bf16(3, H)
+    got_logits, latent, gate_up = fused_decode.moe_input_projections(moe, x)
+    (call,) = routed["gate_gemm"].calls
+    assert call[-3] is x and call[-2] is moe._k3_input_stack.weight and call[-1] == E
+    assert got_logits is logits
+    assert latent.data_ptr() == rest.data_ptr() and latent.shape == (3, L)
+    assert gate_up.data_ptr() == rest[:, L:].data_ptr() and gate_up.shape == (3, G)
+    # a weight reload that replaced a parameter's storage: the stack is stale, stock lines
+    moe.routed_expert_down_proj.weight.data = torch.empty(L, H, dtype=BF16)
+    assert fused_decode.moe_input_projections(moe, x) is None
+    assert len(routed["gate_gemm"].calls) == 1
+
+
+def test_the_stock_activation_gets_a_packed_gate_up(routed) -> None:
+    other = Module()
+    wide = torch.randn(2, 3 * 512).to(BF16)
+    assert fused_decode.act_and_mul(other, wide[:, 512:]) == "stock"
+    (args,) = other.calls
+    assert args[0].is_contiguous() and torch.equal(args[0], wide[:, 512:])
 
 
 # ---------------------------------------------------------------------- real kernels
@@ -598,6 +727,10 @@ _SCRIPT = textwrap.dedent(
     live = (pos != 0).to(D)[:, None]
     out["mtp_input"] = err(y, torch.cat([rms(x, gw) * live, rms(r, gw.flip(0))], 1))
     out["mtp_input_zero_rows"] = bool((y[pos == 0, :k] == 0).all())
+    lo, hi = of("gate_gemm").launch(cfg, x, w, 13)  # the split inside the first 16-row tile
+    ref = x.to(D) @ w.to(D).t()
+    out["gate_gemm_fp32"] = err(lo, ref[:, :13]); out["gate_gemm_rest"] = err(hi, ref[:, 13:])
+    out["gate_gemm_dtypes"] = [str(lo.dtype), str(hi.dtype)]
     print(json.dumps(out))
     """
 )
@@ -612,6 +745,8 @@ def test_each_backend_launches_its_kernel_right_under_the_interpreter() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got.pop("rmsnorm_none") is True
     assert got.pop("mtp_input_zero_rows") is True, "an embedding row at position 0 is not 0"
+    assert got.pop("gate_gemm_dtypes") == ["torch.float32", "torch.float16"]
+    assert got["gate_gemm_fp32"] < 2e-5, "the logits went through a 16-bit rounding"
     for what, rel in got.items():
         # fp16 operands, fp32 accumulation: ~5e-4; a swapped operand or scale is O(1).
         assert rel < 3e-3, f"{what}: rel err {rel:.2e}"
@@ -718,6 +853,22 @@ def _calls_in(tree, cls: str, method: str) -> set[str]:
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
     (fn,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == method]
     return {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+
+
+def test_patch_0007_stacks_the_moe_input_projections_and_calls_them_as_one() -> None:
+    """The tree's model.py (patched): the post-load hook stacks, the MoE's router/down
+    method tries the one GEMM first, and KimiMLP takes the precomputed gate_up."""
+    import ast
+    from pathlib import Path
+
+    source = Path(fused_decode.__file__).with_name("model.py").read_text("utf-8")
+    tree = ast.parse(source)
+    assert "stack_moe_input_weights" in _calls_in(tree, "KimiLinearForCausalLM",
+                                                  "process_weights_after_loading")  # fmt: skip
+    assert "moe_input_projections" in _calls_in(tree, "KimiMoE", "_maybe_overlap_router_and_down_proj")
+    (mlp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "KimiMLP"]
+    (fwd,) = [f for f in mlp.body if isinstance(f, ast.FunctionDef) and f.name == "forward"]
+    assert [a.arg for a in fwd.args.args] == ["self", "x", "gate_up"]
 
 
 def test_patch_0005_routes_each_call_site_through_fused_decode() -> None:

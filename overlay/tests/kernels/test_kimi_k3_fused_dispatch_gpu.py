@@ -13,6 +13,14 @@ patch 0006's MLA front end (``fused_decode.mla_q_and_kv_c``: ``q_b_proj`` with
 ``q_a_layernorm`` in its prologue and ``kv_a_layernorm`` on views of one
 ``fused_qkv_a_proj`` output, TP8 shapes) at every M = 1..16, captured and replayed the
 same way. Skipped, with the reason, without a CUDA GPU or on a GPU without a fused table.
+public entry (``try_rmsnorm_gemm``, ``try_rms_norm``, ``try_act_mul``, ``try_gate_gemm``)
+is called once outside capture (it must route, not answer None), then captured in a CUDA
+graph; the inputs are refilled with fresh random bf16 data and the graph replayed. The
+output must match float64 of the unfused sequence about as closely as vLLM's unfused bf16
+sequence does, a new residual must equal ``bf16(x + residual)`` exactly, and the gate
+GEMM's fp32 logits must match float64 to fp32 accuracy. Also: the model's call sites
+(``fused_decode``) against the stock modules they wrap. Skipped, with the
+reason, without a CUDA GPU or on a GPU without a fused table.
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ def _inputs(op, shape, m, gen):
         positions = torch.randint(0, 2, (m,), generator=gen, device="cuda")
         return {"pos": positions, "e": rnd(m, h), "h": rnd(m, h), "ge": 1 + 0.1 * rnd(h),
                 "gh": 1 + 0.1 * rnd(h)}  # fmt: skip
+    if op == "gate_gemm":
+        n, k = shape
+        return {"x": rnd(m, k), "w": rnd(n, k) / k**0.5}
     (d,) = shape
     return {"gu": rnd(m, 2 * d)}
 
@@ -101,12 +112,24 @@ def _call(op, b, variant):
     if op == "mtp_input":
         positions = b["pos"].int() if variant else b["pos"]  # int32 positions are taken too
         return fd.try_mtp_input(positions, b["e"], b["h"], b["ge"], b["gh"], EPS)
+    if op == "gate_gemm":  # Kimi-K3's 384 gate rows; the variant splits inside a tile
+        return fd.try_gate_gemm(b["x"], b["w"], _n_fp32(variant))
     return fd.try_act_mul(b["gu"], situ_beta=2.0 if variant else None,
                           situ_linear_beta=3.0 if variant else None)  # fmt: skip
 
 
+def _n_fp32(variant):
+    return 397 if variant else 384
+
+
 def _reference(op, b, variant):
     """(float64 reference, vLLM-style unfused bf16 result, new residual or None)."""
+    if op == "gate_gemm":  # vLLM: the gate in fp32 (cuBLAS bf16 -> fp32), the rest in bf16
+        ref = b["x"].to(D) @ b["w"].to(D).t()
+        nf = _n_fp32(variant)
+        unfused = torch.cat([torch.mm(b["x"].float(), b["w"][:nf].float().t()).to(D),
+                             torch.mm(b["x"], b["w"][nf:].t()).to(D)], 1)  # fmt: skip
+        return ref, unfused, None
     if op in ("rmsnorm_gemm", "add_rmsnorm_gemm"):
         h = b["x"].to(D) + (b["r"].to(D) if "r" in b else 0)
         add = b["add"].to(D) if variant else 0
@@ -147,7 +170,11 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = _call(op, b, variant)
-    out, new_residual = got if isinstance(got, tuple) else (got, None)
+    if op == "gate_gemm":
+        (logits, rest), new_residual = got, None
+        assert logits.dtype == torch.float32 and rest.dtype == BF
+    else:
+        out, new_residual = got if isinstance(got, tuple) else (got, None)
     for _ in range(2):  # fresh data each replay: the graph must compute, not remember
         _refill(b, gen)
         if new_residual is not None:
@@ -155,6 +182,10 @@ def test_every_routed_row_in_a_cuda_graph_matches_float64(op, shape, m, call, va
         graph.replay()
         torch.cuda.synchronize()
         ref, unfused, want_residual = _reference(op, b, variant)
+        if op == "gate_gemm":
+            nf = _n_fp32(variant)
+            assert _rel(logits, ref[:, :nf]) < 1e-5, "logits not at fp32 accuracy"
+            out = torch.cat([logits.to(D), rest.to(D)], 1)
         assert torch.isfinite(out).all(), "NaN/Inf or unwritten output"
         err, err_unfused = _rel(out, ref), _rel(unfused, ref)
         assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)

@@ -6,7 +6,8 @@ The kernels run on Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess
 Triton reads it on first import), every program of the grid on the CPU: each prologue
 (norm, add+norm with its residual write, SiLU/SITU-and-mul, sigmoid gate, the MTP
 two-norm input), with and without split-K, with the residual epilogue and a row-strided
-``x``, against float64 of the unfused sequence. fp16 operands: the interpreter has no
+``x``, against float64 of the unfused sequence; and the split-dtype epilogue (fp32
+columns, then 16-bit ones, the boundary anywhere in a tile). fp16 operands: the interpreter has no
 bf16 dot (numpy has no bf16); the GPU tests cover bf16 under CUDA graphs.
 """
 
@@ -116,10 +117,46 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _interpret(cases) -> list[dict]:
+# gemm_split_dtype: (M, N, K, n_fp32, config): the boundary n_fp32 inside a tile, without
+# split-K, with an uneven last split, with ragged rows, and in the last tile.
+SPLIT_CASES = [
+    (3, 88, 320, 21, (16, 64, 1, 4, 2)),
+    (16, 72, 320, 37, (16, 64, 3, 4, 2)),
+    (1, 80, 256, 5, (32, 64, 2, 4, 2, 23)),
+    (7, 60, 192, 59, (16, 64, 1, 4, 2)),
+    (12, 96, 256, 48, (32, 128, 2, 4, 2)),  # on a tile edge
+]
+
+_SPLIT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from vllm.models.kimi_k3.nvidia import fused_gemm as fg
+    from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
+    D = torch.float64
+    out = []
+    for m, n, k, nf, cfg, seed in json.loads(sys.argv[1]):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+        xs = torch.randn(m, k + 16, generator=g).half()[:, 8:8 + k]  # row-strided view
+        lo, hi = fg.gemm_split_dtype(xs, w, nf, SwapAbConfig(*cfg), pdl=False)
+        ref = xs.to(D) @ w.to(D).t()
+        sep = fg.gemm(xs, w[:nf].contiguous(), SwapAbConfig(16, 64, 1, 4, 2), out_dtype=torch.float32,
+                      pdl=False)
+        out.append({"dtypes": [str(lo.dtype), str(hi.dtype)], "shapes": [list(lo.shape), list(hi.shape)],
+                    "finite": bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()),
+                    "packed": lo.is_contiguous() and hi.is_contiguous(),
+                    "lo_err": float((lo.to(D) - ref[:, :nf]).norm() / ref[:, :nf].norm()),
+                    "hi_err": float((hi.to(D) - ref[:, nf:]).norm() / ref[:, nf:].norm()),
+                    "vs_separate": float((lo - sep).abs().max() / sep.abs().max())})
+    print(json.dumps(out))
+    """
+)
+
+
+def _interpret(cases, script: str = _SCRIPT) -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(cases)],
+        [sys.executable, "-c", script, json.dumps(cases)],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,6 +179,21 @@ def test_interpreted_prologues_match_float64() -> None:
     assert all(v < 2e-3 for v in small.values()), small
 
 
+def test_interpreted_split_dtype_gemm_matches_float64() -> None:
+    got = _interpret([[*c[:4], list(c[4]), i] for i, c in enumerate(SPLIT_CASES)], _SPLIT_SCRIPT)
+    for (m, n, k, nf, cfg), rec in zip(SPLIT_CASES, got):
+        what = f"{cfg} M={m} {n}x{k} n_fp32={nf}"
+        assert rec["dtypes"] == ["torch.float32", "torch.float16"], what
+        assert rec["shapes"] == [[m, nf], [m, n - nf]], what
+        assert rec["finite"] and rec["packed"], f"{what}: NaN/Inf, unwritten or strided output"
+        # fp32 columns: fp16 products summed in fp32, never rounded to 16 bits (that
+        # alone would be ~3e-4); the fp16 columns carry one fp16 rounding.
+        assert rec["lo_err"] < 2e-5, f"{what}: fp32 logits rel err {rec['lo_err']:.2e}"
+        assert rec["hi_err"] < 1e-3, f"{what}: fp16 part rel err {rec['hi_err']:.2e}"
+        # what a separate fp32-out GEMM of the first n_fp32 rows gives, up to the K order
+        assert rec["vs_separate"] < 1e-5, f"{what}: differs from gemm(out_dtype=fp32)"
+
+
 def test_bad_operands_are_refused_with_the_operand_named() -> None:
     cfg = sab.SwapAbConfig(16, 64, 1, 4, 2)
     w = torch.empty(32, 128, dtype=torch.float16)
@@ -158,5 +210,8 @@ def test_bad_operands_are_refused_with_the_operand_named() -> None:
         e = torch.empty(2, 64, dtype=torch.float16)
         fg.mtp_input_gemm(torch.zeros(2), e, e, e[0], e[0], 1e-6, w,
                           sab.SwapAbConfig(16, 64, 2, 4, 2))  # fmt: skip
+    for nf in (0, 32):
+        with pytest.raises(ValueError, match=f"n_fp32={nf} outside 1..31"):
+            fg.gemm_split_dtype(torch.empty(2, 128, dtype=torch.float16), w, nf, cfg)
     with pytest.raises(ValueError, match="split_k=9"):
         fg.gemm(torch.empty(2, 128, dtype=torch.float16), w, sab.SwapAbConfig(16, 64, 9, 4, 2))

@@ -3,7 +3,8 @@
 """GPU numerics of the fused-prologue GEMM and the PDL-aware norm, through CUDA graphs.
 
 Every prologue at Kimi-K3 TP8 shapes (split-K and not, ragged rows, residual epilogue,
-fp32 router logits, a row-strided input), M = 1, 7, 16, bf16: each call is captured
+fp32 router logits, a row-strided input; and the split-dtype epilogue: fp32 router
+logits and bf16 projections of one stacked weight), M = 1, 7, 16, bf16: each call is captured
 in a CUDA graph, the inputs are refilled with fresh random data, the written residual
 is poisoned with NaN, and the graph is replayed. The output must match float64 of the
 unfused sequence as closely as vLLM's unfused bf16 sequence does, and the new residual
@@ -225,3 +226,39 @@ def test_pdl_pointwise_in_a_cuda_graph_matches_float64(op, m) -> None:
         ref = torch.cat([e, _rms(b, g)], 1)
     assert torch.isfinite(y).all()
     assert _rel(y, ref) < 5e-3
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("cfg", [(64, 128, 1, 4, 6, 43), (64, 128, 2, 4, 6, 47), (64, 256, 4, 4, 4)],
+                         ids=["no-split", "split2-ragged", "split4-tile-edge"])  # fmt: skip
+def test_split_dtype_gemm_in_a_cuda_graph_matches_float64(cfg, m) -> None:
+    """Router gate (384 rows, fp32 logits) stacked on routed_down + the shared gate_up
+    (5120 rows, bf16): 5504x7168, the boundary inside a tile (rows 43, 47) and on one (64)."""
+    n, k, nf = 5504, 7168, 384
+    gen = torch.Generator(device="cuda").manual_seed(77 + m + cfg[2])
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(BF)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF)
+    call = lambda: fg.gemm_split_dtype(x, w, nf, SwapAbConfig(*cfg))  # noqa: E731
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lo, hi = call()
+    assert lo.dtype == torch.float32 and hi.dtype == BF
+    assert lo.shape == (m, nf) and hi.shape == (m, n - nf)
+    for _ in range(2):  # fresh data, poisoned outputs: the graph must compute and write all
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        lo.fill_(float("nan"))
+        hi.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(lo).all() and torch.isfinite(hi).all(), "unwritten output"
+        ref = x.to(D) @ w.to(D).t()
+        # bf16 products are exact in fp32: only the fp32 sum's rounding remains
+        assert _rel(lo, ref[:, :nf]) < 1e-5
+        # the gate alone through the fp32-out GEMM at the replay's gate config
+        sep = fg.gemm(x, w[:nf], SwapAbConfig(64, 256, 14, 4, 4), out_dtype=torch.float32)
+        assert float((lo - sep).abs().max() / sep.abs().max()) < 1e-5
+        unfused = torch.mm(x, w[nf:].t()).to(D)
+        err, err_unfused = _rel(hi, ref[:, nf:]), _rel(unfused, ref[:, nf:])
+        assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)

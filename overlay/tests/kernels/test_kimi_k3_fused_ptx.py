@@ -28,12 +28,12 @@ from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
 from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
-         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h"}  # fmt: skip
+         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32"}  # fmt: skip
 _FLOATS = {"eps", "beta", "lin_beta"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
-def _ptx(kernel, constexprs: dict) -> str:
+def _ptx(kernel, constexprs: dict, pointers: dict | None = None) -> str:
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -48,7 +48,7 @@ def _ptx(kernel, constexprs: dict) -> str:
         elif name in _FLOATS:
             sig[name] = "fp32"
         else:
-            sig[name] = _POINTERS.get(name, "*bf16")
+            sig[name] = {**_POINTERS, **(pointers or {})}.get(name, "*bf16")
     try:
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
@@ -61,12 +61,19 @@ def _lines(ptx: str) -> list[str]:
     return [ln.strip() for ln in ptx.splitlines()]
 
 
+# prologue "none" with the split-dtype epilogue (gemm_split_dtype: fp32 y, bf16 y2)
+_VARIANTS = [(p, False) for p in sorted(fg.PROLOGUES)] + [("none", True)]
+
+
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("prologue", sorted(fg.PROLOGUES))
-def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue, split) -> None:
+@pytest.mark.parametrize("prologue,split_out", _VARIANTS,
+                         ids=[p + ("-split_dtype" if so else "") for p, so in _VARIANTS])  # fmt: skip
+def test_fused_gemm_loads_nothing_before_the_wait_but_prefetches_weights(prologue, split_out,
+                                                                         split) -> None:  # fmt: skip
     ptx = _ptx(fg._fused_kernel, dict(
-        BLOCK_N=64, BLOCK_K=256, BLOCK_M=16, EVEN_K=not split, HAS_RESIDUAL=True, USE_PDL=True,
-        RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False))  # fmt: skip
+        BLOCK_N=64, BLOCK_K=256, BLOCK_M=16, EVEN_K=not split, HAS_RESIDUAL=not split_out,
+        USE_PDL=True, RAGGED=split, PROLOGUE=fg.PROLOGUES[prologue], ACT=1, LIN_CLIP=False,
+        SPLIT_OUT=split_out), {"y_ptr": "*fp32"} if split_out else None)  # fmt: skip
     lines = _lines(ptx)
     wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
     trigger = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents"))

@@ -23,6 +23,12 @@ function                 stock line it wraps                           fused op
 :func:`mtp_input`        MTP: ``fused_mtp_input(...)``                  ``mtp_input``
 =======================  ============================================  ==================
 
+Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
+``KimiMoE``'s router gate, ``routed_expert_down_proj`` and the shared experts'
+``gate_up_proj``, three GEMMs of one input, by one (MegaMoE branch). It needs the three
+weights as row views of one tensor: the patch's model-level post-load hook calls
+:func:`stack_moe_input_weights` once, after every quant method has finalized its layer.
+
 A module is taken only when it is exactly the vLLM class the model builds
 (``type(...) is``, as the GEMM dispatch does for methods: a subclass may compute
 something else) with the attributes that class documents; none of these functions
@@ -32,15 +38,19 @@ raises where the stock line would not.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
+    routes_any,
     try_act_mul,
+    try_gate_gemm,
     try_mtp_input,
     try_rms_norm,
     try_rmsnorm_gemm,
@@ -69,13 +79,17 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = N
 
 def act_and_mul(act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``act_fn(gate_up)`` for vLLM's ``SiluAndMul`` / ``SituAndMul``, on our PDL-aware
-    kernel where the device's table has a row."""
+    kernel where the device's table has a row. ``gate_up`` may be a row-strided view (the
+    shared experts' columns of :func:`moe_input_projections`' output): ours reads it in
+    place; vLLM's CUDA kernels index rows as packed, so the stock path gets a packed copy."""
     out = None
     if type(act_fn) is SiluAndMul:
         out = try_act_mul(gate_up)
     elif type(act_fn) is SituAndMul:
         out = try_act_mul(gate_up, situ_beta=act_fn.beta, situ_linear_beta=act_fn.linear_beta)
-    return act_fn(gate_up) if out is None else out
+    if out is None:
+        return act_fn(gate_up if gate_up.is_contiguous() else gate_up.contiguous())
+    return out
 
 
 def _plain_linear_weight(linear: nn.Module) -> torch.Tensor | None:
@@ -181,3 +195,110 @@ def mtp_input(
     args = (positions, inputs_embeds, previous_hidden_states, enorm_weight, hnorm_weight, eps)
     out = try_mtp_input(*args)
     return stock(*args) if out is None else out
+
+class _InputStack(NamedTuple):
+    """One MoE layer's stacked weight and the parameters that are row views of it."""
+
+    weight: torch.Tensor  # (E + L + G, H): gate rows, routed_down rows, shared gate_up rows
+    gate_rows: int  # E
+    latent_rows: int  # L
+    params: tuple[nn.Parameter, nn.Parameter, nn.Parameter]  # gate, routed_down, gate_up
+
+
+def _is_view_of(param: torch.Tensor, weight: torch.Tensor, row: int) -> bool:
+    return param.data_ptr() == weight[row].data_ptr() and param.stride() == weight.stride()
+
+
+def _moe_input_params(moe: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter] | None:
+    """(gate, routed_down, shared gate_up) weights of a MegaMoE-branch ``KimiMoE`` whose
+    three projections can be one GEMM of :func:`moe_input_projections`, else None.
+
+    The gate must be vLLM's ``GateLinear`` without bias and with fp32 logits (what the
+    stacked GEMM gives), the other two unquantized and bias-free, the shared experts
+    without sequence-parallel sharding (that branch all-gathers x before ``gate_up``);
+    all three packed BF16 weights of one K on one device.
+    """
+    if not getattr(moe, "use_mega_moe", False):
+        return None  # the FusedMoE branch runs the shared experts inside its runner
+    gate, shared = getattr(moe, "gate", None), getattr(moe, "shared_experts", None)
+    if type(gate) is not GateLinear or gate.bias is not None or gate.out_dtype is not torch.float32:
+        return None
+    if shared is None or getattr(shared, "shard_sequence_parallel", True):
+        return None
+    params = (
+        gate.weight,
+        _plain_linear_weight(getattr(moe, "routed_expert_down_proj", None)),
+        _plain_linear_weight(getattr(shared, "gate_up_proj", None)),
+    )
+    first = params[0]
+    for p in params:
+        if not isinstance(p, nn.Parameter) or p.dim() != 2 or p.dtype is not torch.bfloat16:
+            return None
+        if p.shape[1] != first.shape[1] or p.device != first.device or p.stride() != (p.shape[1], 1):
+            return None
+    return params
+
+
+def stack_moe_input_weights(model: nn.Module, moe_cls: type) -> int:
+    """Load time: for each ``moe_cls`` module of ``model`` (v0.28.0's ``KimiMoE``) whose
+    router gate, ``routed_expert_down_proj`` and shared ``gate_up_proj`` can run as one
+    GEMM (:func:`_moe_input_params`) where the device's table routes op ``gate_gemm`` for
+    the stacked shape, copy the three weights into one packed ``(E + L + G, H)`` tensor,
+    gate rows first, and re-point each parameter's data to its row view.
+
+    The parameters stay what they were (same objects, shapes, values, names), so the stock
+    lines, weight loaders and state dicts see no difference; their old storages are freed,
+    so once done the model holds no extra memory (one layer's stack in flight: 79 MB at
+    TP8). Nothing is touched where the fused path could not run.
+
+    Returns:
+        How many modules were stacked.
+    """
+    stacked = 0
+    for module in model.modules():
+        if type(module) is not moe_cls:
+            continue
+        params = _moe_input_params(module)
+        if params is None:
+            continue
+        rows = [p.shape[0] for p in params]
+        if not routes_any("gate_gemm", (sum(rows), params[0].shape[1])):
+            continue
+        with torch.no_grad():
+            weight = torch.cat([p.data for p in params])
+        row = 0
+        for p, n in zip(params, rows):
+            p.data = weight[row : row + n]
+            row += n
+        module._k3_input_stack = _InputStack(weight, rows[0], rows[1], params)
+        stacked += 1
+    return stacked
+
+
+def moe_input_projections(
+    moe: nn.Module, hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The router logits, the routed latent and the shared experts' ``gate_up`` of one
+    input in one GEMM (op ``gate_gemm``), or None for the stock lines.
+
+    Args:
+        moe: v0.28.0's ``KimiMoE``, stacked by :func:`stack_moe_input_weights`.
+        hidden_states: (M, H) BF16, the MoE's input.
+
+    Returns:
+        ``(router_logits, routed_hidden_states, shared_gate_up)``: fp32 (M, E), and BF16
+        (M, L) and (M, G) row-strided column views of one new (M, L + G) tensor; or None:
+        not stacked, a parameter no longer a view of the stack (a weight reload that
+        replaced its storage), or any precondition of ``try_gate_gemm``.
+    """
+    stack = getattr(moe, "_k3_input_stack", None)
+    if not isinstance(stack, _InputStack):
+        return None
+    starts = (0, stack.gate_rows, stack.gate_rows + stack.latent_rows)
+    if not all(_is_view_of(p, stack.weight, r) for p, r in zip(stack.params, starts)):
+        return None
+    fused = try_gate_gemm(hidden_states, stack.weight, stack.gate_rows)
+    if fused is None:
+        return None
+    logits, rest = fused
+    return logits, rest[:, : stack.latent_rows], rest[:, stack.latent_rows :]

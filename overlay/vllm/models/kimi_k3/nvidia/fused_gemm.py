@@ -20,6 +20,13 @@ prologue         the op it replaces (Kimi-K3 in vLLM v0.28.0)
                  hnorm(hidden)]``, two ``[M, K/2]`` inputs, no concatenated copy
 ===============  =======================================================================
 
+One epilogue besides the plain store (and its ``+ residual``): :func:`gemm_split_dtype`
+writes the first ``n_fp32`` output columns of one stacked weight as fp32 into one tensor
+and the rest in the weight's dtype into another (two stores with complementary column
+masks; a tile across the boundary writes both), so that Kimi-K3's router gate (fp32
+logits) streams in one launch with ``routed_expert_down_proj`` and the shared experts'
+``gate_up``, which read the same input.
+
 The norm needs each row's ``rstd = rsqrt(mean(x^2) + eps)`` over all of K, which a
 split-K CTA never sees. But ``rstd`` is one scalar per row, so
 ``norm(x) @ W^T = rstd * ((x * g) @ W^T)``: each CTA multiplies by ``g`` as it loads
@@ -104,16 +111,41 @@ def _load_in(x_ptr, a_ptr, offs_m, kk, xm, stride_x, stride_a, K, HALF, k, e_ok,
     return x1, x2
 
 
-@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k", "ROWS"])
+@triton.jit
+def _store_split(y_ptr, y2_ptr, acc, offs_n, offs_m, M, N, n_hi, N_FP32):
+    """``acc[n, m]`` to ``y[m, n]`` (fp32, ``[M, N_FP32]``) for rows n < N_FP32 and to
+    ``y2[m, n - N_FP32]`` (``[M, N - N_FP32]``, y2's dtype) for the rest: complementary
+    masks, so a tile across the boundary writes its rows to both."""
+    ok = (offs_m[None, :] < M) & (offs_n[:, None] < n_hi)
+    lo = offs_n[:, None] < N_FP32
+    # Offsets clamped into each output even where masked off (no out-of-range address).
+    n_lo = tl.minimum(offs_n, N_FP32 - 1)
+    n_up = tl.maximum(offs_n - N_FP32, 0)
+    tl.store(y_ptr + offs_m[None, :] * N_FP32 + n_lo[:, None], acc, mask=ok & lo)
+    tl.store(y2_ptr + offs_m[None, :] * (N - N_FP32) + n_up[:, None],
+             acc.to(y2_ptr.dtype.element_ty), mask=ok & (offs_n[:, None] >= N_FP32))  # fmt: skip
+
+
+@triton.jit
+def _epilogue(y_ptr, y2_ptr, r_ptr, acc, offs_n, offs_m, M, N, n_hi, N_FP32,
+              HAS_RESIDUAL: tl.constexpr, SPLIT_OUT: tl.constexpr):  # fmt: skip
+    if SPLIT_OUT:
+        _store_split(y_ptr, y2_ptr, acc, offs_n, offs_m, M, N, n_hi, N_FP32)
+    else:
+        sab._store_tile(y_ptr, r_ptr, acc, offs_n, offs_m, M, N, n_hi, HAS_RESIDUAL)
+
+
+@triton.jit(do_not_specialize=["M", "tiles_per_split", "split_k", "ROWS", "N_FP32"])
 def _fused_kernel(
     x_ptr, a_ptr, g_ptr, g2_ptr, h_ptr, pos_ptr,
-    w_ptr, y_ptr, r_ptr, part_ptr, cnt_ptr,
+    w_ptr, y_ptr, y2_ptr, r_ptr, part_ptr, cnt_ptr,
     M, N, K, stride_x, stride_a, HALF,
-    tiles_per_split, split_k, ROWS, ss_off,
+    tiles_per_split, split_k, ROWS, ss_off, N_FP32,
     eps, beta, lin_beta,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
     RAGGED: tl.constexpr, PROLOGUE: tl.constexpr, ACT: tl.constexpr, LIN_CLIP: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -209,7 +241,7 @@ def _fused_kernel(
             acc = acc * tl.rsqrt(ss / K + eps)[None, :]
         if PROLOGUE == MTP_NORM:
             acc = acc * tl.rsqrt(ss / HALF + eps)[None, :] + acc2 * tl.rsqrt(ss2 / HALF + eps)[None, :]
-        sab._store_tile(y_ptr, r_ptr, acc, offs_n, offs_m, M, N, n_hi, HAS_RESIDUAL)
+        _epilogue(y_ptr, y2_ptr, r_ptr, acc, offs_n, offs_m, M, N, n_hi, N_FP32, HAS_RESIDUAL, SPLIT_OUT)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
         tile_base = part_ptr + pid_n * split_k * (BLOCK_N * BLOCK_M)
@@ -229,7 +261,8 @@ def _fused_kernel(
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             if PROLOGUE == NORM or PROLOGUE == ADD_NORM:
                 total = total * tl.rsqrt(ss_all / K + eps)[None, :]
-            sab._store_tile(y_ptr, r_ptr, total, offs_n, offs_m, M, N, n_hi, HAS_RESIDUAL)
+            _epilogue(y_ptr, y2_ptr, r_ptr, total, offs_n, offs_m, M, N, n_hi, N_FP32, HAS_RESIDUAL,
+                      SPLIT_OUT)  # fmt: skip
 
 
 def _rows_ok(name: str, t: torch.Tensor, m: int, cols: int) -> None:
@@ -256,8 +289,9 @@ def _run(
     beta: float = 1.0,
     linear_beta: float | None = None,
     out_dtype: torch.dtype | None = None,
+    n_fp32: int | None = None,
     pdl: bool | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     code = PROLOGUES[prologue]
     block_m = sab.MAX_TOKENS
     m = x.shape[0]
@@ -284,7 +318,16 @@ def _run(
         raise ValueError(f"add_norm needs a packed [{m}, {k}] residual output")
     if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"residual: expected packed [{m}, {n}], got {tuple(residual.shape)}")
-    y = torch.empty((m, n), dtype=out_dtype or weight.dtype, device=x.device)
+    split = n_fp32 is not None
+    if split:
+        if not 0 < n_fp32 < n:
+            raise ValueError(f"n_fp32={n_fp32} outside 1..{n - 1} (weight {n}x{k})")
+        if residual is not None:
+            raise ValueError("a split-dtype output takes no residual")
+        y = torch.empty((m, n_fp32), dtype=torch.float32, device=x.device)
+        y2 = torch.empty((m, n - n_fp32), dtype=out_dtype or weight.dtype, device=x.device)
+    else:
+        y = y2 = torch.empty((m, n), dtype=out_dtype or weight.dtype, device=x.device)
 
     n_tiles, splits, per_split = sab.grid_of(config, n, k)
     tile_floats = n_tiles * splits * config.block_n * block_m if splits > 1 else 0
@@ -297,21 +340,21 @@ def _run(
         pdl = x.device.type == "cuda" and sab._use_pdl(x.device.index or 0)
     args = (x, x if a is None else a, x if g is None else g, x if g2 is None else g2,
             x if h_out is None else h_out, x if positions is None else positions,
-            weight, y, x if residual is None else residual, partials, counters,
+            weight, y, y2, x if residual is None else residual, partials, counters,
             m, n, k, x.stride(0), x.stride(0) if a is None else a.stride(0), half,
-            per_split, splits, sab.rows_of(config), tile_floats,
+            per_split, splits, sab.rows_of(config), tile_floats, n_fp32 or 0,
             eps, beta, 1.0 if linear_beta is None else linear_beta)  # fmt: skip
     kwargs = dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m,
         EVEN_K=k % config.block_k == 0, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         RAGGED=sab.rows_of(config) < config.block_n, PROLOGUE=code, ACT=act,
-        LIN_CLIP=linear_beta is not None,
+        LIN_CLIP=linear_beta is not None, SPLIT_OUT=split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if pdl:
         kwargs["launch_pdl"] = True
     _fused_kernel[(n_tiles, splits)](*args, **kwargs)
-    return y
+    return (y, y2) if split else y
 
 
 def gemm(x, weight, config, *, residual=None, out_dtype=None, pdl=None) -> torch.Tensor:
@@ -358,3 +401,32 @@ def mtp_input_gemm(positions, embeds, hidden, enorm_weight, hnorm_weight, eps, w
     ``[N, 2H]``, ``embeds``/``hidden`` ``[M, H]``, ``positions`` int ``[M]``."""
     return _run("mtp_norm", embeds, weight, config, a=hidden, g=enorm_weight, g2=hnorm_weight,
                 positions=positions, eps=eps, pdl=pdl)  # fmt: skip
+
+
+def gemm_split_dtype(x, weight, n_fp32, config, *, pdl=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ weight.T`` of one stacked weight, its first ``n_fp32`` output columns in fp32
+    and the rest in the weight's dtype: ``(out_fp32 [M, n_fp32], out [M, N - n_fp32])``,
+    both new packed tensors.
+
+    For projections of one input whose outputs want different dtypes, e.g. Kimi-K3's MoE
+    router gate (fp32 logits, 384 rows) stacked on ``routed_expert_down_proj`` and the
+    shared experts' ``gate_up`` (bf16): one weight stream and one launch instead of two.
+    The accumulation is fp32 as in :func:`gemm`; the fp32 columns are never rounded to
+    bf16 (with split-K, the partials are summed in fp32 before either store), so they are
+    what ``gemm(x, weight[:n_fp32], config, out_dtype=torch.float32)`` gives, up to the
+    order of the K sum where the two configs split K differently.
+
+    Args:
+        x: ``[M, K]``, 1 <= M <= 16, unit column stride (may be row-strided), the
+            weight's dtype.
+        weight: ``[N, K]`` packed row-major (bf16; fp16 on the CPU interpreter).
+        n_fp32: the fp32 columns, 1 <= n_fp32 < N; any value (it need not be a multiple
+            of the tile: a CTA whose rows straddle it writes to both outputs).
+        config: a :class:`swap_ab_gemm.SwapAbConfig` for ``N x K``.
+        pdl: launch with PDL; by default on SM90 and newer.
+
+    Raises:
+        ValueError: M outside 1..16, ``x`` not ``[M, K]`` with unit column stride,
+            ``n_fp32`` outside 1..N-1, a config :func:`swap_ab_gemm.config_error` refuses.
+    """
+    return _run("none", x, weight, config, n_fp32=n_fp32, pdl=pdl)

@@ -15,6 +15,7 @@ op                  public entry
 ``act_mul``         :func:`try_act_mul`
 ``sigmoid_mul``     :func:`try_sigmoid_mul`
 ``mtp_input``       :func:`try_mtp_input`
+``gate_gemm``       :func:`try_gate_gemm`
 ==================  ===========================================================
 
 Which backend runs for an (op, shape, M) is table data per GPU architecture
@@ -46,7 +47,8 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
-OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "sigmoid_mul", "mtp_input")
+OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "sigmoid_mul", "mtp_input",
+       "gate_gemm")
 # keyed by (width,), not (N, K)
 ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input"})
 DECODE_TOKEN_COUNTS = range(1, 17)
@@ -156,6 +158,13 @@ def _route(op: str, shape: tuple, num_tokens: int) -> tuple[KernelBackend, Any] 
     call = None if table is None else table.call(op, shape, num_tokens)
     backend = None if call is None else _backend(op, call)
     return None if backend is None else (backend, call.config)
+
+
+def routes_any(op: str, shape: tuple) -> bool:
+    """Whether ``op`` on ``shape`` would route at some M: the switch on, this device's
+    table has a row, its backend built. For load-time work that only pays if the fused
+    path can run (e.g. stacking weights for ``gate_gemm``); never raises."""
+    return any(_route(op, tuple(shape), m) is not None for m in DECODE_TOKEN_COUNTS)
 
 
 def _on_fast_device(first: Any, *tensors: torch.Tensor | None) -> bool:
@@ -368,3 +377,37 @@ def try_mtp_input(
     if not backend.operands_ok(config, positions, embeds, prev, enorm_weight, hnorm_weight):
         return None
     return backend.launch(config, positions, embeds, prev, enorm_weight, hnorm_weight, float(eps))
+
+def try_gate_gemm(
+    x: torch.Tensor,
+    stacked_weight: torch.Tensor,
+    n_fp32: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A router gate and the bf16 projections of the same input, as one GEMM, or None.
+
+    ``stacked_weight`` holds the gate's ``n_fp32`` rows first, then the other projections'
+    rows (Kimi-K3: the router gate 384 x 7168, then ``routed_expert_down_proj`` and the
+    shared experts' ``gate_up``, TP8 5504 x 7168); one launch streams it once.
+
+    Args:
+        x: (M, K) BF16 with unit column stride, CUDA (the normalized hidden state).
+        stacked_weight: packed (N, K) BF16, the gate's rows first.
+        n_fp32: the gate's rows, 1 <= n_fp32 < N.
+
+    Returns:
+        ``(logits, rest)``: a new packed fp32 (M, n_fp32), accumulated in fp32 and never
+        rounded to bf16 (what a bf16 x bf16 -> fp32 GEMM of the gate gives), and a new
+        packed BF16 (M, N - n_fp32); or None for the stock path (module docstring). Never
+        raises for those.
+    """
+    if not (isinstance(stacked_weight, torch.Tensor) and stacked_weight.dim() == 2):
+        return None
+    if not _on_fast_device(x, stacked_weight):
+        return None
+    routed = _route("gate_gemm", tuple(stacked_weight.shape), _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, x, stacked_weight, n_fp32):
+        return None
+    return backend.launch(config, x, stacked_weight, n_fp32)

@@ -7,6 +7,9 @@
 ``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``) are
 keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``,
 ``mtp_input``) by ``(width,)``.
+``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
+``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
+weight's); row ops (``rmsnorm``, ``act_mul``) by ``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
@@ -63,5 +66,15 @@ FUSED_SM90 = {
         # v0.28.0's kernel 2.40 / 2.45 / 2.72 at M = 1 / 8 / 16; in the replay's "ours" at
         # every M 1..16.
         (7168,): ("pdl_mtp_input", None, DECODE),
+    },
+    "gate_gemm": {
+        # router gate 384 + routed_expert_down_proj 3584 + shared gate_up 1536 rows (TP8)
+        # as one weight, fp32 logits: 20.9-21.1 µs at M = 1, 8, 16 against 25.1-25.3 for
+        # the gate (5.6-5.8) and the 5120-row stack (19.3-19.7) back to back (roof 18.76;
+        # H200, 2026-12-02, python -m k3lab.decode_step.gate_stack_bench, code of commit
+        # ffbec85: results/decode_step/gate_stack_bench_2026-12-02.json); in the replay's
+        # "ours" of the KDA layer at every M 1..16, 21.2 µs per op at M = 16
+        # (decode_step_2026-12-02_kda_gate_stack.json).
+        (5504, 7168): ("swap_ab_gate", (64, 128, 1, 4, 6, 42), DECODE),
     },
 }
