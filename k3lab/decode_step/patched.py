@@ -13,19 +13,23 @@ eh_proj, every projection  ``low_latency_gemm_dispatch.try_low_latency_gemm`` (0
                            the layers' method), else cuBLAS (the base method)
 input_layernorm, post_attention_layernorm (MTP block), shared_head.norm
                            ``try_rms_norm`` (0005, 0006)
-fused_q_kv_rmsnorm+q_b     ``try_rmsnorm_gemm`` (q_a_layernorm in q_b_proj's prologue) and
-                           ``try_rms_norm`` (kv_a_layernorm) when both apply (0006)
+fused_q_kv_rmsnorm+q_b     ``try_rmsnorm_gemm`` (q_a_layernorm in q_b_proj's prologue), then
+                           ``try_rms_norm`` (kv_a_layernorm, else vLLM's norm) (0006)
 gate_sigmoid_mul           ``try_sigmoid_mul`` (0006)
 in_proj_qkvgfab, f_b_proj  ``kda_projection.run_kda_projection_overlap`` at the token counts
                            of ``overlap_tokens`` (0003, under graph capture: two streams),
                            else the two projections through the dispatch
+router_gate+routed_down+shared_gate_up
+                           ``try_gate_gemm`` on the load-time stack (0007), else the three
+                           (the gate on cuBLAS fp32, the other two through the dispatch)
 situ_and_mul               ``try_act_mul`` (0005)
 routed_expert_norm+up      ``try_rmsnorm_gemm(..., add_to=shared)`` (0005)
-attn_res, router_gate      v0.28.0's (no patch touches them)
+attn_res                   v0.28.0's (no patch touches it)
 =========================  ===============================================================
 
-vLLM runs the router gate, ``routed_down`` and MLA's ``g_proj`` on aux streams; as in the
-other two variants they run in line here. The KDA projections' two streams are the
+The MoE is its MegaMoE branch, as in the other two variants (patch 0007 stacks only
+there). vLLM runs the router gate, ``routed_down`` and MLA's ``g_proj`` on aux streams;
+as in the other two variants they run in line here. The KDA projections' two streams are the
 patch's own, so they are kept. A ``try_*`` entry the tree does not have (an older overlay)
 counts as a fallback. Each op records, per M, whether its patched call was taken
 (``st["_via"]``), so the JSON says which sites ran ours.
@@ -42,7 +46,7 @@ from types import SimpleNamespace
 import torch
 
 from k3lab.decode_step import layers
-from k3lab.decode_step.layers import EPS, FA, FA_AT, KVL, QL, SITU_BETA, Op
+from k3lab.decode_step.layers import EPS, FA, FA_AT, KVL, LAT, NE, QL, SITU_BETA, Op
 
 
 def load() -> SimpleNamespace:
@@ -106,7 +110,10 @@ def _moe(pk, kn, src: str, stock: dict) -> list[Op]:
     def situ(st, w):
         out = pk.fused.try_act_mul(st["gu"], situ_beta=SITU_BETA)
         _via(st, "situ_and_mul", out is not None)
-        st["act"] = kn.stock.situ_and_mul(st["gu"], SITU_BETA) if out is None else out
+        if out is None:  # fused_decode.act_and_mul: the stock kernel gets packed rows
+            gu = st["gu"] if st["gu"].is_contiguous() else st["gu"].contiguous()
+            out = kn.stock.situ_and_mul(gu, SITU_BETA)
+        st["act"] = out
 
     def up(st, w):
         fused = pk.fused.try_rmsnorm_gemm(st["lat_out"], w["lat_norm"], EPS, w["up"], add_to=st["shared"])
@@ -118,10 +125,24 @@ def _moe(pk, kn, src: str, stock: dict) -> list[Op]:
         stock["routed_expert_norm"].run(st, w)
         st["moe_out"] = st["shared"].addmm_(st["lat_n"], w["up"].t())
 
+    def front(st, w):
+        # Patch 0007 (fused_decode.moe_input_projections): the gate, routed_down and the
+        # shared gate_up as one GEMM of the load-time stack; else the three stock lines.
+        fn = getattr(pk.fused, "try_gate_gemm", None)
+        fused = None if fn is None else fn(st[src], w["gate_down_sgu"], NE)
+        _via(st, "router_gate", fused is not None)
+        if fused is not None:
+            st["logits"], rest = fused
+            # vLLM's SITU kernel needs packed rows (fused_decode.act_and_mul copies for it).
+            st["lat"], st["gu"] = rest[:, :LAT], rest[:, LAT:]
+            return
+        stock["router_gate"].run(st, w)
+        st["lat"] = _gemm(pk, st, "routed_down", st[src], w["down"])
+        st["gu"] = _gemm(pk, st, "shared_gate_up", st[src], w["sgu"])
+
     return [
-        stock["router_gate"],
-        _proj(pk, "routed_down", src, "lat", "down"),
-        _proj(pk, "shared_gate_up", src, "gu", "sgu"),
+        Op("router_gate+routed_down+shared_gate_up", "", front, "try_gate_gemm, else stock + dispatch",
+           covers=("router_gate", "routed_down", "shared_gate_up")),
         Op("situ_and_mul", "", situ, "try_act_mul, else stock", covers=("situ_and_mul",)),
         _proj(pk, "shared_down", "act", "shared", "sdown"),
         Op("routed_expert_norm+routed_up+shared", "", up, "try_rmsnorm_gemm(add_to), else stock",
