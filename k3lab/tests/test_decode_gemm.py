@@ -85,11 +85,26 @@ def test_winner_needs_five_percent_in_both_passes():
 
 
 def test_winner_is_the_lowest_mean_normalised_time():
+    # Alone (no chain penalty): the rule of the CuTe tuner.
     row = _row((10.0, 20.0), [("swap_ab", [64, 128, 1, 4, 6], (5.0, 12.0)),  # 0.5, 0.6
                               ("tinygemm", None, (6.0, 10.0))])  # 0.6, 0.5 -> tie: name order
-    assert winners.winner(row)["backend"] == "swap_ab"
+    assert winners.winner(row, chain_penalty_us=0.0)["backend"] == "swap_ab"
     row["candidates"][1]["us"] = [5.0, 10.0]  # 0.5, 0.5: now strictly better
-    assert winners.winner(row)["backend"] == "tinygemm"
+    assert winners.winner(row, chain_penalty_us=0.0)["backend"] == "tinygemm"
+
+
+def test_a_backend_that_breaks_the_pdl_chain_must_lead_by_more_than_the_penalty():
+    # CuTe 3 µs ahead of swap-AB alone: the chain penalty (4 µs) gives the row to swap-AB;
+    # 5 µs ahead, CuTe keeps it. The speedups reported are still the times alone.
+    row = _row((30.0, 30.0), [("swap_ab", [64, 128, 1, 4, 6], (20.0, 20.0)),
+                              ("cute", [224, 1, 4, 8, None], (17.0, 17.0))])
+    assert winners.winner(row, chain_penalty_us=0.0)["backend"] == "cute"
+    w = winners.winner(row)
+    assert w["backend"] == "swap_ab" and w["speedup"] == [1.5, 1.5]
+    row["candidates"][1]["us"] = [15.0, 15.0]
+    assert winners.winner(row)["backend"] == "cute"
+    assert winners.CHAIN_PENALTY_US == 4.0 and "swap_ab" in winners.PDL_AWARE
+    assert winners.decide({"rows": [row]})["criteria"]["chain_penalty_us"] == 4.0
 
 
 def test_no_winner_without_two_timed_passes_or_with_a_wrong_result():
@@ -277,9 +292,9 @@ def test_merge_keeps_each_later_phase_candidate_with_its_own_cublas():
     ll = {"rows": [{"N": 64, "K": 256, "M": 1, "cublas_us": [12.0, 12.0], "candidates": [
         {"backend": "ll_bf16", "cfg": ["splitk", 2, 4], "us": [8.0, 8.0], "status": "ok"}]},
         {"N": 64, "K": 256, "M": 2, "cublas_us": [12.0, 12.0], "candidates": []}]}
-    res = winners.decide(phases.merge({"core": core, "ll_bf16": ll}, [], []))
+    res = winners.decide(phases.merge({"core": core, "ll_bf16": ll}, [], []), chain_penalty_us=0.0)
     row = res["rows"][0]
-    # ll_bf16: 12/8 = 1.5x against its own cuBLAS beats swap_ab's 10/9 = 1.11x.
+    # ll_bf16: 12/8 = 1.5x against its own cuBLAS beats swap_ab's 10/9 = 1.11x (alone).
     assert row["winner"]["backend"] == "ll_bf16" and row["winner"]["speedup"] == [1.5, 1.5]
     assert row["candidates"][1]["phase"] == "ll_bf16"
     # A row only the later phase timed gets the core run's roof: 2*(64*256+2*256+2*64) B / 4 TB/s.

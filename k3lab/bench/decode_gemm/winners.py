@@ -4,7 +4,10 @@ A row's candidates are every backend timed in both passes of that run; a candida
 wins only if it beat cuBLAS (timed alongside, in the same pass and process: the row's
 ``cublas_us``, or the candidate's own where a later phase of the run timed it, see
 ``phases.merge``) by >= ``WIN`` in pass 1 *and* pass 2, and among those the smallest
-mean ``us / cublas_us`` wins, the same rule as the CuTe tuner (``k3lab/aggregate.py``).
+mean ``us / cublas_us`` wins, the same rule as the CuTe tuner (``k3lab/aggregate.py``),
+except that a backend which is not PDL-aware is charged ``chain_penalty_us`` on top of
+its time alone: in a decode step it sits between PDL-aware kernels, and there it costs
+more than alone (:data:`CHAIN_PENALTY_US`).
 The output rows have the tuner's shape (``status``, ``winner.backend/cfg/us/speedup``),
 so ``render_table.py`` renders either.
 
@@ -18,14 +21,29 @@ import math
 
 WIN = 1.05
 
+#: Backends whose kernels launch with PDL and load their weights before
+#: ``griddepcontrol.wait`` (our swap-AB); the others (vLLM's CuTe skinny GEMM,
+#: FlashInfer's tinygemm, ll_bf16, dsv3) end the overlap of the chain they sit in.
+PDL_AWARE = frozenset({"swap_ab"})
+
+#: µs charged to a non-PDL-aware candidate when rows are decided. Source: the decode-step
+#: replays of 2026-12-02 on the H200 (results/decode_step/decode_step_2026-12-02_{alone,
+#: chain}.json): the patched model's step with the table decided alone ran up to 18.7 µs
+#: slower (MTP, M = 3) than with CuTe and tinygemm rows whose lead alone was under 3 µs
+#: given to swap-AB, and never more than 0.5 µs faster; the eh_proj row left on CuTe at
+#: M = 1 (3.49 µs ahead alone) still cost the MTP step 12 µs against swap-AB. 4 µs moves
+#: every row of a decoder layer's shapes and keeps CuTe only where it leads by more.
+CHAIN_PENALTY_US = 4.0
+
 
 def _geo(xs):
     xs = [x for x in xs if x and x > 0]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-def winner(row: dict) -> dict | None:
-    """The row's winner ``{backend, cfg, us, speedup, relerr}``, or None (cuBLAS)."""
+def winner(row: dict, chain_penalty_us: float = CHAIN_PENALTY_US) -> dict | None:
+    """The row's winner ``{backend, cfg, us, speedup, relerr}``, or None (cuBLAS); a
+    backend outside :data:`PDL_AWARE` is ranked at its µs + ``chain_penalty_us``."""
     best = None
     for cand in row["candidates"]:
         c1, c2 = cand.get("cublas_us") or row["cublas_us"]
@@ -35,7 +53,8 @@ def winner(row: dict) -> dict | None:
         s1, s2 = c1 / u1, c2 / u2
         if s1 < WIN or s2 < WIN:
             continue
-        key = ((1 / s1 + 1 / s2) / 2, cand["backend"], str(cand["cfg"]))
+        extra = 0.0 if cand["backend"] in PDL_AWARE else chain_penalty_us
+        key = (((u1 + extra) / c1 + (u2 + extra) / c2) / 2, cand["backend"], str(cand["cfg"]))
         if best is None or key < best[0]:
             best = (key, cand, s1, s2)
     if best is None:
@@ -47,10 +66,12 @@ def winner(row: dict) -> dict | None:
     }
 
 
-def decide(results: dict) -> dict:
-    """``results`` with ``status``/``winner`` set on every row and a ``summary``."""
+def decide(results: dict, chain_penalty_us: float = CHAIN_PENALTY_US) -> dict:
+    """``results`` with ``status``/``winner`` set on every row and a ``summary``; the
+    penalty used is recorded in ``criteria.chain_penalty_us``."""
+    results.setdefault("criteria", {})["chain_penalty_us"] = chain_penalty_us
     for row in results["rows"]:
-        row["winner"] = winner(row)
+        row["winner"] = winner(row, chain_penalty_us)
         row["status"] = "routed" if row["winner"] else "cublas"
     results["summary"] = summary(results)
     return results
@@ -167,3 +188,25 @@ def cute_queue(table_rows: dict, tune: dict, sweep: dict) -> list:
                 ratio = round(r["winner"]["us"][1] / r["cublas_us"][1], 4)
             out.append((n, k, m, tuple(cfg), ratio))
     return sorted(out, key=lambda t: (t[4] is None, t[4] or 0.0, t[:3]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k3lab.bench.decode_gemm.winners RUN.json [--chain-penalty-us P]``:
+    decide a figures run's rows again (its timings untouched) and write it back."""
+    import argparse
+    import json
+    import pathlib
+
+    ap = argparse.ArgumentParser(prog="python -m k3lab.bench.decode_gemm.winners")
+    ap.add_argument("run", type=pathlib.Path)
+    ap.add_argument("--chain-penalty-us", type=float, default=CHAIN_PENALTY_US)
+    args = ap.parse_args(argv)
+    run = decide(json.loads(args.run.read_text()), args.chain_penalty_us)
+    # Compact, keys sorted: the form results/ keeps runs in (its 2 MB budget).
+    args.run.write_text(json.dumps(run, separators=(",", ":"), sort_keys=True) + "\n")
+    print(json.dumps(run["summary"]["routed_by_backend"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -371,7 +371,8 @@ def test_eh_proj_configs_on_sm103() -> None:
 def test_select_without_gpu_is_none_and_capability_overrides(monkeypatch) -> None:
     pin_capability(monkeypatch, None)
     assert k3.select_kimi_k3_backend(1, *EH_PROJ) is None
-    assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=SM90) == "cute"
+    sm90_rows, _ = DATA[SM90]
+    assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=SM90) == sm90_rows[EH_PROJ][1][0]
     assert k3.select_kimi_k3_backend(1, *EH_PROJ, capability=(8, 0)) is None
 
 

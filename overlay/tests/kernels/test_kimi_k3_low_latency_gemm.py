@@ -144,8 +144,9 @@ def test_installation_uses_the_device_table(monkeypatch, fake_cute) -> None:
     # dense_down_proj (7168, 4224): the two tables route it differently, so the
     # installed plan shows which table was read.
     monkeypatch.setattr(dsv3_fused_a, "_built", lambda: True)
-    # Only CuTe (faked) and dsv3 are built here: rows of other backends stay on cuBLAS.
-    built = ("cute", "dsv3_fused_a")
+    # CuTe (faked), dsv3 and swap-AB count as built here (nothing is launched): rows of
+    # other backends stay on cuBLAS.
+    built = ("cute", "dsv3_fused_a", "swap_ab")
     monkeypatch.setattr(k3, "_backend_available", lambda backend: backend in built)
     plans = {}
     for capability in (SM103, SM90):
@@ -228,12 +229,14 @@ def test_no_warmup_without_cute(monkeypatch, fake_cute) -> None:
 
 
 def test_request_warmup_for_an_unowned_weight(monkeypatch, fake_cute) -> None:
+    # The KDA QKVG row view (6144, 7168), a weight no linear module owns; its SM90 rows
+    # at small M are CuTe's (the KDA figures' rows).
     pin_capability(monkeypatch, SM90)
-    weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
+    weight = torch.empty(6144, 7168, dtype=BF16, device="meta")
+    want = {c for _, c in cute_configs(k3.KIMI_K3_PROJECTIONS_SM90[(6144, 7168)])}
+    assert want
     assert k3.request_low_latency_warmup(weight) is True
-    assert fake_cute.warmed(has_residual=False) == {
-        c for _, c in cute_configs(k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)])
-    }
+    assert fake_cute.warmed(has_residual=False) == want
     assert fake_cute.warmed(has_residual=True) == set()
 
 
@@ -276,7 +279,9 @@ def test_request_warmup_counts_a_compiled_non_cute_call(monkeypatch, fake_cute) 
     monkeypatch.setattr(sab_backend.SwapAb, "warm_up", warm_up)
     weight = torch.empty(6288, 7168, dtype=BF16, device="meta")
     assert k3.request_low_latency_warmup(weight) is True
-    assert compiled == [(6288, 7168, m, weight.device) for m in range(4, 17)]
+    swap_ab = [m for m, call in k3.KIMI_K3_PROJECTIONS_SM90[(6288, 7168)].winners
+               if call.backend == "swap_ab"]  # fmt: skip
+    assert swap_ab and compiled == [(6288, 7168, m, weight.device) for m in swap_ab]
 
 
 # ------------------------------------------------------------------------ callers

@@ -77,7 +77,11 @@ class OverlapTokens(NamedTuple):
 #: overlap (see below) beat (B), our sequential path, in both timing passes, with the table
 #: as committed: M 1 (by 0.66 µs) and every M from 5 (by 1.4-3.1 µs, 1.05-1.12x). At M 2-4
 #: the packed GEMM's CuTe rows run (B) at 1.05-1.15x the read roof, and the overlap, whose
-#: QKVG GEMM alone takes about as long as the packed one, lost by 0.15-0.71 µs.
+#: QKVG GEMM alone takes about as long as the packed one, lost by 0.15-0.71 µs. Since
+#: 2026-12-02 the SM90 table gives those packed rows to swap-AB (the chain penalty of
+#: k3lab's winners.py); the decode-step replay of that day measured the patched KDA layer
+#: with these token counts 4.5 µs faster at M = 3 and within 0.5 µs elsewhere; the
+#: overlap itself at M 2-4 was not re-measured against the new rows.
 SM90_OVERLAP_TOKENS = (1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 SM90_OVERLAP_SOURCE = (
     "NVIDIA H200 (SM90), run h200-20261130-1347-kda (2026-11-30), "
