@@ -150,6 +150,7 @@ def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies
                 op.run(st, ws[0])
             torch.cuda.synchronize()
             outs[variant] = st[_output_key(layer)].double()
+            st.get("_via", {}).clear()  # the record below is of the captured step, not this run
 
             def step(ops=ops, st=st):
                 s2 = dict(st)
