@@ -996,3 +996,22 @@ def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_
     assert {"mtp_input", "rms_norm"} <= calls, calls
     names = {n.id for n in ast.walk(mtp) if isinstance(n, ast.Name)}
     assert "fused_mtp_input" in names, "the stock fused_mtp_input is no longer passed as fallback"
+
+
+@pytest.mark.parametrize("op,name", [("rmsnorm", "pdl_rmsnorm"), ("act_mul", "pdl_act_mul"),
+                                     ("sigmoid_mul", "pdl_sigmoid_mul"), ("mtp_input", "pdl_mtp_input")])
+def test_pdl_backends_compile_once_per_width_and_device_on_cuda_only(monkeypatch, op, name) -> None:
+    # PdlKernel.warm_up: one compile_for per distinct (width, CUDA device), the first call
+    # of each kept; meta and CPU weights (before loading, or no GPU) compile nothing.
+    backend = gemm_backends.backends_for(op)[name]
+    seen = []
+    monkeypatch.setattr(type(backend), "compile_for", lambda self, call, dtype: seen.append((call, dtype)))
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    W = gemm_backends.base.WarmupCall
+    calls = [W(768, 768, 1, None, cuda0), W(768, 768, 8, None, cuda0), W(512, 512, 4, None, cuda0),
+             W(768, 768, 2, None, cuda1), W(768, 768, 3, None, torch.device("meta")),
+             W(768, 768, 5, None, torch.device("cpu"))]  # fmt: skip
+    assert backend.warm_up(calls, torch.bfloat16) == 3
+    got = [(c.k, c.num_tokens, c.device) for c, _ in seen]
+    assert got == [(768, 1, cuda0), (512, 4, cuda0), (768, 2, cuda1)]
+    assert {d for _, d in seen} == {torch.bfloat16}

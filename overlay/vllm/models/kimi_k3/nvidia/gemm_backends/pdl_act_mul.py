@@ -17,7 +17,6 @@ Rows of op ``"act_mul"`` are keyed by ``(D,)``, the output width; no config. Ope
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -55,19 +54,11 @@ class PdlActMul(PdlKernel):
             gate_up, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta
         )
 
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile SiLU and SITU (with and without the clip) per width on CUDA; nothing else."""
-        seen = set()
-        for call in calls:
-            if call.device.type != "cuda" or (call.k, call.device) in seen:
-                continue
-            seen.add((call.k, call.device))
-            gate_up = torch.zeros(call.num_tokens, 2 * call.k, dtype=dtype, device=call.device)
-            for beta, linear in ((None, None), (1.0, None), (1.0, 1.0)):
-                self.launch(None, gate_up, beta, linear)
-        return len(seen)
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """SiLU, and SITU with and without the clip."""
+        gate_up = torch.zeros(call.num_tokens, 2 * call.k, dtype=dtype, device=call.device)
+        for beta, linear in ((None, None), (1.0, None), (1.0, 1.0)):
+            self.launch(None, gate_up, beta, linear)
 
 
 BACKEND = PdlActMul()

@@ -21,7 +21,6 @@ contiguous BF16 (H,); one device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -77,19 +76,11 @@ class PdlMtpInput(PdlKernel):
         """A new packed BF16 (M, 2H): ``[enorm(embeds, 0 where positions == 0) | hnorm(prev)]``."""
         return pointwise.mtp_input(positions, embeds, prev, enorm_weight, hnorm_weight, eps)
 
-    def warm_up(self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False) -> int:
-        """Compile the kernel once per H on a CUDA device (int64 positions, vLLM's); nothing
-        off CUDA."""
-        seen = set()
-        for call in calls:
-            if call.device.type != "cuda" or (call.k, call.device) in seen:
-                continue
-            seen.add((call.k, call.device))
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            positions = torch.ones(call.num_tokens, dtype=torch.int64, device=call.device)
-            g = x.new_ones(call.k)
-            self.launch(None, positions, x, x, g, g, 1e-6)
-        return len(seen)
-
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """int64 positions, as vLLM passes them."""
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        positions = torch.ones(call.num_tokens, dtype=torch.int64, device=call.device)
+        g = x.new_ones(call.k)
+        self.launch(None, positions, x, x, g, g, 1e-6)
 
 BACKEND = PdlMtpInput()

@@ -55,6 +55,23 @@ class PdlKernel(KernelBackend):
         """No config."""
         return None if config is None else f"{self.name} takes no config"
 
+    def warm_up(
+        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
+    ) -> int:
+        """Compile once per distinct (width, device) on CUDA (the token count is no
+        compile-time constant of these kernels); nothing off CUDA. Returns how many."""
+        first: dict = {}
+        for call in calls:
+            if call.device.type == "cuda":
+                first.setdefault((call.k, call.device), call)
+        for call in first.values():
+            self.compile_for(call, dtype)
+        return len(first)
+
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """Launch every variant once on zeros of ``call``'s width and device."""
+        raise NotImplementedError
+
 
 class PdlRmsNorm(PdlKernel):
     """Our PDL-aware one-launch RMSNorm / fused add + RMSNorm."""
@@ -93,19 +110,11 @@ class PdlRmsNorm(PdlKernel):
             return norm.rms_norm(x, weight, eps), None
         return norm.add_rms_norm(x, residual, weight, eps)
 
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile both variants for each distinct width on a CUDA device; nothing off CUDA."""
-        seen = set()
-        for call in calls:
-            if call.device.type != "cuda" or (call.k, call.device) in seen:
-                continue
-            seen.add((call.k, call.device))
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            for res in (None, x.clone()):
-                self.launch(None, x, x.new_ones(call.k), 1e-6, res)
-        return len(seen)
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """The plain norm and the add + norm."""
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        for res in (None, x.clone()):
+            self.launch(None, x, x.new_ones(call.k), 1e-6, res)
 
 
 BACKEND = PdlRmsNorm()

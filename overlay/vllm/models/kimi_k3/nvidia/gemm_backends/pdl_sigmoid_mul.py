@@ -21,7 +21,6 @@ stride (row-strided views are fine), same M, one device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -51,16 +50,8 @@ class PdlSigmoidMul(PdlKernel):
         """A new packed BF16 (M, D): ``x * sigmoid(gate)``."""
         return pointwise.sigmoid_mul(x, gate)
 
-    def warm_up(self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False) -> int:
-        """Compile the kernel once per width on a CUDA device; nothing off CUDA."""
-        seen = set()
-        for call in calls:
-            if call.device.type != "cuda" or (call.k, call.device) in seen:
-                continue
-            seen.add((call.k, call.device))
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            self.launch(None, x, x)
-        return len(seen)
-
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        self.launch(None, x, x)
 
 BACKEND = PdlSigmoidMul()
