@@ -1015,3 +1015,22 @@ def test_pdl_backends_compile_once_per_width_and_device_on_cuda_only(monkeypatch
     got = [(c.k, c.num_tokens, c.device) for c, _ in seen]
     assert got == [(768, 1, cuda0), (512, 4, cuda0), (768, 2, cuda1)]
     assert {d for _, d in seen} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("op,name", [("rmsnorm_gemm", "swap_ab_rmsnorm"),
+                                     ("add_rmsnorm_gemm", "swap_ab_add_rmsnorm"),
+                                     ("gate_gemm", "swap_ab_gate")])  # fmt: skip
+def test_fused_swap_ab_backends_compile_once_per_shape_config_and_device(monkeypatch, op, name) -> None:
+    # The same warm-up rule (base.CompiledOnFirstLaunch) keyed by (N, K, config, device):
+    # two configs of one shape are two builds, two token counts of one config are one.
+    backend = gemm_backends.backends_for(op)[name]
+    seen = []
+    monkeypatch.setattr(type(backend), "compile_for", lambda self, call, dtype: seen.append(call))
+    cuda0 = torch.device("cuda", 0)
+    W = gemm_backends.base.WarmupCall
+    a, b = (64, 256, 1, 4, 4), (64, 128, 2, 4, 6)
+    calls = [W(2304, 1536, 1, a, cuda0), W(2304, 1536, 8, a, cuda0), W(2304, 1536, 2, b, cuda0),
+             W(7168, 3584, 4, a, cuda0), W(2304, 1536, 3, b, torch.device("meta"))]  # fmt: skip
+    assert backend.warm_up(calls, torch.bfloat16) == 3
+    assert [(c.n, c.k, c.num_tokens, c.config) for c in seen] == [
+        (2304, 1536, 1, a), (2304, 1536, 2, b), (7168, 3584, 4, a)]

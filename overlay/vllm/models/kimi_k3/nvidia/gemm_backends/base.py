@@ -121,6 +121,30 @@ class KernelBackend(ABC):
         return f"<{type(self).__name__} {self.op}:{self.name}>"
 
 
+class CompiledOnFirstLaunch:
+    """``warm_up`` of a backend whose kernels compile on their first launch (Triton), which
+    CUDA-graph capture must not see: one launch per distinct (N, K, config, device) of the
+    calls on CUDA devices, the first call of each kept (the token count is no compile-time
+    constant of these kernels); nothing for ``meta``/CPU weights. Mixed in ahead of
+    :class:`KernelBackend`; a subclass says in :meth:`compile_for` what to launch."""
+
+    def warm_up(
+        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
+    ) -> int:
+        """Returns how many distinct builds were launched."""
+        first: dict = {}
+        for call in calls:
+            if call.device.type == "cuda":
+                first.setdefault((call.n, call.k, call.config, call.device), call)
+        for call in first.values():
+            self.compile_for(call, dtype)
+        return len(first)
+
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """Launch every variant the backend runs once, on zeros of ``call``'s shape."""
+        raise NotImplementedError
+
+
 class GemmBackend(KernelBackend):
     """A backend of the dispatch's op, ``x @ weight.T`` (optionally ``+ residual``).
 

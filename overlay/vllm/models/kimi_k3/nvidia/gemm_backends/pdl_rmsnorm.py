@@ -20,7 +20,6 @@ stride, one device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from vllm.models.kimi_k3.nvidia import norm
 from vllm.triton_utils import HAS_TRITON
 
-from .base import KernelBackend, WarmupCall, bf16_on, is_row_major, is_vector_of
+from .base import CompiledOnFirstLaunch, KernelBackend, WarmupCall, bf16_on, is_row_major, is_vector_of
 
 MAX_TOKENS = 16
 
@@ -44,9 +43,10 @@ def token_rows_ok(t: torch.Tensor, width: int, m: int | None = None) -> bool:
     )
 
 
-class PdlKernel(KernelBackend):
+class PdlKernel(CompiledOnFirstLaunch, KernelBackend):
     """What our PDL-aware norm and pointwise kernels say of their table data: available
-    wherever Triton is, and no config (a row routes the op, nothing to tune)."""
+    wherever Triton is, and no config (a row routes the op, nothing to tune); compiled
+    once per width (their calls have N = K = the width)."""
 
     def is_available(self) -> bool:
         return HAS_TRITON
@@ -54,23 +54,6 @@ class PdlKernel(KernelBackend):
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
         """No config."""
         return None if config is None else f"{self.name} takes no config"
-
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile once per distinct (width, device) on CUDA (the token count is no
-        compile-time constant of these kernels); nothing off CUDA. Returns how many."""
-        first: dict = {}
-        for call in calls:
-            if call.device.type == "cuda":
-                first.setdefault((call.k, call.device), call)
-        for call in first.values():
-            self.compile_for(call, dtype)
-        return len(first)
-
-    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
-        """Launch every variant once on zeros of ``call``'s width and device."""
-        raise NotImplementedError
 
 
 class PdlRmsNorm(PdlKernel):

@@ -22,7 +22,6 @@ residual, (M, K) BF16 with unit column stride on ``x``'s device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -30,13 +29,21 @@ import torch
 from vllm.models.kimi_k3.nvidia import fused_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 
-from .base import DEFAULT_ALIGN_BYTES, KernelBackend, WarmupCall, aligned, bf16_on
-from .base import is_packed_row_major, is_vector_of
+from .base import (
+    DEFAULT_ALIGN_BYTES,
+    CompiledOnFirstLaunch,
+    KernelBackend,
+    WarmupCall,
+    aligned,
+    bf16_on,
+    is_packed_row_major,
+    is_vector_of,
+)
 from .swap_ab import SwapAbTable
 from .swap_ab_rmsnorm import addend_ok, rows_ok
 
 
-class SwapAbAddRmsNorm(SwapAbTable, KernelBackend):
+class SwapAbAddRmsNorm(CompiledOnFirstLaunch, SwapAbTable, KernelBackend):
     """Our swap-AB kernel with the residual-add + RMSNorm prologue."""
 
     name = "swap_ab_add_rmsnorm"
@@ -81,21 +88,12 @@ class SwapAbAddRmsNorm(SwapAbTable, KernelBackend):
         )
         return out, h
 
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile each distinct (N, K, config) on zeros of a CUDA device; nothing off CUDA."""
-        seen = set()
-        for call in calls:
-            key = (call.n, call.k, call.config, call.device)
-            if call.device.type != "cuda" or key in seen:
-                continue
-            seen.add(key)
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
-            for add_to in (None, x.new_zeros(call.num_tokens, call.n)):
-                self.launch(call.config, x, x.clone(), x.new_ones(call.k), 1e-6, w, add_to)
-        return len(seen)
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """With and without the epilogue's addend."""
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
+        for add_to in (None, x.new_zeros(call.num_tokens, call.n)):
+            self.launch(call.config, x, x.clone(), x.new_ones(call.k), 1e-6, w, add_to)
 
 
 BACKEND = SwapAbAddRmsNorm()

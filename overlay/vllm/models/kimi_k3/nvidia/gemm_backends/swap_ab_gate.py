@@ -22,7 +22,6 @@ BF16 (N, K) 16-byte aligned, on ``x``'s device, and ``1 <= n_fp32 < N``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -30,12 +29,20 @@ import torch
 from vllm.models.kimi_k3.nvidia import fused_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 
-from .base import DEFAULT_ALIGN_BYTES, KernelBackend, WarmupCall, aligned, bf16_on, is_packed_row_major
+from .base import (
+    DEFAULT_ALIGN_BYTES,
+    CompiledOnFirstLaunch,
+    KernelBackend,
+    WarmupCall,
+    aligned,
+    bf16_on,
+    is_packed_row_major,
+)
 from .swap_ab import SwapAbTable
 from .swap_ab_rmsnorm import rows_ok
 
 
-class SwapAbGate(SwapAbTable, KernelBackend):
+class SwapAbGate(CompiledOnFirstLaunch, SwapAbTable, KernelBackend):
     """Our swap-AB kernel with the split-dtype (fp32 gate | bf16 rest) epilogue."""
 
     name = "swap_ab_gate"
@@ -60,20 +67,11 @@ class SwapAbGate(SwapAbTable, KernelBackend):
         """New packed ``(fp32 (M, n_fp32), BF16 (M, N - n_fp32))``."""
         return fused_gemm.gemm_split_dtype(x, weight, n_fp32, config)
 
-    def warm_up(self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False) -> int:
-        """Compile each distinct (N, K, config) on zeros of a CUDA device (Triton compiles
-        on first launch, which CUDA-graph capture must not see); nothing off CUDA. The
-        split point is no compile-time constant: any ``n_fp32`` shares the build."""
-        seen = set()
-        for call in calls:
-            key = (call.n, call.k, call.config, call.device)
-            if call.device.type != "cuda" or key in seen:
-                continue
-            seen.add(key)
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
-            self.launch(call.config, x, w, 1)
-        return len(seen)
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """The split point is no compile-time constant: any ``n_fp32`` shares the build."""
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
+        self.launch(call.config, x, w, 1)
 
 
 BACKEND = SwapAbGate()

@@ -22,7 +22,6 @@ BF16 (M, N), all on one device; 16-byte aligned ``x`` and ``weight``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +31,7 @@ from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 
 from .base import (
     DEFAULT_ALIGN_BYTES,
+    CompiledOnFirstLaunch,
     KernelBackend,
     WarmupCall,
     aligned,
@@ -59,7 +59,7 @@ def addend_ok(t: torch.Tensor | None, m: int, n: int) -> bool:
     return t is None or (is_packed_row_major(t) and tuple(t.shape) == (m, n))
 
 
-class SwapAbRmsNorm(SwapAbTable, KernelBackend):
+class SwapAbRmsNorm(CompiledOnFirstLaunch, SwapAbTable, KernelBackend):
     """Our swap-AB kernel with the RMSNorm prologue."""
 
     name = "swap_ab_rmsnorm"
@@ -96,22 +96,12 @@ class SwapAbRmsNorm(SwapAbTable, KernelBackend):
         """A new BF16 (M, N): ``RMSNorm(x) @ weight.T (+ add_to)``."""
         return fused_gemm.rmsnorm_gemm(x, norm_weight, eps, weight, config, residual=add_to)
 
-    def warm_up(
-        self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
-    ) -> int:
-        """Compile each distinct (N, K, config) on zeros of a CUDA device (Triton compiles
-        on first launch, which CUDA-graph capture must not see); nothing off CUDA."""
-        seen = set()
-        for call in calls:
-            key = (call.n, call.k, call.config, call.device)
-            if call.device.type != "cuda" or key in seen:
-                continue
-            seen.add(key)
-            x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
-            w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
-            for add_to in (None, x.new_zeros(call.num_tokens, call.n)):
-                self.launch(call.config, x, x.new_ones(call.k), 1e-6, w, add_to)
-        return len(seen)
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """With and without the epilogue's addend."""
+        x = torch.zeros(call.num_tokens, call.k, dtype=dtype, device=call.device)
+        w = torch.zeros(call.n, call.k, dtype=dtype, device=call.device)
+        for add_to in (None, x.new_zeros(call.num_tokens, call.n)):
+            self.launch(call.config, x, x.new_ones(call.k), 1e-6, w, add_to)
 
 
 BACKEND = SwapAbRmsNorm()
