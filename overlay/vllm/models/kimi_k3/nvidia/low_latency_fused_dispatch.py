@@ -160,6 +160,18 @@ def _route(op: str, shape: tuple, num_tokens: int) -> tuple[KernelBackend, Any] 
     return None if backend is None else (backend, call.config)
 
 
+def _launch_routed(op: str, shape: tuple, x: torch.Tensor, checked: tuple, launched: tuple) -> Any:
+    """The routed backend's ``launch(config, *launched)`` for ``x``'s token count, where
+    its ``operands_ok(config, *checked)`` holds; None when nothing routes or it refuses."""
+    routed = _route(op, shape, _tokens(x))
+    if routed is None:
+        return None
+    backend, config = routed
+    if not backend.operands_ok(config, *checked):
+        return None
+    return backend.launch(config, *launched)
+
+
 def routes_any(op: str, shape: tuple) -> bool:
     """Whether ``op`` on ``shape`` would route at some M: the switch on, this device's
     table has a row, its backend built. For load-time work that only pays if the fused
@@ -253,17 +265,12 @@ def try_rmsnorm_gemm(
         return None
     if not _on_fast_device(x, norm_weight, weight, residual, add_to):
         return None
-    routed = _route(op, tuple(weight.shape), _tokens(x))
-    if routed is None:
-        return None
-    backend, config = routed
     if residual is None:
-        if not backend.operands_ok(config, x, norm_weight, weight, add_to):
-            return None
-        return backend.launch(config, x, norm_weight, eps, weight, add_to), None
-    if not backend.operands_ok(config, x, residual, norm_weight, weight, add_to):
-        return None
-    return backend.launch(config, x, residual, norm_weight, eps, weight, add_to)
+        out = _launch_routed(op, tuple(weight.shape), x, (x, norm_weight, weight, add_to),
+                             (x, norm_weight, eps, weight, add_to))  # fmt: skip
+        return None if out is None else (out, None)
+    return _launch_routed(op, tuple(weight.shape), x, (x, residual, norm_weight, weight, add_to),
+                          (x, residual, norm_weight, eps, weight, add_to))  # fmt: skip
 
 
 def try_rms_norm(
@@ -284,13 +291,7 @@ def try_rms_norm(
     """
     if not _on_fast_device(x, weight, residual):
         return None
-    routed = _route("rmsnorm", (x.shape[1],), _tokens(x))
-    if routed is None:
-        return None
-    backend, config = routed
-    if not backend.operands_ok(config, x, weight, residual):
-        return None
-    return backend.launch(config, x, weight, eps, residual)
+    return _launch_routed("rmsnorm", (x.shape[1],), x, (x, weight, residual), (x, weight, eps, residual))
 
 
 def try_act_mul(
@@ -311,13 +312,8 @@ def try_act_mul(
     """
     if not _on_fast_device(gate_up) or gate_up.shape[1] % 2:
         return None
-    routed = _route("act_mul", (gate_up.shape[1] // 2,), _tokens(gate_up))
-    if routed is None:
-        return None
-    backend, config = routed
-    if not backend.operands_ok(config, gate_up):
-        return None
-    return backend.launch(config, gate_up, situ_beta, situ_linear_beta)
+    return _launch_routed("act_mul", (gate_up.shape[1] // 2,), gate_up, (gate_up,),
+                          (gate_up, situ_beta, situ_linear_beta))  # fmt: skip
 
 
 def try_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
@@ -334,13 +330,7 @@ def try_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
     """
     if not (isinstance(gate, torch.Tensor) and _on_fast_device(x, gate)):
         return None
-    routed = _route("sigmoid_mul", (x.shape[1],), _tokens(x))
-    if routed is None:
-        return None
-    backend, config = routed
-    if not backend.operands_ok(config, x, gate):
-        return None
-    return backend.launch(config, x, gate)
+    return _launch_routed("sigmoid_mul", (x.shape[1],), x, (x, gate), (x, gate))
 
 
 def try_mtp_input(
@@ -370,13 +360,8 @@ def try_mtp_input(
         return None
     if not (isinstance(eps, (int, float)) and _on_fast_device(embeds, *operands)):
         return None
-    routed = _route("mtp_input", (embeds.shape[1],), _tokens(embeds))
-    if routed is None:
-        return None
-    backend, config = routed
-    if not backend.operands_ok(config, positions, embeds, prev, enorm_weight, hnorm_weight):
-        return None
-    return backend.launch(config, positions, embeds, prev, enorm_weight, hnorm_weight, float(eps))
+    checked = (positions, embeds, prev, enorm_weight, hnorm_weight)
+    return _launch_routed("mtp_input", (embeds.shape[1],), embeds, checked, (*checked, float(eps)))
 
 def try_gate_gemm(
     x: torch.Tensor,
@@ -404,10 +389,5 @@ def try_gate_gemm(
         return None
     if not _on_fast_device(x, stacked_weight):
         return None
-    routed = _route("gate_gemm", tuple(stacked_weight.shape), _tokens(x))
-    if routed is None:
-        return None
-    backend, config = routed
-    if not backend.operands_ok(config, x, stacked_weight, n_fp32):
-        return None
-    return backend.launch(config, x, stacked_weight, n_fp32)
+    operands = (x, stacked_weight, n_fp32)
+    return _launch_routed("gate_gemm", tuple(stacked_weight.shape), x, operands, operands)
