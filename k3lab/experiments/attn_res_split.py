@@ -136,6 +136,25 @@ def _store_partials(ws_ptr, row, c, C: tl.constexpr, srow, ss, dt, g):
     tl.store(base + 2 * S + srow[:, None] * S + srow[None, :], g)
 
 
+@triton.jit
+def _wqk(nw_ptr, qw_ptr, cols, cmask):
+    """The input norm's weight times the query weight on ``cols`` (fp32)."""
+    return tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
+        qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
+def _chunk_partials(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, row, c, srow, sp_m, sd_m,
+                    sb_m, sb_r, H: tl.constexpr, NB: tl.constexpr, CH: tl.constexpr,
+                    GSPLIT: tl.constexpr):  # fmt: skip
+    """Chunk ``c``'s partial sums of one row (loads, then :func:`_partials`)."""
+    cols = c * CH + tl.arange(0, CH)
+    cmask = cols < H
+    tile = _chunk(prefix_ptr, delta_ptr, blocks_ptr, row, cols, cmask, srow, sp_m, sd_m, sb_m, sb_r,
+                  NB, True, False)  # fmt: skip
+    return _partials(tile, _wqk(nw_ptr, qw_ptr, cols, cmask), CH, GSPLIT)
+
+
 @triton.jit(do_not_specialize=["sp_m", "sd_m", "sb_m", "sb_r"])
 def _split_last_kernel(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, ow_ptr, out_ptr, ws_ptr,
                        cnt_ptr, sp_m, sd_m, sb_m, sb_r, eps, out_eps, H: tl.constexpr,
@@ -148,8 +167,7 @@ def _split_last_kernel(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, ow_ptr
     cmask = cols < H
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wqk = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-        qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # fmt: skip
+    wqk = _wqk(nw_ptr, qw_ptr, cols, cmask)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     tile = _chunk(prefix_ptr, delta_ptr, blocks_ptr, row, cols, cmask, srow, sp_m, sd_m, sb_m, sb_r,
@@ -188,8 +206,7 @@ def _split_spin_kernel(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, ow_ptr
     cmask = cols < H
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wqk = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-        qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # fmt: skip
+    wqk = _wqk(nw_ptr, qw_ptr, cols, cmask)
     ow = tl.load(ow_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -237,25 +254,15 @@ def _row_kernel(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, ow_ptr, out_p
     g = tl.zeros((S, S), tl.float32)
     if UNROLL:  # every chunk's loads may be issued before the first chunk's math
         for c in tl.static_range(C):
-            cols = c * CH + tl.arange(0, CH)
-            cmask = cols < H
-            wqk = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-                qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # fmt: skip
-            tile = _chunk(prefix_ptr, delta_ptr, blocks_ptr, row, cols, cmask, srow, sp_m, sd_m,
-                          sb_m, sb_r, NB, True, False)  # fmt: skip
-            a, b, d = _partials(tile, wqk, CH, GSPLIT)
+            a, b, d = _chunk_partials(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, row, c, srow,
+                                      sp_m, sd_m, sb_m, sb_r, H, NB, CH, GSPLIT)  # fmt: skip
             ss += a
             dt += b
             g += d
     else:
         for c in range(C):
-            cols = c * CH + tl.arange(0, CH)
-            cmask = cols < H
-            wqk = tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-                qw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)  # fmt: skip
-            tile = _chunk(prefix_ptr, delta_ptr, blocks_ptr, row, cols, cmask, srow, sp_m, sd_m,
-                          sb_m, sb_r, NB, True, False)  # fmt: skip
-            a, b, d = _partials(tile, wqk, CH, GSPLIT)
+            a, b, d = _chunk_partials(prefix_ptr, delta_ptr, blocks_ptr, nw_ptr, qw_ptr, row, c, srow,
+                                      sp_m, sd_m, sb_m, sb_r, H, NB, CH, GSPLIT)  # fmt: skip
             ss += a
             dt += b
             g += d
