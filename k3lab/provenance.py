@@ -35,3 +35,17 @@ def provenance(run_id: str, kernel: str = "vLLM v0.28.0 ShapeDynamicSkinnyGemm (
         "run_id": run_id,
         "kernel": kernel,
     }
+
+
+def environment() -> dict:
+    """``{"date" (UTC), "gpu", "torch", "triton", "cuda", "python"}`` of GPU 0 now: the
+    header of the decode-step benchmarks' JSON (``k3lab/decode_step/``)."""
+    import platform
+    import time
+
+    import torch
+    import triton
+
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version()}  # fmt: skip

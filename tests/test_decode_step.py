@@ -163,3 +163,19 @@ def test_gate_stack_bench_candidates_fit_the_stacked_shape() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"candidates swap_ab_gemm.config_error refuses: {proc.stdout}"
+
+
+def test_the_benchmarks_json_header_names_gpu_date_and_versions(monkeypatch) -> None:
+    import platform
+
+    import torch
+    import triton
+
+    from k3lab import provenance
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    env = provenance.environment()
+    assert list(env) == ["date", "gpu", "torch", "triton", "cuda", "python"]
+    assert env["gpu"] == "NVIDIA H200" and env["triton"] == triton.__version__
+    assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
+    assert len(env["date"]) == 10 and env["date"][4] == "-"

@@ -22,11 +22,9 @@ import itertools
 import json
 import os
 import pathlib
-import platform
 import sys
-import time
 
-from k3lab import timing
+from k3lab import provenance, timing
 from k3lab.decode_step import imports
 from k3lab.decode_step.layers import EPS, NB, H
 
@@ -98,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wcopies = [[(1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
                 for _ in range(3)] for _ in range(COPIES)]  # fmt: skip
-    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "tag": args.tag, "reps": args.reps,
+    doc = {**provenance.environment(), "tag": args.tag, "reps": args.reps,
            "shape": {"H": H, "num_blocks": NB, "blocks_rows": NB + 1},
            "method": "one CUDA graph of 8 calls (8 copies of the 3 weight vectors, same activations, "
                      "PDL launches where the kernel supports it), median of reps, us per call "

@@ -28,11 +28,9 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import sys
-import time
 
-from k3lab import timing
+from k3lab import provenance, timing
 from k3lab.decode_step import imports
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -60,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apply-best", action="store_true")
     args = ap.parse_args(argv)
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
@@ -75,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
           for _ in range(8)]  # fmt: skip
     gates = [w[:NE] for w in ws]  # row slices of a packed weight: packed, same bytes
     rests = [w[NE:] for w in ws]
-    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "read_bw_TBps": round(bw / 1e12, 4),
+    doc = {**provenance.environment(), "read_bw_TBps": round(bw / 1e12, 4),
            "roof_us": round(2 * (NE + REST) * K / bw * 1e6, 2),
            "gate_config": list(gate_cfg), "rest_config": list(rest_cfg),
            "method": "CUDA graph over 8 weight copies, median of 9 replays, us per call (per pair "

@@ -73,11 +73,9 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import sys
-import time
 
-from k3lab import timing
+from k3lab import provenance, timing
 from k3lab.decode_step import imports, layers, patched
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -229,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --layers {args.layers!r}: each of {sorted(layers.LAYERS)}", file=sys.stderr)
         return 2
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
@@ -247,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --patched needs the patched vLLM tree importable: {e}", file=sys.stderr)
             return 2
     bw = timing.read_bandwidth_Bps(replays=12)
-    doc = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "tag": args.tag, "read_bw_TBps": round(bw / 1e12, 4),
+    doc = {**provenance.environment(), "tag": args.tag, "read_bw_TBps": round(bw / 1e12, 4),
            "attn_res_ours": kn.attn_res_ours_name,
            "copies": args.copies, "reps": args.reps,
            "method": "one CUDA graph per variant over rotated weight copies, median of reps, µs per step; "
