@@ -45,10 +45,10 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from k3overlay.rebase import run_rebase
     from k3overlay.redact import excepthook
     from k3overlay.report import (
-        Report,
         check_writable,
         junit_xml,
         markdown,
+        refused,
         write_human,
         write_json,
         write_text,
@@ -247,10 +247,10 @@ def _stopped(refs: list[str], error: str, code: int) -> list:
     """Reports for a job stopped before its refs were done (an unreachable source, a bad
     series, a bug): every report asked for is still written, each ref's saying why."""
     try:
-        version = Project().version
+        project = Project()
     except errors.OverlayError:
-        version = ""
-    return [Report(version, "", ref, error=error, error_code=code) for ref in dict.fromkeys(refs)]
+        project = None
+    return [refused(project, ref, error, code) for ref in dict.fromkeys(refs)]
 
 
 def _renderers(args, reports: list) -> list:

@@ -12,14 +12,13 @@ from pathlib import Path
 from rich.console import Console
 
 from . import errors, git, progress, releases, source
-from . import manifest as manifest_mod
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
 from .project import Project
 from .rebase import rebase_to
 from .redact import Stream, excepthook, redact
-from .report import Report, check_writable, write_human, write_json
+from .report import Report, check_writable, refused, write_human, write_json
 from .source import check_ref
 from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
 
@@ -160,14 +159,14 @@ def _run(project: Project, args: argparse.Namespace) -> int:
     except errors.OverlayError as err:
         tell(f"apply.py: error: {err}")
         if json_to:
-            report = _early_report(project, args, str(err), err.exit_code)
+            report = refused(project, args.rebase_to or args.vllm_ref, str(err), err.exit_code)
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, json_to)
         return err.exit_code
     except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
         if json_to:
-            report = _early_report(project, args, f"internal error (a bug of apply.py): "
-                                   f"{type(err).__name__}: {err}", INTERNAL)
+            report = refused(project, args.rebase_to or args.vllm_ref, f"internal error (a bug "
+                             f"of apply.py): {type(err).__name__}: {err}", INTERNAL)
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
@@ -207,17 +206,6 @@ def _list_releases(args: argparse.Namespace) -> int:
     for line in releases.listing(source.default_mirror()):
         print(line)
     return errors.OK
-
-
-def _early_report(project: Project, args: argparse.Namespace, error: str, code: int) -> Report:
-    """The JSON report of a run refused before it started: the pinned base, and the ref the
-    run was for (the base itself when none was given), so a reader never sees an empty one."""
-    try:
-        base = manifest_mod.load(project.manifest_path, project.overlay_dir).base
-    except Exception:  # the refusal may be about overlay.json itself; the report still goes out
-        base = ""
-    ref = args.rebase_to or args.vllm_ref or base
-    return Report(project.version, base, ref, error=error, error_code=code)
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:

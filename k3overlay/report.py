@@ -177,6 +177,23 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
     write_text(path, json.dumps(scrub(data), indent=2) + "\n")
 
 
+def refused(project, ref: str | None, error: str, code: int) -> Report:
+    """The report of a run refused or stopped before it applied anything: the pinned base
+    (``project``'s overlay.json) and the ref the run was for (the base itself when none was
+    given), so no field that can be known is left empty. ``project``: a
+    :class:`~k3overlay.project.Project`, or None when the project itself failed to load."""
+    from . import manifest
+
+    version = base = ""
+    if project is not None:
+        version = project.version
+        try:
+            base = manifest.load(project.manifest_path, project.overlay_dir).base
+        except Exception:  # the refusal may be about overlay.json itself; the report still goes out
+            pass
+    return Report(version, base, ref or base, error=error, error_code=code)
+
+
 def check_writable(path: Path, option: str) -> None:
     """Make sure a report file can be written, before any work is done (UsageError if not).
 

@@ -162,6 +162,9 @@ def test_rebase_job_whose_source_is_unreachable_still_writes_every_report(projec
     reports = json.loads(outs[0].read_text())
     assert [r["ref"] for r in reports] == ["v1.1.0", "v1.2.0"]
     assert all(r["error"].startswith("cannot reach the vLLM source") for r in reports)
+    # Stopped before any target, each report still names the pinned base (apply.py's too).
+    base = json.loads((project.root / "overlay.json").read_text())["base"]
+    assert base and all(r["base_ref"] == base for r in reports)
     assert outs[1].read_text().count("<error") == 2 and "cannot reach" in outs[2].read_text()
 
 
