@@ -184,14 +184,16 @@ def _main(argv: list[str] | None) -> int:
     except errors.OverlayError as err:  # nowhere safe to write a report: say it only
         tell(f"rebase.py: error: {err}")
         return err.exit_code
+    refs = args.onto  # as given, until _targets translates them
     try:
-        reports = _run(args)
+        refs, notes, refused_refs = _targets(args.onto, args.vllm_repo)
+        reports = _run(args, refs, notes, refused_refs)
     except errors.OverlayError as err:  # the job stopped: each ref's report says why
         tell(f"rebase.py: error: {err}")
-        reports = _stopped(args.onto, str(err), err.exit_code)
+        reports = _stopped(refs, str(err), err.exit_code)
     except Exception as err:  # a bug of ours: the reports asked for still say so, then the traceback
-        reports = _stopped(args.onto, f"internal error (a bug of rebase.py): {type(err).__name__}: "
-                                      f"{err}", INTERNAL)
+        reports = _stopped(refs, f"internal error (a bug of rebase.py): {type(err).__name__}: "
+                                 f"{err}", INTERNAL)
         _write_reports([(path, write) for path, write in _renderers(args, reports) if path], INTERNAL)
         raise
     job_done()
@@ -209,38 +211,51 @@ def _main(argv: list[str] | None) -> int:
                            if path and stream_target(path) is not None], code)
 
 
-def _run(args) -> list:
-    """One report per ``--onto`` ref (see ``run_rebase``)."""
-    refs, notes = _targets(args.onto, args.vllm_repo)
+def _run(args, refs: list[str], notes: dict, refused_refs: dict) -> list:
+    """One report per distinct ref, in order (see ``run_rebase``); a ref ``_targets``
+    refused gets its refusal as its report, and the others run."""
     results = None
     if args.gpu_results:
         from ci.gpu_stage.stage import load_results
 
         results = load_results(args.gpu_results)
-    stages = JobStages(Project(), tests=not args.no_tests, gpu=args.gpu,
+    project = Project()
+    stages = JobStages(project, tests=not args.no_tests, gpu=args.gpu,
                        gpu_results=results, gpu_export=args.gpu_export)
-    reports = run_rebase(Project(), list(dict.fromkeys(refs)), vllm_repo=args.vllm_repo,
-                         stages=stages,
-                         wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
-    for report in reports:
-        report.notes[:0] = notes.get(report.ref, [])
+    refs = list(dict.fromkeys(refs))
+    runnable = [ref for ref in refs if ref not in refused_refs]
+    ran = iter(run_rebase(project, runnable, vllm_repo=args.vllm_repo, stages=stages,
+                          wheels=WheelOptions(args.wheels.resolve()) if args.wheels else None)
+               if runnable else [])
+    reports = []
+    for ref in refs:
+        err = refused_refs.get(ref)
+        report = refused(project, ref, str(err), err.exit_code) if err else next(ran)
+        report.notes[:0] = notes.get(ref, [])
+        reports.append(report)
     return reports
 
 
-def _targets(onto: list[str], vllm_repo: str | None) -> tuple[list[str], dict[str, list[str]]]:
-    """The ``--onto`` refs as the job runs them, with a note per translated one: ``latest``
-    is the newest release, and upstream's commit id of a release is that release's tag (as
-    ``apply.py --vllm-ref`` takes it), so the target is built from its sdist."""
-    refs, notes = [], {}
+def _targets(onto: list[str], vllm_repo: str | None) -> tuple[list[str], dict, dict]:
+    """The ``--onto`` refs as the job runs them, with a note per translated one, and the
+    refs refused on their own (``{ref: OverlayError}``: that ref's report says why, the
+    others still run): ``latest`` is the newest release, and upstream's commit id of a
+    release is that release's tag (as ``apply.py --vllm-ref`` takes it), so the target is
+    built from its sdist."""
+    refs, notes, refused_refs = [], {}, {}
     for ref in onto:
         if ref == "latest":
             refs.append(f"v{default_mirror().latest()}")
             continue
-        found = release_for_ref(ref, vllm_repo, "--onto")
+        try:
+            found = release_for_ref(ref, vllm_repo, "--onto")
+        except errors.OverlayError as err:  # a bad or ambiguous ref: its own report only
+            refused_refs[ref] = err
+            found = None
         refs.append(found.release.tag if found else ref)
         if found:
             notes.setdefault(found.release.tag, []).append(found.note())
-    return refs, notes
+    return refs, notes, refused_refs
 
 
 def _stopped(refs: list[str], error: str, code: int) -> list:

@@ -18,7 +18,6 @@ sdist's record too.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -59,9 +58,6 @@ class Resolved:
     by_record: bool
 
     option: str = "--vllm-ref"  # the flag the ref came with, for the note
-
-    def as_option(self, option: str) -> Resolved:
-        return dataclasses.replace(self, option=option)
 
     def note(self) -> str:
         head = f"{self.option} {self.ref}: upstream's commit of vLLM {self.release.tag}"
@@ -129,8 +125,9 @@ def _recorded_at(repo: git.Repo, tag: str) -> str | None:
     return recorded_commit(git.read_blob(repo, blob).decode(errors="replace")) if blob else None
 
 
-def resolve(ref: str, releases: list[Release]) -> Resolved | None:
-    """The release whose upstream commit ``ref`` is, or None if it is none of them.
+def resolve(ref: str, releases: list[Release], option: str = "--vllm-ref") -> Resolved | None:
+    """The release whose upstream commit ``ref`` (given with ``option``) is, or None if it
+    is none of them.
 
     Raises UsageError when it is a prefix of two releases' commits."""
     sha = ref.lower()
@@ -140,16 +137,16 @@ def resolve(ref: str, releases: list[Release]) -> Resolved | None:
     for r in releases:
         if r.commit:
             if r.commit.startswith(sha):
-                hits[r.tag] = Resolved(ref, r, False)
+                hits[r.tag] = Resolved(ref, r, False, option)
         elif r.recorded.startswith(sha) or sha.startswith(r.recorded):
-            hits[r.tag] = Resolved(ref, r, len(sha) > len(r.recorded))
+            hits[r.tag] = Resolved(ref, r, len(sha) > len(r.recorded), option)
     if len(hits) > 1:
-        raise UsageError(f"--vllm-ref {ref} is the start of the upstream commits of "
+        raise UsageError(f"{option} {ref} is the start of the upstream commits of "
                          f"{', '.join(sorted(hits))}: give more of it (`{LIST_COMMAND}`)")
     return next(iter(hits.values()), None)
 
 
-def upstream_release(ref: str, mirror: ReleaseMirror) -> Resolved | None:
+def upstream_release(ref: str, mirror: ReleaseMirror, option: str = "--vllm-ref") -> Resolved | None:
     """``ref`` as upstream's commit of a release (``releases.json``, then the releases
     already in ``mirror``), with that release fetched into ``mirror`` and its sdist's
     record checked; None if ``ref`` is no such commit (a tag, a mirror sha, …).
@@ -160,11 +157,11 @@ def upstream_release(ref: str, mirror: ReleaseMirror) -> Resolved | None:
     listed = {r.tag for r in releases}
     if release_of(ref) is not None or not _HEX.match(ref.lower()):
         return None
-    found = resolve(ref, releases)
+    found = resolve(ref, releases, option)
     if found is None:  # a release fetched before, and not in the file: its sdist's own record
         extra = [Release(tag, recorded) for tag, (_, recorded) in in_mirror(mirror).items()
                  if tag not in listed and recorded]
-        found = resolve(ref, extra)
+        found = resolve(ref, extra, option)
         if found is None:
             return None
     mirror.ensure([release_of(found.release.tag)])

@@ -327,5 +327,4 @@ def release_for_ref(ref: str | None, vllm_repo: str | None, option: str = "--vll
     if not ref or vllm_repo or os.environ.get("VLLM_REPO"):
         return None
     check_ref(ref)
-    found = upstream_release(ref, default_mirror())
-    return found if found is None else found.as_option(option)
+    return upstream_release(ref, default_mirror(), option)

@@ -91,6 +91,9 @@ def test_which_release_an_upstream_commit_id_is(ref, tag, by_record):
 def test_an_id_two_releases_start_with_is_refused():
     with pytest.raises(errors.UsageError, match="v1.0.0, v1.1.0: give more of it"):
         resolve("1234567", [Release("v1.0.0", "1234567aa"), Release("v1.1.0", "1234567bb")])
+    # The message names the option the ref came with (the rebase job's --onto, --rebase-to).
+    with pytest.raises(errors.UsageError, match="^--onto 1234567 is the start"):
+        resolve("1234567", [Release("v1.0.0", "1234567aa"), Release("v1.1.0", "1234567bb")], "--onto")
 
 
 def test_commit_id_read_and_set_in_version_py():
@@ -173,9 +176,28 @@ def test_the_rebase_job_takes_an_upstream_commit_id_for_its_release(released, mo
     from ci import rebase
 
     monkeypatch.delenv("VLLM_REPO", raising=False)
-    refs, notes = rebase._targets([FULL["v1.1.0"][:12], "v1.0.0"], None)
-    assert refs == ["v1.1.0", "v1.0.0"]
+    refs, notes, refused = rebase._targets([FULL["v1.1.0"][:12], "v1.0.0"], None)
+    assert refs == ["v1.1.0", "v1.0.0"] and refused == {}
     assert notes == {"v1.1.0": [f"--onto {FULL['v1.1.0'][:12]}: upstream's commit of vLLM v1.1.0 "
                                 f"(its sdist records g2222222bb, checked)"]}
     # A git source's own shas are upstream's: nothing is translated there.
-    assert rebase._targets([FULL["v1.1.0"]], "https://example.invalid/vllm.git") == ([FULL["v1.1.0"]], {})
+    assert rebase._targets([FULL["v1.1.0"]], "https://example.invalid/vllm.git") == ([FULL["v1.1.0"]], {}, {})
+
+
+@pytest.mark.parametrize("bad, said", [("-x", "bad ref '-x'"), ("1234567", "--onto 1234567 is the start")])
+def test_a_bad_onto_ref_of_the_release_mirror_is_its_own_report_and_the_others_run(
+        released, project, monkeypatch, tmp_path, bad, said):
+    # Translating upstream ids happens before any target runs; a ref refused there (an
+    # option-like ref, an id two releases start with) must not stop the good targets.
+    from ci import rebase
+
+    monkeypatch.delenv("VLLM_REPO", raising=False)
+    monkeypatch.setattr(rebase, "Project", lambda: project)
+    monkeypatch.setattr(releases, "known", lambda: [Release("v1.0.0", "1234567aa", None, "test"),
+                                                    Release("v1.1.0", "1234567bb", None, "test")])
+    out = tmp_path / "r.json"
+    code = rebase.main(["-q", f"--onto={bad}", "--onto", "v1.0.0", "--no-tests", "--json", str(out)])
+    assert code == errors.USAGE
+    first, second = json.loads(out.read_text())
+    assert first["ref"] == bad and first["error"].startswith(said) and first["base_ref"]
+    assert second["ref"] == "v1.0.0" and second["ok"], second
