@@ -36,6 +36,8 @@ class PreferFinder(importlib.abc.MetaPathFinder):
         if not name.startswith(PACKAGE + "."):
             return None
         parts = name[len(PACKAGE) + 1 :].split(".")
+        if not all(part.isidentifier() for part in parts):
+            return None  # "", "a..b", "./x": no module name; never a path out of the folder
         base = os.path.join(self.folder, *parts)
         init = os.path.join(base, "__init__.py")
         if os.path.isfile(init):

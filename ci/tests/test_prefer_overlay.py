@@ -64,3 +64,24 @@ def test_installing_after_the_package_was_imported_is_refused(tmp_path) -> None:
     tree, ours = _tree(tmp_path)
     out = _who(tree, ours, ["dispatch"], install_after="vllm.models.kimi_k3.nvidia.dispatch")
     assert out.startswith("refused: vllm.models.kimi_k3.nvidia.dispatch")
+
+
+def test_names_that_are_no_module_names_find_nothing_of_ours(tmp_path) -> None:
+    # An empty part or a path-like one: importlib.util.find_spec asks the finder with it;
+    # ours must not turn it into a file (not even one outside the overlay folder).
+    tree, ours = _tree(tmp_path)
+    (tmp_path / "evil.py").write_text("WHO = 'evil'\n")
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        sys.path[:0] = [{str(tree)!r}, {str(CI_DIR)!r}]
+        import prefer_overlay
+        prefer_overlay.install({str(ours)!r})
+        finder = sys.meta_path[0]
+        base = "vllm.models.kimi_k3.nvidia"
+        for name in (base + ".", base + "..dispatch", base + ".gemm_backends..swap_ab",
+                     base + "." + {str(tmp_path / "evil")!r}):
+            print(finder.find_spec(name) is None)
+        print(finder.find_spec(base + ".dispatch") is not None)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["True"] * 5
