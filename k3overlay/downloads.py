@@ -33,6 +33,7 @@ from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError
 from .errors import SourceError, UsageError
 from .files import open_regular
 from .lock import held
+from .regular import own_folder
 from .progress import ByteBar, megabytes, say, step
 
 PROJECT = "vllm"
@@ -165,7 +166,7 @@ class ReleaseFiles:
         name = pkg.filename
         if Path(name).name != name or name.startswith("."):  # the index names the file we write
             raise SourceError(f"the package index names a file {name!r}; refusing to write it")
-        return self.cache / ("sdists" if pkg.package_type == "sdist" else "wheels") / name
+        return own_folder(self.cache / ("sdists" if pkg.package_type == "sdist" else "wheels")) / name
 
     def _index(self) -> PyPISimple:
         return PyPISimple(**({"endpoint": self.index_url} if self.index_url else {}))

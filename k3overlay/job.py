@@ -34,9 +34,10 @@ from .progress import step
 from .project import COMMITTER, IDENTITY, Project
 from .publish import BASE_KEY, TIP_KEY, publish, record
 from .report import Report
+from .safety import refuse_unsafe
 from .verify import VerifyResult, verify
 
-__all__ = ["BASE_KEY", "TIP_KEY", "record"]  # (the work branch's record: ``publish``)
+__all__ = ["BASE_KEY", "TIP_KEY", "record", "refuse_unsafe"]  # (``publish``, ``safety``)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def run_apply(project: Project, opts: Options) -> Report:
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift)
 
-    with locked(workdir):
+    with locked(workdir, check=opts.check):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
 
@@ -82,15 +83,16 @@ def work_branch(project: Project, opts: Options) -> str:
 
 
 @contextlib.contextmanager
-def locked(workdir: Path) -> Iterator[None]:
+def locked(workdir: Path, *, check: bool = False) -> Iterator[None]:
     """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it; first finish
-    or undo what a killed run left (``journal``), then record this run's steps."""
+    or undo what a killed run left (``journal``; with ``check``, only say what is left: a
+    --check writes nothing), then record this run's steps."""
     def say(text: str) -> None:  # (said even with -q: a run that waits must say why)
         progress.console.print(f"[dim]…[/dim] {escape(text)}")
 
     with workdir_lock(workdir, say=say):
-        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"),
-                               lambda unfinished: recovery.recover(unfinished, say)):
+        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), workdir,
+                               lambda unfinished: recovery.recover(unfinished, say, act=not check)):
             yield
 
 
@@ -253,31 +255,6 @@ def refuse_merge_attributes(repo: git.Repo) -> None:
             raise UsageError(f"{path} sets the {name!r} attribute ({line.strip()!r}): git would use "
                              f"it in the tool's own 3-way merges; remove the line, or give a fresh "
                              f"clone as --workdir")
-
-
-def refuse_unsafe(repo: git.Repo, branch: str) -> None:
-    """Raise UsageError (one line, what to do) if touching this checkout could lose work."""
-    op = git.operation_in_progress(repo)
-    if op:
-        raise UsageError(f"{repo.working_tree_dir} has a {op} in progress; finish or abort it first")
-    if git.is_dirty(repo):
-        raise UsageError(f"{repo.working_tree_dir} has uncommitted changes; commit or stash them "
-                         f"first (or use --check)")
-    head = git.resolve(repo, "HEAD")
-    if head and git.current_branch(repo) is None and not git.reachable_from_refs(repo, head):
-        raise UsageError(f"HEAD is detached at {head}, which no branch or tag holds: switching "
-                         f"away would leave it only in the reflog; `git branch NAME {head[:12]}` "
-                         f"first (or use --check)")
-    tip = git.branch_tip(repo, branch)
-    if tip is None:
-        return
-    ours = git.config_get(repo, TIP_KEY.format(branch))
-    if ours is None:
-        raise UsageError(f"branch {branch} exists and was not created by apply.py; "
-                         f"choose another with --branch")
-    if ours != tip:
-        raise UsageError(f"branch {branch} has commits apply.py did not write (tip {tip[:12]}); "
-                         f"move them to another branch or choose another with --branch")
 
 
 def _publish(repo: git.Repo, branch: str, sha: str, report: Report) -> None:

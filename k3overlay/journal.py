@@ -8,17 +8,18 @@ after its own cleanup. The next run on that work directory, once it holds the lo
 (and so once the killed run's git children are gone, see ``reaper``), takes the
 steps begun and not done, newest first (scratch trees first of all), and finishes or
 undoes each (``recover``), saying what it did in one line on stderr; then the journal
-is removed. A line cut short by the kill
-is no step: its step had not begun.
+is removed. A line cut short by the kill is no step: its step had not begun. Only steps
+naming the run's own work directory are acted on; ``--check`` acts on none (it says what
+is left, and keeps the journal for the next run).
 
 Steps (``STEPS``; the facts each records):
   clone      ``scratch``: a clone being made beside the work directory -> removed
   check      ``scratch``: ``--check``'s throwaway clone -> removed
   worktree   ``repo``, ``parent``: a temporary worktree -> git's entry and the folder removed
-  fetch      ``repo``, ``since``: a fetch into the checkout -> lock files its git left removed
-  publish    ``repo``, ``branch``, ``sha``, ``ref``, ``since``: the checkout being switched to
-             the work branch -> finished (``publish.finish``), or left for the user if files
-             changed since that the switch did not write
+  fetch      ``repo``, ``since``: a fetch into the checkout -> ref lock files its git left removed
+  publish    ``repo``, ``branch``, ``sha``, ``ref``, ``old_head``, ``old_tip``, ``since``: the
+             checkout being switched to the work branch -> finished (``resume.finish``) where
+             a normal run could switch it, else left as it is with the normal run's refusal
   write      ``root``, ``folders``: files laid into a tree, all or none (``files``: the overlay
              into a checkout, an export into patches/) -> the temporary files, not yet renamed
              into place, removed
@@ -54,16 +55,19 @@ _current: Journal | None = None
 
 
 class Journal:
-    """The journal file at ``path`` (one work directory's)."""
+    """The journal file at ``path`` (the work directory ``workdir``'s, an absolute path)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, workdir: str) -> None:
         self.path = path
+        self.workdir = workdir
         self.pending: list[dict] = []
 
     def begin(self, step: str, **facts: object) -> dict:
-        """Record that ``step`` starts, on disk before returning. UsageError if it cannot be
-        written (a full disk): the step must then not be taken."""
-        entry = {"step": step, "id": f"{os.getpid()}.{time.monotonic_ns()}", **facts}
+        """Record that ``step`` starts, on disk before returning; every entry names the work
+        directory (``workdir``): a journal copied to another one's name is never acted on.
+        UsageError if it cannot be written (a full disk): the step must then not be taken."""
+        entry = {"step": step, "id": f"{os.getpid()}.{time.monotonic_ns()}",
+                 "workdir": self.workdir, **facts}
         self._append(entry)
         self.pending.append(entry)
         point(step)
@@ -76,6 +80,11 @@ class Journal:
             self._append({"done": entry["id"]})
         self.pending.remove(entry)
         point(f"{entry['step']}.done")
+
+    def settle(self, entry: dict) -> None:
+        """Record that a killed run's ``entry`` needs nothing more (as ``done`` does)."""
+        with contextlib.suppress(UsageError):
+            self._append({"done": entry["id"]})
 
     def _append(self, entry: dict) -> None:
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
@@ -115,19 +124,20 @@ class Journal:
 
 
 @contextlib.contextmanager
-def recording(path: Path, recover: Callable[[Journal], None]) -> Iterator[Journal]:
-    """For the block (the holder of a work directory's lock): first recover what a killed
-    run left (``recover``: ``recovery.recover``, which knows every step's undo), then record
-    this run's steps in ``path``; the file is removed when no step is left unfinished."""
+def recording(path: Path, workdir: Path, recover: Callable[[Journal], None]) -> Iterator[Journal]:
+    """For the block (the holder of ``workdir``'s lock): first recover what a killed run left
+    (``recover``: ``recovery.recover``, which knows every step's undo), then record this
+    run's steps in ``path``; the file is removed when no step is left unfinished (one a
+    ``--check`` left for the next run keeps it)."""
     global _current
-    journal = Journal(path)
+    journal = Journal(path, str(workdir))
     recover(journal)
     previous, _current = _current, journal
     try:
         yield journal
     finally:
         _current = previous
-        if not journal.pending:
+        if not journal.pending and not journal.unfinished():
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

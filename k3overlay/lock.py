@@ -31,6 +31,7 @@ from pathlib import Path
 from . import reaper
 from .errors import UsageError
 from .files import open_regular
+from .regular import own_folder
 from .interrupts import deferred
 from .project import cache_dir
 
@@ -62,9 +63,10 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
 
 def workdir_lock_path(workdir: Path) -> Path:
     """The lock file of ``workdir`` (one folder, one lock, however it was named); its
-    journal (``journal``) is the same path ending in ``.journal``."""
+    journal (``journal``) is the same path ending in ``.journal``. UsageError if ``locks/``
+    in the cache is a link or no folder (``regular.own_folder``)."""
     key = hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:32]
-    return cache_dir() / "locks" / f"{key}.lock"
+    return own_folder(cache_dir() / "locks") / f"{key}.lock"
 
 
 @contextlib.contextmanager

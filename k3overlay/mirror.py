@@ -33,6 +33,7 @@ from . import git
 from .downloads import ReleaseFiles
 from .errors import SourceError
 from .lock import held
+from .regular import own_folder
 from .progress import step
 
 MIRROR_NAME = "mirror-v2.git"  # the format's folder under the cache directory (see above)
@@ -80,7 +81,7 @@ class ReleaseMirror:
         if the index cannot be reached or the sdist fails its sha256 check.
         """
         with held(self.path.parent / ".mirror.lock"):  # two jobs on one cache must not race on tags
-            repo = git.init_bare(self.path)
+            repo = git.init_bare(own_folder(self.path))
             for version in sorted(set(versions)):
                 if git.resolve(repo, tag_of(version)) is None:
                     self._add(repo, version)

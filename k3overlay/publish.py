@@ -10,8 +10,8 @@ it every later run refuses the branch as someone else's).
   changed ones restored, the index, HEAD, the branch and the record put back; then
   the error, in one line.
 - **A kill** (SIGKILL, power cut): the step was recorded ahead in the journal; the
-  next run finishes it (``finish``): the switch is completed and recorded, unless
-  files changed since that the switch did not write (then the user is asked).
+  next run finishes it (``resume.finish``) where a normal run could make the switch,
+  and otherwise stops with a normal run's refusal.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _recorded(repo: git.Repo, branch: str, sha: str, ref: str, before: dict):
     entry = None
     if current is not None:
         entry = current.begin("publish", repo=repo.working_tree_dir, branch=branch, sha=sha, ref=ref,
-                              old_head=before["head"], since=time.time() - 1)
+                              old_head=before["head"], old_tip=before["tip"],
+                              since=time.time() - 1)
     finished: list[bool] = []
     try:
         yield finished
@@ -148,45 +149,19 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
 
 
 def drop_stale_locks(repo: git.Repo, since: float) -> list[str]:
-    """Remove the lock files a killed git left in ``repo``'s git folder (``index.lock``,
-    ``HEAD.lock``, ``config.lock``, ``refs/…/x.lock``; made at or after ``since``, seconds
-    since the epoch): while one is there, every git command that writes refuses to. Never in
-    ``objects/`` or another worktree's folder. Returns the paths removed."""
-    admin = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-dir").strip())
-    found = [*admin.glob("*.lock"), *admin.glob("refs/**/*.lock")]
+    """Remove the lock files a killed ``git fetch`` left in ``repo``'s git folder (made at or
+    after ``since``, seconds since the epoch): those of refs (``refs/…/x.lock``,
+    ``packed-refs.lock``) and ``shallow.lock``, which every later fetch stops at. Never
+    ``index.lock``, ``HEAD.lock`` or ``config.lock``, which a fetch does not take and the
+    user's own git (a ``git commit`` with its editor open) does; never in ``objects/`` or
+    another worktree's folder. Returns the paths removed."""
+    common = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip())
+    found = [common / "packed-refs.lock", common / "shallow.lock", *common.glob("refs/**/*.lock")]
     removed = []
     for lock in found:
         with contextlib.suppress(OSError):
             info = lock.lstat()
             if lock.is_file() and not lock.is_symlink() and info.st_mtime >= since:
                 lock.unlink()
-                removed.append(str(lock.relative_to(admin)))
+                removed.append(str(lock.relative_to(common)))
     return removed
-
-
-def finish(facts: dict) -> str | None:
-    """Finish a switch a killed run began (see the journal); the note to print. UsageError
-    if files changed since that the switch did not write: the user decides."""
-    top = Path(facts["repo"])
-    try:
-        repo = git.open_repo(top)
-    except git.GitError:
-        return None  # the checkout is gone: nothing to finish
-    branch, sha = facts["branch"], facts["sha"]
-    drop_stale_locks(repo, facts["since"])
-    if git.resolve(repo, sha) is None:
-        return None
-    if git.current_branch(repo) != branch or git.branch_tip(repo, branch) != sha or git.is_dirty(repo):
-        head = git.resolve(repo, "HEAD")
-        ours = set(git.changed_paths(repo, facts["old_head"], sha)) if facts["old_head"] else set()
-        ours |= set(git.changed_paths(repo, head, sha)) if head else set()
-        status = git.run(repo, "status", "--porcelain", "-z", "--no-renames",
-                        "--untracked-files=all")
-        changed = {entry[3:] for entry in status.split("\0") if len(entry) > 3}
-        others = sorted(p for p in changed - ours if not p.endswith("/"))
-        if others:
-            raise UsageError(f"the last run was killed while switching {top} to {branch}, and "
-                             f"{others[0]} changed since; commit or stash it, then run again")
-        git.run(repo, "checkout", "--quiet", "--force", "--no-overwrite-ignore", "-B", branch, sha)
-    record(repo, branch, facts["ref"])
-    return f"it was switching {top} to {branch} ({sha[:12]}): finished"

@@ -37,6 +37,7 @@ from .job import (
 )
 from .project import COMMITTER, Project
 from .report import Report
+from .safety import foreign_commits
 from .stages import Stages, Target
 from .wheel import WheelOptions, build_for
 
@@ -161,7 +162,10 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                             f"`git commit -a`, then run apply.py --export")
         return report
     sha = commit_overlay(repo, project, report, laid)
-    record(repo, branch, opts.ref)
+    # The tip is recorded as apply.py's (a plain run may then rebuild it) only if apply.py
+    # made every commit on it: a maintainer's resolutions are saved by --export first.
+    if not foreign_commits(repo, branch, sha):
+        record(repo, branch, opts.ref)
     report.verify = verify_change(repo, report.ref_sha, sha)
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
     return report

@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from . import git, publish
+from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
 from .files import TEMPORARY
@@ -27,7 +27,7 @@ FACTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "clone": {"scratch": str}, "check": {"scratch": str},
     "worktree": {"repo": str, "parent": str}, "fetch": {"repo": str, "since": _NUMBER},
     "publish": {"repo": str, "branch": str, "sha": str, "ref": str, "since": _NUMBER,
-                "old_head": (str, type(None))},
+                "old_head": (str, type(None)), "old_tip": (str, type(None))},
     "write": {"root": str, "folders": list},
 }
 
@@ -112,24 +112,54 @@ def write(facts: dict) -> str | None:
 
 
 HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
-            "publish": publish.finish, "write": write}
+            "publish": resume.finish, "write": write}
 
 
-def recover(journal: journal_.Journal, say: Callable[[str], None]) -> None:
-    """Finish or undo every step a killed run left unfinished (newest first), then empty
-    the journal. Raises what a recovery raises (UsageError: the user must decide)."""
-    # Scratch trees go first: what was written inside one then needs nothing more.
+def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True) -> None:
+    """Finish or undo every step a killed run left unfinished on ``journal.workdir`` (newest
+    first), then empty the journal. Steps naming another work directory (a copied or
+    restored cache) are left alone. With ``act`` False (``--check``) nothing is done: what
+    is left is said, and the journal kept for the next run. Raises what a recovery raises
+    (UsageError: the user must decide; ``resume.LeftAlone`` after saying what was left)."""
     unfinished = journal.unfinished()
-    entries = sorted(filter(readable, unfinished), key=lambda e: e["step"] not in journal_.SCRATCH)
+    named = [e for e in unfinished if isinstance(e.get("workdir"), str)]
+    mine = [e for e in named if e["workdir"] == journal.workdir]
+    entries = [e for e in mine if readable(e)]
+    # Scratch trees go first: what was written inside one then needs nothing more.
+    entries.sort(key=lambda e: e["step"] not in journal_.SCRATCH)
+    notes: list[str] = []
+    if not act:  # --check: only the tool's scratch trees outside the checkout go
+        scratch = [e for e in entries if e["step"] in journal_.SCRATCH]
+        notes += [note for note in (HANDLERS[e["step"]](e) for e in scratch) if note]
+        for entry in scratch:
+            journal.settle(entry)
+        left = [e["step"] for e in entries if e["step"] not in journal_.SCRATCH]
+        if left:
+            notes.append(f"it left {', '.join(left)} unfinished in {journal.workdir}: --check "
+                         f"leaves that as it is (a run without --check finishes it)")
+        if notes:
+            say(f"note: the last run was killed; {'; '.join(notes)}")
+        if not left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(journal.path)
+        return
     try:
-        notes = [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
-        if len(entries) < len(unfinished):
-            notes.append(f"{len(unfinished) - len(entries)} step(s) of its journal {journal.path} "
-                         f"could not be read (another version of the tool?) and were left alone")
+        notes += [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+    except resume.LeftAlone as err:
+        say(f"note: the last run was killed; {'; '.join([*notes, err.note])}")
+        raise  # the normal run's refusal; the journal is kept
     except UsageError:
         raise  # the user must decide (it says so); the journal is kept
     except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
         raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
+    if len(named) > len(mine):
+        others = sorted({e["workdir"] for e in named} - {journal.workdir})
+        notes.append(f"{len(named) - len(mine)} step(s) of its journal {journal.path} name another "
+                     f"checkout ({others[0]}: a copied cache?) and were left alone")
+    if len(entries) < len(unfinished) - (len(named) - len(mine)):
+        notes.append(f"{len(unfinished) - (len(named) - len(mine)) - len(entries)} step(s) of its "
+                     f"journal {journal.path} could not be read (another version of the tool?) "
+                     f"and were left alone")
     if notes:
         say(f"note: the last run was killed; {'; '.join(notes)}")
     with contextlib.suppress(FileNotFoundError):

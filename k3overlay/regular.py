@@ -5,6 +5,9 @@ never a FIFO waited on.
   ``open_regular``  a descriptor of one of the tool's own files (a lock file, a cached
                     download, the journal): a link, a FIFO or a device there is refused in
                     one line, never followed or waited on.
+  ``own_folder``    one of the tool's own folders in the cache (locks and journals, the
+                    mirror, downloads): made if missing; a link or anything but a folder
+                    there is refused in one line, nothing made through it.
 
 Apart from ``files`` (which writes) so that what ``files`` builds on (the journal of a
 killed run's steps) can read and open without importing the writers.
@@ -63,6 +66,24 @@ def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
         raise _not_regular(path, _kind(path))
     os.set_blocking(fd, True)
     return fd
+
+
+def own_folder(path: Path) -> Path:
+    """``path``, a folder the tool keeps in its cache, made (and the cache above it) if
+    missing. Returns ``path``. Raises UsageError (one line) if a link (even to a folder: its
+    files would land wherever it points), a file or anything but a folder is there, or it
+    cannot be made."""
+    kind = _kind(path)
+    if kind == "missing path":
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"cannot make {path}: {err.strerror}") from err
+        kind = _kind(path)
+    if kind != "folder":
+        raise UsageError(f"{path} is a {kind}, not a folder; refusing to write through it (the "
+                         f"tool keeps only its own files there: remove it)")
+    return path
 
 
 def _not_regular(path: Path, kind: str) -> UsageError:

@@ -1,0 +1,121 @@
+"""Finishing a switch a killed run began (the journal's ``publish`` step), never with more
+licence than a normal run has.
+
+Between the kill and the next run the user may have edited, staged, committed,
+switched branches or stashed. The switch is finished only where a normal run would be
+allowed to make it: no git lock file is there (the tool deletes none it did not take),
+no am/rebase/merge is in progress, the work branch is not checked out in another
+worktree and holds no commit apply.py did not make, and every path that differs from a
+clean checkout is one the switch writes and holds either the old or the new content
+(index and work tree). Anything else stops the run with the normal run's own refusal,
+after a note of what the killed run left (``LeftAlone``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from . import git, safety
+from .errors import UsageError
+from .publish import record
+
+
+class LeftAlone(UsageError):
+    """A normal run's refusal (its message, exit 2), and ``note``: what the killed run left."""
+
+    def __init__(self, refusal: UsageError, note: str) -> None:
+        super().__init__(str(refusal))
+        self.note = note
+
+
+def finish(facts: dict) -> str | None:
+    """Finish the switch ``facts`` (a ``publish`` entry) record; the note to print, or None if
+    there is nothing to finish. Raises LeftAlone where a normal run would refuse the checkout."""
+    top = Path(facts["repo"])
+    try:
+        repo = git.open_repo(top)
+    except git.GitError:
+        return None  # the checkout is gone: nothing to finish
+    branch, sha = facts["branch"], facts["sha"]
+    if git.resolve(repo, sha) is None:
+        return None
+    said = f"it was switching {top} to {branch} ({sha[:12]})"
+    try:
+        switch = _may_switch(repo, facts)
+    except UsageError as err:
+        raise LeftAlone(err, f"{said}: left as it is") from err
+    if switch:
+        if git.current_branch(repo) != branch or git.branch_tip(repo, branch) != sha \
+                or git.is_dirty(repo):
+            git.run(repo, "checkout", "--quiet", "--force", "--no-overwrite-ignore", "-B", branch, sha)
+    elif git.branch_tip(repo, branch) != sha:
+        return f"{said}: HEAD was moved since; nothing of it is left to finish"
+    record(repo, branch, facts["ref"])  # the tip is the one it wrote (the journal says so)
+    if not switch:
+        return f"{said}: HEAD was moved since; the branch it wrote was recorded, not checked out"
+    return f"{said}: finished"
+
+
+def _may_switch(repo: git.Repo, facts: dict) -> bool:
+    """Whether the switch may be finished (HEAD is where the switch left it: before or
+    after); UsageError, the normal run's, where the checkout must not be touched."""
+    branch, sha, old_head = facts["branch"], facts["sha"], facts["old_head"]
+    safety.refuse_git_locks(repo, branch)
+    safety.refuse_operation(repo)
+    safety.refuse_checked_out_elsewhere(repo, branch)
+    safety.refuse_foreign_branch(repo, branch, allowed=(sha,))
+    head = git.resolve(repo, "HEAD")
+    ours = git.current_branch(repo) == branch or (old_head is not None and head == old_head)
+    writes = set(git.changed_paths(repo, old_head, sha)) if ours and old_head else set()
+    status = git.run(repo, "status", "--porcelain", "-z", "--no-renames", "--untracked-files=all")
+    changed = sorted({entry[3:] for entry in status.split("\0") if len(entry) > 3})
+    if any(path not in writes for path in changed) or not _old_or_new(repo, old_head, sha, changed):
+        raise safety.dirty(repo)
+    return ours
+
+
+def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> bool:
+    """True if each of ``paths`` holds, in the index and in the work tree, what commit ``old``
+    or commit ``new`` has there (mode and content; absent where the commit has none)."""
+    if not paths:
+        return True
+    trees = [git.tree_entries(repo, old, paths) if old else {}, git.tree_entries(repo, new, paths)]
+    index: dict[str, tuple[str, str] | None] = {}
+    for entry in git._z(git.run(repo, "ls-files", "-s", "-z", "--", *git.literal(paths))):
+        info, path = entry.split("\t", 1)
+        mode, blob, stage = info.split(" ")
+        index[path] = (mode, blob) if stage == "0" and path not in index else ("conflict", "")
+    work = _work_tree_entries(repo, paths)
+    return all(index.get(p) in {t.get(p) for t in trees} and work.get(p) in {t.get(p) for t in trees}
+               for p in paths)
+
+
+def _work_tree_entries(repo: git.Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
+    """``path: (mode, blob sha)`` of what the work tree holds at each of ``paths`` (a file as
+    ``git add`` would store it, its filters applied; a link's target); absent if nothing is
+    there, ``("other", "")`` for a folder or anything else."""
+    top = Path(repo.working_tree_dir)
+    found: dict[str, tuple[str, str]] = {}
+    files = []
+    for path in paths:
+        try:
+            info = os.lstat(top / path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            target = os.fsencode(os.readlink(top / path))
+            blob = git._execute(["hash-object", "--no-filters", "--stdin"], cwd=top, stdin=target)[1]
+            found[path] = ("120000", git._text(blob).strip())
+        elif stat.S_ISREG(info.st_mode):
+            files.append(path)
+            found[path] = ("100755" if info.st_mode & 0o111 else "100644", "")
+        else:
+            found[path] = ("other", "")
+    if files:
+        status, out, _ = git._execute(["hash-object", "--stdin-paths"], cwd=top,
+                                      stdin="".join(f"{p}\n" for p in files).encode(errors="surrogateescape"))
+        for path, blob in zip(files, git._text(out).split() if status == 0 else []):
+            found[path] = (found[path][0], blob)
+    return found

@@ -1,0 +1,236 @@
+"""A recovery no stronger than a normal run (issue 25, items 1-5, 7, 20): between a killed run
+and the next the user edits, stages, commits, stashes, switches branches or runs git; the
+next run finishes the killed switch only where a normal run could make it, acts only on its
+own checkout's journal, under that checkout's lock, and never deletes a lock it did not take.
+Every kill is real (``test_crash``'s harness: the run SIGKILLs itself at a recorded step)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors, journal
+from k3overlay.downloads import ReleaseFiles
+from k3overlay.job import Options, run_apply
+from k3overlay.lock import workdir_lock_path
+from k3overlay.mirror import ReleaseMirror
+from k3overlay.rebase import rebase_to
+
+from .conftest import MOD_BASE, commit_tag, g, model, snapshot
+from .test_crash import NOTE, env, run_tool  # noqa: F401  (env: the harness's fixture)
+
+REF = ["--vllm-ref", "v1.1.0"]
+EDIT = "an edit of the user's, made after the crash\n"
+DIRTY = "has uncommitted changes; commit or stash them first (or use --check)"
+FOREIGN = "has commits apply.py did not write"
+
+
+def killed(project, upstream, wd: Path, env, point: str, *extra: str) -> list[str]:
+    """Publish at v1.0.0 into ``wd``, then a run onto v1.1.0 killed at ``point``; its args."""
+    if not wd.exists():
+        assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), *REF, *extra]
+    assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
+    return args
+
+
+def refused(run: subprocess.CompletedProcess, wd: Path, message: str) -> None:
+    """The rerun stopped as a normal run would (exit 2, its one-line error) after one note
+    naming what the killed run left."""
+    lines = run.stderr.splitlines()
+    assert run.returncode == errors.USAGE, run.stderr
+    assert len(lines) == 2 and lines[0].startswith(f"{NOTE}it was switching {wd} to "), lines
+    assert lines[0].endswith(": left as it is") and lines[1].startswith("apply.py: error: ")
+    assert message in lines[1], lines
+
+
+@pytest.mark.parametrize("point", ["publish", "publish.switched"])
+@pytest.mark.parametrize("how", ["edited", "staged"])
+def test_a_file_the_switch_writes_edited_since_is_never_forced_over(project, upstream, tmp_path,
+                                                                   env, point, how):
+    """Item 1: pkg/model.txt differs between the two results; the rerun used to check it out
+    by force and the edit was gone (a normal run refuses a dirty checkout)."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, point)
+    (wd / "pkg/model.txt").write_text(EDIT)
+    if how == "staged":
+        g(wd, "add", "pkg/model.txt")
+    before = snapshot(wd)
+    refused(run_tool(project, env, *args), wd, DIRTY)
+    assert snapshot(wd) == before and (wd / "pkg/model.txt").read_text() == EDIT
+    assert workdir_lock_path(wd).with_suffix(".journal").exists()  # the next run still knows
+
+
+def test_an_untracked_file_where_the_switch_adds_one_is_never_forced_over(project, upstream,
+                                                                          tmp_path, env):
+    """The switch from upstream's own tree adds pkg/new.py: the user's untracked file there
+    (made after the kill) used to be overwritten by the forced checkout."""
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    g(wd, "checkout", "-q", "v1.0.0")
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish"}, *args).returncode < 0
+    (wd / "pkg/new.py").write_text(EDIT)
+    refused(run_tool(project, env, *args), wd, DIRTY)
+    assert (wd / "pkg/new.py").read_text() == EDIT
+
+
+def test_check_never_recovers_and_says_truly_that_it_wrote_nothing(project, upstream, tmp_path, env):
+    """Item 2: --check used to run the recovery: switched the branch, discarded the edit,
+    then said "--check: nothing was written to the checkout"."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish")
+    (wd / "pkg/model.txt").write_text(EDIT)
+    before = snapshot(wd)
+    check = run_tool(project, env, *args, "--check")
+    assert check.returncode == 0, check.stderr
+    assert snapshot(wd) == before and (wd / "pkg/model.txt").read_text() == EDIT
+    assert "--check leaves that as it is" in check.stderr and check.stderr.count(NOTE) == 1
+    assert workdir_lock_path(wd).with_suffix(".journal").exists()
+    g(wd, "checkout", "--", "pkg/model.txt")  # the user drops the edit: the next run finishes
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0 and ": finished" in again.stderr, again.stderr
+
+
+def test_a_commit_on_the_work_branch_after_the_kill_is_never_reset(project, upstream, tmp_path, env):
+    """Item 3: killed after `checkout -B`, before the record; the user commits on the work
+    branch; the rerun's `checkout -B` reset the branch (the commit only in the reflog)."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish.switched")
+    (wd / "pkg/user.py").write_text(EDIT)
+    g(wd, "commit", "-qam", "mine")
+    before = snapshot(wd)
+    refused(run_tool(project, env, *args), wd, FOREIGN)
+    assert snapshot(wd) == before
+
+
+@pytest.mark.parametrize("act", ["stash", "switch back", "commit elsewhere"])
+def test_what_leaves_the_checkout_clean_lets_the_switch_go_on(project, upstream, tmp_path, env, act):
+    """Neighbours that hold: a stash entry survives; a user back on their old branch, or on
+    another with a commit, gets the switch a normal run makes, their commit kept."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish.switched")
+    if act == "stash":
+        (wd / "pkg/model.txt").write_text(EDIT)
+        g(wd, "stash", "-q")
+    elif act == "switch back":
+        g(wd, "checkout", "-q", "--detach", "HEAD@{1}")
+    else:
+        g(wd, "checkout", "-q", "-b", "mine")
+        (wd / "pkg/user.py").write_text(EDIT)
+        g(wd, "commit", "-qam", "mine")
+    kept = g(wd, "for-each-ref", "--format=%(refname) %(objectname)", "refs/stash", "refs/heads/mine")
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert g(wd, "for-each-ref", "--format=%(refname) %(objectname)", "refs/stash",
+             "refs/heads/mine") == kept
+    assert g(wd, "symbolic-ref", "--short", "HEAD").strip() == "k3-overlay/9.9.9"
+    assert g(wd, "status", "--porcelain") == ""
+
+
+def test_the_work_branch_checked_out_in_another_worktree_is_not_moved(project, upstream, tmp_path,
+                                                                      env):
+    """Item 4: a run on a second linked worktree moved the branch; the first then showed
+    staged changes nobody made."""
+    wd, second = tmp_path / "wd", tmp_path / "second"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    g(wd, "worktree", "add", "-q", "--detach", str(second), "v1.0.0")
+    before = snapshot(wd)
+    run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(second), *REF)
+    assert run.returncode == errors.USAGE and run.stderr.splitlines() == [
+        f"apply.py: error: branch k3-overlay/9.9.9 is checked out in the worktree {wd}; moving "
+        f"it from here would leave that worktree on the old files; run apply.py with --workdir "
+        f"{wd}, or choose another with --branch"]
+    assert snapshot(wd) == before and g(second, "status", "--porcelain") == ""
+
+
+def test_a_journal_naming_another_checkout_is_left_alone(project, upstream, tmp_path, env):
+    """Item 5: a copied or restored cache: B's run switched A, without A's lock, losing A's edit."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    killed(project, upstream, a, env, "publish")
+    (a / "pkg/model.txt").write_text(EDIT)
+    before = snapshot(a)
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=b)).ok
+    shutil.copyfile(workdir_lock_path(a).with_suffix(".journal"),
+                    workdir_lock_path(b).with_suffix(".journal"))
+    run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(b), *REF)
+    assert run.returncode == 0, run.stderr
+    assert f"name another checkout ({a}: a copied cache?) and were left alone" in run.stderr
+    assert snapshot(a) == before and (a / "pkg/model.txt").read_text() == EDIT
+
+
+@pytest.mark.parametrize("point", ["publish", "publish.switched", "fetch", "worktree.added"])
+def test_a_live_index_lock_of_the_users_git_is_never_deleted(project, upstream, tmp_path, env, point):
+    """Item 5: the user's `git commit` (editor open) holds .git/index.lock; the rerun's
+    recovery deleted it (any lock newer than the killed step)."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, point)
+    lock = wd / ".git" / "index.lock"
+    lock.write_bytes(b"the user's git commit is writing this\n")
+    run = run_tool(project, env, *args)
+    assert run.returncode == errors.USAGE
+    assert run.stderr.splitlines()[-1] == (
+        f"apply.py: error: {lock} exists: a git command is running in {wd} (or one was killed); "
+        f"let it finish, or remove the file if no git runs there, then run again")
+    assert lock.read_bytes() == b"the user's git commit is writing this\n"
+
+
+@pytest.fixture
+def conflicting_upstream(upstream, tmp_path) -> Path:
+    """upstream plus v1.4.0: line 4 changed their way (the patch conflicts), pkg/mod.py as at
+    the base (the overlay lays cleanly)."""
+    repo = tmp_path / "up"
+    g(tmp_path, "clone", "-q", str(upstream), str(repo))
+    g(repo, "checkout", "-q", "v1.3.0")
+    commit_tag(repo, {"pkg/mod.py": MOD_BASE}, "v1.4.0")
+    return repo
+
+
+@pytest.mark.parametrize("extra", [[], ["--build-wheel"]])
+def test_a_rebase_holding_the_maintainers_resolution_is_never_reset(project, conflicting_upstream,
+                                                                    tmp_path, monkeypatch, extra):
+    """Item 7: --rebase-to ended with "now run apply.py --export" after the maintainer resolved a
+    conflict; a plain apply.py (or --build-wheel) exited 0 and reset the branch to the old
+    base's result, the resolution left only in the reflog."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd, up = tmp_path / "wd", str(conflicting_upstream)
+    assert run_apply(project, Options(vllm_repo=up, workdir=wd)).ok
+    opts = Options(ref="v1.4.0", vllm_repo=up, workdir=wd)
+    assert rebase_to(project, opts).exit_code == errors.CONFLICT
+    (wd / "pkg/model.txt").write_text(model({1: "line 1 (upstream)", 4: "line 4 (both)"}))
+    g(wd, "add", "pkg/model.txt")
+    g(wd, "am", "--continue")
+    done = rebase_to(project, opts)
+    assert done.ok and "now run apply.py --export" in done.notes[-1]
+    before = snapshot(wd)
+    assert cli.main(["--vllm-repo", up, "--workdir", str(wd), *extra]) == errors.USAGE
+    assert snapshot(wd) == before
+
+
+@pytest.mark.parametrize("folder", ["locks", "sdists", "wheels", "mirror"])
+@pytest.mark.parametrize("kind", ["link to a folder", "dangling link", "file"])
+def test_a_cache_folder_that_is_a_link_or_no_folder_is_refused(project, upstream, tmp_path, folder,
+                                                               kind):
+    """Item 20: locks/ a symlink: lock and journal files were created through it."""
+    cache, elsewhere = tmp_path / "cache" / "vllm-k3-overlay", tmp_path / "elsewhere"
+    cache.mkdir(parents=True)
+    elsewhere.mkdir()
+    path = cache / folder
+    if kind == "file":
+        path.write_text("")
+    else:
+        path.symlink_to(elsewhere if kind == "link to a folder" else tmp_path / "gone")
+    message = f"{path} is a {'file' if kind == 'file' else 'symbolic link'}, not a folder; refusing"
+    with pytest.raises(errors.UsageError, match=message):
+        if folder == "locks":
+            run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd"))
+        elif folder == "mirror":
+            ReleaseMirror(path, ReleaseFiles(cache)).ensure([])
+        else:
+            ReleaseFiles(cache)._path(type("Pkg", (), {"filename": "x.whl", "package_type":
+                                                       folder[:-1]})())
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "gone").exists()
