@@ -115,6 +115,17 @@ HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch
             "publish": resume.finish, "write": write}
 
 
+def _elsewhere(entry: dict, workdir: str) -> str | None:
+    """The other checkout ``entry`` names (its work directory, or the repository a step
+    writes in), or None if it is ``workdir``'s own."""
+    if entry["workdir"] != workdir:
+        return entry["workdir"]
+    repo = entry.get("repo") if entry.get("step") in ("fetch", "publish") else None
+    if isinstance(repo, str) and os.path.realpath(repo) != os.path.realpath(workdir):
+        return repo
+    return None
+
+
 def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True) -> None:
     """Finish or undo every step a killed run left unfinished on ``journal.workdir`` (newest
     first), then empty the journal. Steps naming another work directory (a copied or
@@ -123,7 +134,7 @@ def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool 
     (UsageError: the user must decide; ``resume.LeftAlone`` after saying what was left)."""
     unfinished = journal.unfinished()
     named = [e for e in unfinished if isinstance(e.get("workdir"), str)]
-    mine = [e for e in named if e["workdir"] == journal.workdir]
+    mine = [e for e in named if _elsewhere(e, journal.workdir) is None]
     entries = [e for e in mine if readable(e)]
     # Scratch trees go first: what was written inside one then needs nothing more.
     entries.sort(key=lambda e: e["step"] not in journal_.SCRATCH)
@@ -153,7 +164,7 @@ def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool 
     except OverlayError as err:  # git failed (a full disk?): the journal is kept, the next run tries again
         raise type(err)(f"the last run was killed, and finishing its work failed: {err}") from err
     if len(named) > len(mine):
-        others = sorted({e["workdir"] for e in named} - {journal.workdir})
+        others = sorted(filter(None, (_elsewhere(e, journal.workdir) for e in named)))
         notes.append(f"{len(named) - len(mine)} step(s) of its journal {journal.path} name another "
                      f"checkout ({others[0]}: a copied cache?) and were left alone")
     if len(entries) < len(unfinished) - (len(named) - len(mine)):

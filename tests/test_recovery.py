@@ -6,7 +6,6 @@ Every kill is real (``test_crash``'s harness: the run SIGKILLs itself at a recor
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -148,15 +147,19 @@ def test_the_work_branch_checked_out_in_another_worktree_is_not_moved(project, u
     assert snapshot(wd) == before and g(second, "status", "--porcelain") == ""
 
 
-def test_a_journal_naming_another_checkout_is_left_alone(project, upstream, tmp_path, env):
-    """Item 5: a copied or restored cache: B's run switched A, without A's lock, losing A's edit."""
+@pytest.mark.parametrize("copy", ["as is", "workdir rewritten"])
+def test_a_journal_naming_another_checkout_is_left_alone(project, upstream, tmp_path, env, copy):
+    """Item 5: a copied or restored cache: B's run switched A, without A's lock, losing A's
+    edit (also when the entry names B as its work directory but A as the checkout)."""
     a, b = tmp_path / "a", tmp_path / "b"
     killed(project, upstream, a, env, "publish")
     (a / "pkg/model.txt").write_text(EDIT)
     before = snapshot(a)
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=b)).ok
-    shutil.copyfile(workdir_lock_path(a).with_suffix(".journal"),
-                    workdir_lock_path(b).with_suffix(".journal"))
+    text = workdir_lock_path(a).with_suffix(".journal").read_text()
+    if copy == "workdir rewritten":
+        text = text.replace(f'"workdir": "{a}"', f'"workdir": "{b}"')
+    workdir_lock_path(b).with_suffix(".journal").write_text(text)
     run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(b), *REF)
     assert run.returncode == 0, run.stderr
     assert f"name another checkout ({a}: a copied cache?) and were left alone" in run.stderr
