@@ -131,6 +131,25 @@ def test_what_leaves_the_checkout_clean_lets_the_switch_go_on(project, upstream,
     assert g(wd, "status", "--porcelain") == ""
 
 
+@pytest.mark.parametrize("point", ["fetch", "worktree.added", "write.staged"])
+@pytest.mark.parametrize("act", ["edit", "commit"])
+def test_a_kill_at_another_step_then_the_users_work_is_refused_as_a_normal_run_does(
+        project, upstream, tmp_path, env, point, act):
+    """Neighbours that hold: a kill before the switch (a fetch, a temporary worktree, the
+    overlay being laid in it), then an edit or a commit on the work branch: the rerun
+    removes only the tool's leftovers, then refuses as a normal run does."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, point)
+    (wd / "pkg/user.py").write_text(EDIT)
+    if act == "commit":
+        g(wd, "commit", "-qam", "mine")
+    before = snapshot(wd)
+    run = run_tool(project, env, *args)
+    assert run.returncode == errors.USAGE, run.stderr
+    assert ("uncommitted changes" if act == "edit" else FOREIGN) in run.stderr.splitlines()[-1]
+    assert snapshot(wd) == before
+
+
 def test_the_work_branch_checked_out_in_another_worktree_is_not_moved(project, upstream, tmp_path,
                                                                       env):
     """Item 4: a run on a second linked worktree moved the branch; the first then showed
