@@ -33,8 +33,8 @@ from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError
 from .errors import SourceError, UsageError
 from .files import open_regular
 from .lock import held
-from .regular import own_folder
 from .progress import ByteBar, megabytes, say, step
+from .regular import own_folder
 
 PROJECT = "vllm"
 T = TypeVar("T")

@@ -31,9 +31,9 @@ from pathlib import Path
 from . import reaper
 from .errors import UsageError
 from .files import open_regular
-from .regular import own_folder
 from .interrupts import deferred
 from .project import cache_dir
+from .regular import own_folder
 
 
 @contextlib.contextmanager

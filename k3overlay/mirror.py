@@ -33,8 +33,8 @@ from . import git
 from .downloads import ReleaseFiles
 from .errors import SourceError
 from .lock import held
-from .regular import own_folder
 from .progress import step
+from .regular import own_folder
 
 MIRROR_NAME = "mirror-v2.git"  # the format's folder under the cache directory (see above)
 _TAG = re.compile(r"^v(\d+\.\d+\.\d+)$")

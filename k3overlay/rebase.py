@@ -41,6 +41,7 @@ from .safety import foreign_commits
 from .stages import Stages, Target
 from .wheel import WheelOptions, build_for
 
+
 def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
                stages: Stages | None = None, wheels: WheelOptions | None = None) -> list[Report]:
     """One report per ref in ``refs``; nothing of the user's is touched.

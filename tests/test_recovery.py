@@ -6,6 +6,7 @@ Every kill is real (``test_crash``'s harness: the run SIGKILLs itself at a recor
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -20,12 +21,19 @@ from k3overlay.mirror import ReleaseMirror
 from k3overlay.rebase import rebase_to
 
 from .conftest import MOD_BASE, commit_tag, g, model, snapshot
-from .test_crash import NOTE, env, run_tool  # noqa: F401  (env: the harness's fixture)
+from .test_crash import NOTE, run_tool
 
 REF = ["--vllm-ref", "v1.1.0"]
 EDIT = "an edit of the user's, made after the crash\n"
 DIRTY = "has uncommitted changes; commit or stash them first (or use --check)"
 FOREIGN = "has commits apply.py did not write"
+
+
+@pytest.fixture
+def env(tmp_path) -> dict[str, str]:
+    """The harness's environment (``test_crash``): TMPDIR of the test's own."""
+    (tmp_path / "t").mkdir()
+    return {**os.environ, "TMPDIR": str(tmp_path / "t")}
 
 
 def killed(project, upstream, wd: Path, env, point: str, *extra: str) -> list[str]:
