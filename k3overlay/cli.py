@@ -15,6 +15,7 @@ from . import errors, git, progress, releases, source
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
+from .printable import printable
 from .project import Project
 from .rebase import rebase_to
 from .redact import Stream, excepthook, redact
@@ -278,9 +279,10 @@ def job_done() -> None:
 
 
 def tell(text: str, *, to=None) -> None:
-    """Print one message (stderr unless ``to``), through ``redact``: the one way the command
-    lines say anything outside a report (errors, notes, the export's summary)."""
-    print(redact(text), file=to or sys.stderr)
+    """Print one message (stderr unless ``to``), through ``redact`` and ``printable`` (git's
+    messages quote upstream's paths): the one way the command lines say anything outside a
+    report (errors, notes, the export's summary)."""
+    print(printable(redact(text)), file=to or sys.stderr)
 
 
 def report_console() -> Console:

@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from .printable import printable
 from .redact import Stream, redact
 
 # One line a step, even in CI logs; every line passes through ``redact`` (a URL's password,
-# a token) on its way out.
+# a token) on its way out, and each message through ``printable`` (a path's ESC sequences).
 console = Console(file=Stream(lambda: sys.stderr), highlight=False, soft_wrap=True)
 quiet = False
 
@@ -22,7 +23,7 @@ quiet = False
 def say(message: str) -> None:
     """One line of progress (a cache re-fetch, say) unless ``-q``; plain text, not markup."""
     if not quiet:
-        console.print(escape(redact(message)))
+        console.print(escape(printable(redact(message))))
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def step(message: str) -> Iterator[None]:
     done (seconds)."""
     start = time.monotonic()
     if not quiet:
-        console.print(f"[dim]…[/dim] {escape(redact(message))}")
+        console.print(f"[dim]…[/dim] {escape(printable(redact(message)))}")
     yield
     if not quiet:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")
