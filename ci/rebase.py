@@ -38,7 +38,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from pathlib import Path
     from types import SimpleNamespace
 
-    from k3overlay import errors, git, progress
+    from k3overlay import errors, git, progress, streams
     from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.project import Project
@@ -55,7 +55,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     )
     from k3overlay.source import default_mirror, release_for_ref
     from k3overlay.stages import StageResults, Target, TestRun
-    from k3overlay.wheel import WheelOptions
+    from k3overlay.wheel import WheelOptions, source_date_epoch
 except KeyboardInterrupt:
     print(INTERRUPTED, file=__import__("sys").stderr)
     raise SystemExit(130) from None
@@ -139,14 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     """Run the job; return its exit code. Ctrl-C (or SIGTERM) at any point: one line, 130."""
     sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
-        stop_like_ctrl_c()
-        return _main(argv)
-    except KeyboardInterrupt:
-        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+        with streams.quiet_when_reader_gone():
+            return _interruptible(argv)
     finally:
         job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
+
+
+def _interruptible(argv: list[str] | None) -> int:
+    try:
+        streams.reopen_closed()  # `>&-`: the job and its report files still get done
+        stop_like_ctrl_c()
+        return _main(argv)
+    except (KeyboardInterrupt, BrokenPipeError):
+        job_done()  # cleaned up: a reader gone (`--help | true`, `| head -1`) ends it quietly
+        streams.end_if_reader_gone()
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:
@@ -181,6 +189,8 @@ def _main(argv: list[str] | None) -> int:
         for path, option in reports_to:
             if path:
                 check_writable(path, option)
+        if args.wheels:
+            source_date_epoch()  # the date of the wheels' entries, read before any work
     except errors.OverlayError as err:  # nowhere safe to write a report: say it only
         tell(f"rebase.py: error: {err}")
         return err.exit_code

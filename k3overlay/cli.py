@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import errors, git, progress, releases, source
+from . import errors, git, progress, releases, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
@@ -21,7 +21,7 @@ from .rebase import rebase_to
 from .redact import Stream, excepthook, redact
 from .report import Report, check_writable, refused, write_human, write_json
 from .source import check_ref
-from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
+from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for, source_date_epoch
 
 INTERNAL = 1  # what Python exits with on a traceback; the JSON report of one says so too
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
@@ -84,10 +84,20 @@ def parser(project: Project) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
-    args = None
+    """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130; a
+    reader gone (``--help | true``, ``| head -1``) ends it quietly, killed by SIGPIPE."""
     sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
+        with streams.quiet_when_reader_gone():
+            return _main(argv)
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = None
+    try:
+        streams.reopen_closed()  # `apply.py >&-`: the work and its report files still get done
         line_by_line()
         stop_like_ctrl_c()
         project = Project()
@@ -97,12 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
         tell(f"apply.py: error: {err}")
         return err.exit_code
-    except KeyboardInterrupt:
-        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
+    except (KeyboardInterrupt, BrokenPipeError):
+        job_done()  # cleaned up: a reader gone (`--help | true`, `| head -1`) ends it quietly
+        streams.end_if_reader_gone()
         tell(f"apply.py: interrupted; {_left_as_it_was(args)}")
         return 130
-    finally:
-        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _left_as_it_was(args: argparse.Namespace | None) -> str:
@@ -120,6 +129,7 @@ def _left_as_it_was(args: argparse.Namespace | None) -> str:
 
 def _run(project: Project, args: argparse.Namespace) -> int:
     json_to = None  # where an error report may go: not before --json is known not to be our data
+    report = None  # the job's report, once it has one: a bug after publishing still reports it
     try:
         if args.json:
             project.refuse_as_output(args.json, "--json")
@@ -157,28 +167,35 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             report = run_apply(project, opts)
         if upstream:
             report.notes.insert(0, upstream.note())
+        if wheel_opts and report.ok:
+            try:
+                report.wheel = _build_wheel(project, report, wheel_opts)
+            except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
+                tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
+                     f"written")
+                return 130
+        job_done()
+        return _finish(report, args)
     except errors.OverlayError as err:
         tell(f"apply.py: error: {err}")
-        if json_to:
-            report = refused(project, args.rebase_to or args.vllm_ref, str(err), err.exit_code)
+        if json_to:  # (after publishing, the report of what was done, saying what stopped it)
+            report = report or refused(project, args.rebase_to or args.vllm_ref, "", err.exit_code)
+            report.error, report.error_code = str(err), err.exit_code
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, json_to)
         return err.exit_code
     except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
-        if json_to:
-            report = refused(project, args.rebase_to or args.vllm_ref, f"internal error (a bug "
-                             f"of apply.py): {type(err).__name__}: {err}", INTERNAL)
+        if json_to:  # (after publishing, with what the job did: the wheel build, the reports)
+            report = report or refused(project, args.rebase_to or args.vllm_ref, "", INTERNAL)
+            report.error = f"internal error (a bug of apply.py): {type(err).__name__}: {err}"
+            report.error_code = INTERNAL
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
-    if wheel_opts and report.ok:
-        try:
-            report.wheel = _build_wheel(project, report, wheel_opts)
-        except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-            tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
-                 f"written")
-            return 130
-    job_done()
+
+
+def _finish(report: Report, args: argparse.Namespace) -> int:
+    """Print the report and write ``--json``; the exit code to end with."""
     # A report file is written before the text: a reader of stdout gone early (`| head -1`,
     # which now ends the tool) then costs only the text. A stream gets it after the text.
     to_stream = args.json is not None and stream_target(args.json) is not None
@@ -231,6 +248,7 @@ def _wheel_options(args: argparse.Namespace, project: Project) -> WheelOptions |
     if args.check or args.rebase_to or args.export:
         raise errors.UsageError("--build-wheel builds from the work branch apply.py publishes; "
                                 "it does not go with --check, --rebase-to or --export")
+    source_date_epoch()  # the date of its entries, read now: not a traceback after publishing
     if args.release_wheel and not args.release_wheel.is_file():
         raise errors.UsageError(f"--release-wheel {args.release_wheel}: no such file")
     if args.wheel_dir:  # the wheel and, if vLLM's build fails, vllm-build.log go there
