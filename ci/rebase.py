@@ -34,6 +34,7 @@ from __future__ import annotations
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
+    import os
     import sys
     from pathlib import Path
     from types import SimpleNamespace
@@ -41,6 +42,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from k3overlay import errors, git, progress, streams
     from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
+    from k3overlay.outputs import refuse_aliases
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.redact import excepthook
@@ -53,7 +55,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
         write_json,
         write_text,
     )
-    from k3overlay.source import default_mirror, release_for_ref
+    from k3overlay.source import default_mirror, local_path, release_for_ref
     from k3overlay.stages import StageResults, Target, TestRun
     from k3overlay.wheel import WheelOptions, source_date_epoch
 except KeyboardInterrupt:
@@ -186,6 +188,7 @@ def _main(argv: list[str] | None) -> int:
             if path:
                 Project().refuse_as_output(path, option)
         refuse_one_file_twice([(path, option) for path, option in reports_to])
+        refuse_aliases(reports_to + folders, _inputs(args))
         for path, option in reports_to:
             if path:
                 check_writable(path, option)
@@ -219,6 +222,13 @@ def _main(argv: list[str] | None) -> int:
         console.print()
     return _write_reports([(path, write) for path, write in renderers
                            if path and stream_target(path) is not None], code)
+
+
+def _inputs(args) -> list[tuple[Path | None, str]]:
+    """What the job reads that a report or folder it writes could land in: the source folder
+    or bundle (``--vllm-repo`` or ``$VLLM_REPO``) and ``--gpu-results``."""
+    source = args.vllm_repo or os.environ.get("VLLM_REPO")
+    return [(source and local_path(source), "--vllm-repo"), (args.gpu_results, "--gpu-results")]
 
 
 def _run(args, refs: list[str], notes: dict, refused_refs: dict) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -15,12 +16,14 @@ from . import errors, git, progress, releases, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
+from .outputs import refuse_aliases
 from .printable import printable
 from .project import Project
 from .rebase import rebase_to
 from .redact import Stream, excepthook, redact
 from .report import Report, check_writable, refused, write_human, write_json
 from .source import check_ref
+from .source import local_path as source_local_path
 from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for, source_date_epoch
 
 INTERNAL = 1  # what Python exits with on a traceback; the JSON report of one says so too
@@ -134,7 +137,8 @@ def _run(project: Project, args: argparse.Namespace) -> int:
         if args.json:
             project.refuse_as_output(args.json, "--json")
             refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
-            json_to = args.json
+        _refuse_outputs_over_inputs(project, args)
+        json_to = args.json
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
@@ -224,6 +228,22 @@ def _list_releases(args: argparse.Namespace) -> int:
     for line in releases.listing(source.default_mirror()):
         print(line)
     return errors.OK
+
+
+def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> None:
+    """UsageError (``outputs.refuse_aliases``) if a path this run writes (``--json``, the
+    wheel folder, what ``--export`` writes) is, or is inside, one it reads (the source
+    folder or bundle, ``--release-wheel``, the checkout), or two of them are one path."""
+    source = args.vllm_repo or os.environ.get("VLLM_REPO")
+    outputs = [(args.json, "--json")]
+    if args.build_wheel:
+        outputs.append((args.wheel_dir or project.default_wheel_dir, "--wheel-dir"))
+    if args.export:
+        outputs += [(path, f"--export's {path.name}") for path in
+                    (project.patches_dir, project.overlay_dir, project.manifest_path)]
+    checkout = (args.workdir, "--workdir") if args.workdir else (project.default_workdir, "the checkout")
+    refuse_aliases(outputs, [(source and source_local_path(source), "--vllm-repo"),
+                             (args.release_wheel, "--release-wheel"), checkout])
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
