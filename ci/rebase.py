@@ -34,6 +34,7 @@ from __future__ import annotations
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
+    import contextlib
     import os
     import sys
     from pathlib import Path
@@ -205,11 +206,18 @@ def _main(argv: list[str] | None) -> int:
         tell(f"rebase.py: error: {err}")
         reports = _stopped(refs, str(err), err.exit_code)
     except Exception as err:  # a bug of ours: the reports asked for still say so, then the traceback
-        reports = _stopped(refs, f"internal error (a bug of rebase.py): {type(err).__name__}: "
-                                 f"{err}", INTERNAL)
-        _write_reports([(path, write) for path, write in _renderers(args, reports) if path], INTERNAL)
+        _internal_error(args, refs, err)
         raise
     job_done()
+    try:
+        return _finish(args, reports)
+    except Exception as err:  # a bug after the work (rendering, printing): the same
+        _internal_error(args, refs, err)
+        raise
+
+
+def _finish(args, reports: list) -> int:
+    """Write the report files, print the text report, write the report streams; the exit code."""
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
     renderers = _renderers(args, reports)
     # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
@@ -222,6 +230,16 @@ def _main(argv: list[str] | None) -> int:
         console.print()
     return _write_reports([(path, write) for path, write in renderers
                            if path and stream_target(path) is not None], code)
+
+
+def _internal_error(args, refs: list[str], err: Exception) -> None:
+    """Write every report asked for, each ref's saying the job hit a bug of ours."""
+    reports = _stopped(refs, f"internal error (a bug of rebase.py): {type(err).__name__}: {err}",
+                       INTERNAL)
+    for path, write in _renderers(args, reports):
+        if path:  # one that cannot be written (the bug may be in its renderer) spares the others
+            with contextlib.suppress(Exception):
+                write(path)
 
 
 def _inputs(args) -> list[tuple[Path | None, str]]:

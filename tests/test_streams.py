@@ -97,3 +97,25 @@ def test_a_bug_after_publishing_still_writes_the_json_report(project, upstream, 
     report = json.loads(out.read_text())
     assert report["error"] == "internal error (a bug of apply.py): RuntimeError: a bug after publishing"
     assert report["ok"] is False and report["branch"] and report["patches"]  # what was published
+
+
+@pytest.mark.parametrize("where", ["write_human", "markdown"])
+def test_a_bug_after_the_rebase_jobs_work_still_writes_every_report(project, upstream, tmp_path,
+                                                                   monkeypatch, where):
+    from .test_rebase import load_ci_rebase
+
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+
+    def bug(*_args, **_kwargs):
+        raise RuntimeError("a bug after the work")
+
+    monkeypatch.setattr(ci_rebase, where, bug)
+    outs = [tmp_path / "out.json", tmp_path / "out.xml"]
+    with pytest.raises(RuntimeError):
+        ci_rebase.main(["-q", "--onto", "v1.1.0", "--vllm-repo", str(upstream), "--no-tests",
+                        "--json", str(outs[0]), "--junit", str(outs[1]),
+                        "--markdown", str(tmp_path / "out.md")])
+    [report] = json.loads(outs[0].read_text())
+    assert report["error"] == "internal error (a bug of rebase.py): RuntimeError: a bug after the work"
+    assert "internal error" in outs[1].read_text()
