@@ -175,8 +175,13 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             try:
                 report.wheel = _build_wheel(project, report, wheel_opts)
             except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-                tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
-                     f"written")
+                job_done()
+                report.error = (f"interrupted; branch {report.branch} was published, no wheel "
+                                f"was written")
+                report.error_code = 130
+                if json_to:  # what was published is reported all the same
+                    _json_report(report, json_to)
+                tell(f"apply.py: {report.error}")
                 return 130
         job_done()
         return _finish(report, args)

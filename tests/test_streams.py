@@ -119,3 +119,22 @@ def test_a_bug_after_the_rebase_jobs_work_still_writes_every_report(project, ups
     [report] = json.loads(outs[0].read_text())
     assert report["error"] == "internal error (a bug of rebase.py): RuntimeError: a bug after the work"
     assert "internal error" in outs[1].read_text()
+
+
+def test_an_interrupt_during_the_wheel_build_still_writes_the_json_report(project, upstream, tmp_path,
+                                                                          monkeypatch, capsys):
+    # the branch was published, then Ctrl-C in the wheel build: no --json report at all
+    monkeypatch.setattr(cli, "Project", lambda: project)
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_for", interrupted)
+    out = tmp_path / "out.json"
+    code = cli.main(["--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--build-wheel",
+                     "--release-wheel", str(project.root / "VERSION"), "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130 and err.endswith("apply.py: interrupted; branch k3-overlay/9.9.9 was "
+                                        "published, no wheel was written\n"), err
+    report = json.loads(out.read_text())
+    assert report["error"].startswith("interrupted; branch") and report["patches"]
