@@ -55,6 +55,7 @@ class ByteBar:
     log), a bar is only noise: a line every ``LOG_EVERY_S`` seconds says how far it got."""
 
     def __init__(self, total: int | None, label: str) -> None:
+        label = escape(printable(redact(label)))  # a file name from the index: text, not markup
         self._progress = Progress(
             "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
             TransferSpeedColumn(), console=console, transient=True,
@@ -78,4 +79,4 @@ class ByteBar:
         if self._log and time.monotonic() - self._said >= LOG_EVERY_S:
             self._said = time.monotonic()
             of = f" of {megabytes(self._total)}" if self._total else ""
-            console.print(f"[dim]  {escape(self._label)}: {megabytes(self._done) or '0 MB'}{of}[/dim]")
+            console.print(f"[dim]  {self._label}: {megabytes(self._done) or '0 MB'}{of}[/dim]")

@@ -3,7 +3,9 @@
 What counts as a secret (the kinds git's own redaction covers, and their neighbours):
 
 - the user info of a URL, ``scheme://user:password@host`` (the password; for any scheme but
-  ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user);
+  ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user):
+  everything between ``scheme://`` and the last @ before the host, so a password holding
+  ``/ ? # @ + %`` unescaped (CodeCommit's) is masked whole;
 - a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name

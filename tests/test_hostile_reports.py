@@ -9,6 +9,7 @@ import io
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
@@ -142,3 +143,17 @@ def test_terminal_control_sequences_from_upstream_are_shown_escaped(capsys):
     for text in (human.getvalue(), err):
         assert not any(e in text for e in ESCAPES), repr(text)
         assert "pkg/\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e\\r\\x08x.py" in text
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_progress_bars_label_from_the_index_is_text_not_markup_or_escapes(monkeypatch, terminal):
+    # a file name from the package index labels the download's bar, which rich reads as markup
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, force_terminal=terminal, width=200,
+                                                     color_system=None))
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "quiet", False)
+    with progress.ByteBar(2_000_000, "vllm-\x1b]0;owned\x07[/x].whl") as bar:
+        bar.update(1_000_000)
+    assert "\x1b]0;owned" not in out.getvalue()
+    assert terminal or "vllm-\\x1b]0;owned\\x07[/x].whl: 1.0 MB of 2.0 MB" in out.getvalue()
