@@ -237,16 +237,13 @@ def _list_releases(args: argparse.Namespace) -> int:
 
 def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> None:
     """UsageError (``outputs.refuse_aliases``) if a path this run writes (``--json``, the
-    wheel folder, what ``--export`` writes, the checkout) is, or is inside, one it reads
-    (the source folder or bundle, ``--release-wheel``, the checkout), or two of them are
-    one path."""
+    wheel folder, the checkout) is, or is inside, one it reads (the source folder or
+    bundle, ``--release-wheel``, the checkout), or two of them are one path. (What
+    ``--export`` writes is this repository's data: ``_refuse_workdir_holding_project``.)"""
     source = args.vllm_repo or os.environ.get("VLLM_REPO")
     outputs = [(args.json, "--json")]
     if args.build_wheel:
         outputs.append((args.wheel_dir or project.default_wheel_dir, "--wheel-dir"))
-    if args.export:
-        outputs += [(path, f"--export's {path.name}") for path in
-                    (project.patches_dir, project.overlay_dir, project.manifest_path)]
     checkout = (args.workdir, "--workdir") if args.workdir else (project.default_workdir, "the checkout")
     inputs = [(source and source_local_path(source), "--vllm-repo"), (args.release_wheel, "--release-wheel")]
     refuse_aliases([checkout], inputs)  # the checkout is written too: never into the source
