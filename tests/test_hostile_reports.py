@@ -157,3 +157,22 @@ def test_a_progress_bars_label_from_the_index_is_text_not_markup_or_escapes(monk
         bar.update(1_000_000)
     assert "\x1b]0;owned" not in out.getvalue()
     assert terminal or "vllm-\\x1b]0;owned\\x07[/x].whl: 1.0 MB of 2.0 MB" in out.getvalue()
+
+
+MARKDOWN_HOSTILE = st.text(alphabet="`~<>/#*_|-[]() \nadeilmrsuy", max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(path=MARKDOWN_HOSTILE.filter(str.strip), diff=st.lists(MARKDOWN_HOSTILE, min_size=1, max_size=6),
+       detail=MARKDOWN_HOSTILE)
+def test_no_upstream_text_changes_the_markdown_structure(path, diff, detail):
+    lines = "\n".join(diff).splitlines() or [""]
+    report = Report("0.1.0", "v1.0.0", "v1.1.0",
+                    overlay=[FileResult(path, DRIFT, detail=detail, upstream_diff="\n".join(lines) + "\n")])
+    tokens = _md_tokens(markdown([report]))
+    fences = [t for t in tokens if t.type == "fence"]
+    assert [f.info for f in fences] == ["bash", "diff"]
+    assert fences[1].content.splitlines() == "\n".join(lines).rstrip().splitlines()
+    assert sum(t.type == "heading_open" for t in tokens) == 2
+    html = "".join(t.content for t in tokens if t.type == "html_block")
+    assert html.count("<details>") == 1 and html.count("</details>") == 1
