@@ -93,6 +93,7 @@ def test_a_header_in_upstream_text_keeps_every_json_report_valid(tmp_path, capsy
     # redaction ran on the serialized JSON too: `Bearer $TOKEN\"` lost its backslash
     report = _report("https://h/x", upstream_diff=f'+curl {BEARER}\n')
     report.error = f"git said: curl {BEARER}"
+    report.patches[0].hunks.append('pkg/\x1b[31m]]></failure></testcase>&amp;"\'.py:1-2')
     text = _every_output(report, tmp_path, capsys)  # parses every JSON and XML it writes
     data = json.loads((tmp_path / "r.json").read_text())
     assert "Authorization: Bearer ***" in data["overlay"][0]["upstream_diff"] and "$TOKEN" not in text
