@@ -237,17 +237,17 @@ def _list_releases(args: argparse.Namespace) -> int:
 
 def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> None:
     """UsageError (``outputs.refuse_aliases``) if a path this run writes (``--json``, the
-    wheel folder, the checkout) is, or is inside, one it reads (the source folder or
-    bundle, ``--release-wheel``, the checkout), or two of them are one path. (What
-    ``--export`` writes is this repository's data: ``_refuse_workdir_holding_project``.)"""
+    wheel folder) is, or is inside, one it reads (the source folder or bundle,
+    ``--release-wheel``, the checkout), or two of them are one path. (What ``--export``
+    writes is this repository's data: ``_refuse_workdir_holding_project``. The checkout
+    may be its own source: a rerun on it fetches nothing.)"""
     source = args.vllm_repo or os.environ.get("VLLM_REPO")
     outputs = [(args.json, "--json")]
     if args.build_wheel:
         outputs.append((args.wheel_dir or project.default_wheel_dir, "--wheel-dir"))
     checkout = (args.workdir, "--workdir") if args.workdir else (project.default_workdir, "the checkout")
-    inputs = [(source and source_local_path(source), "--vllm-repo"), (args.release_wheel, "--release-wheel")]
-    refuse_aliases([checkout], inputs)  # the checkout is written too: never into the source
-    refuse_aliases(outputs, [*inputs, checkout])
+    refuse_aliases(outputs, [(source and source_local_path(source), "--vllm-repo"),
+                             (args.release_wheel, "--release-wheel"), checkout])
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
