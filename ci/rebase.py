@@ -34,13 +34,16 @@ from __future__ import annotations
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
+    import contextlib
+    import os
     import sys
     from pathlib import Path
     from types import SimpleNamespace
 
-    from k3overlay import errors, git, progress
+    from k3overlay import errors, git, progress, streams
     from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
+    from k3overlay.outputs import refuse_aliases
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.redact import excepthook
@@ -53,9 +56,9 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
         write_json,
         write_text,
     )
-    from k3overlay.source import default_mirror, release_for_ref
+    from k3overlay.source import default_mirror, local_path, release_for_ref
     from k3overlay.stages import StageResults, Target, TestRun
-    from k3overlay.wheel import WheelOptions
+    from k3overlay.wheel import WheelOptions, source_date_epoch
 except KeyboardInterrupt:
     print(INTERRUPTED, file=__import__("sys").stderr)
     raise SystemExit(130) from None
@@ -139,14 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     """Run the job; return its exit code. Ctrl-C (or SIGTERM) at any point: one line, 130."""
     sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
-        stop_like_ctrl_c()
-        return _main(argv)
-    except KeyboardInterrupt:
-        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+        with streams.quiet_when_reader_gone():
+            return _interruptible(argv)
     finally:
         job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
+
+
+def _interruptible(argv: list[str] | None) -> int:
+    try:
+        streams.reopen_closed()  # `>&-`: the job and its report files still get done
+        stop_like_ctrl_c()
+        return _main(argv)
+    except (KeyboardInterrupt, BrokenPipeError):
+        job_done()  # cleaned up: a reader gone (`--help | true`, `| head -1`) ends it quietly
+        streams.end_if_reader_gone()
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:
@@ -178,9 +189,12 @@ def _main(argv: list[str] | None) -> int:
             if path:
                 Project().refuse_as_output(path, option)
         refuse_one_file_twice([(path, option) for path, option in reports_to])
+        refuse_aliases(reports_to + folders, _inputs(args))
         for path, option in reports_to:
             if path:
                 check_writable(path, option)
+        if args.wheels:
+            source_date_epoch()  # the date of the wheels' entries, read before any work
     except errors.OverlayError as err:  # nowhere safe to write a report: say it only
         tell(f"rebase.py: error: {err}")
         return err.exit_code
@@ -192,11 +206,18 @@ def _main(argv: list[str] | None) -> int:
         tell(f"rebase.py: error: {err}")
         reports = _stopped(refs, str(err), err.exit_code)
     except Exception as err:  # a bug of ours: the reports asked for still say so, then the traceback
-        reports = _stopped(refs, f"internal error (a bug of rebase.py): {type(err).__name__}: "
-                                 f"{err}", INTERNAL)
-        _write_reports([(path, write) for path, write in _renderers(args, reports) if path], INTERNAL)
+        _internal_error(args, refs, err)
         raise
     job_done()
+    try:
+        return _finish(args, reports)
+    except Exception as err:  # a bug after the work (rendering, printing): the same
+        _internal_error(args, refs, err)
+        raise
+
+
+def _finish(args, reports: list) -> int:
+    """Write the report files, print the text report, write the report streams; the exit code."""
     code = next((r.exit_code for r in reports if not r.ok), errors.OK)
     renderers = _renderers(args, reports)
     # Report files before the text, streams after it: a reader of stdout gone early (`| head`,
@@ -209,6 +230,23 @@ def _main(argv: list[str] | None) -> int:
         console.print()
     return _write_reports([(path, write) for path, write in renderers
                            if path and stream_target(path) is not None], code)
+
+
+def _internal_error(args, refs: list[str], err: Exception) -> None:
+    """Write every report asked for, each ref's saying the job hit a bug of ours."""
+    reports = _stopped(refs, f"internal error (a bug of rebase.py): {type(err).__name__}: {err}",
+                       INTERNAL)
+    for path, write in _renderers(args, reports):
+        if path:  # one that cannot be written (the bug may be in its renderer) spares the others
+            with contextlib.suppress(Exception):
+                write(path)
+
+
+def _inputs(args) -> list[tuple[Path | None, str]]:
+    """What the job reads that a report or folder it writes could land in: the source folder
+    or bundle (``--vllm-repo`` or ``$VLLM_REPO``) and ``--gpu-results``."""
+    source = args.vllm_repo or os.environ.get("VLLM_REPO")
+    return [(source and local_path(source), "--vllm-repo"), (args.gpu_results, "--gpu-results")]
 
 
 def _run(args, refs: list[str], notes: dict, refused_refs: dict) -> list:

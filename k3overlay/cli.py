@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -11,16 +12,19 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import errors, git, progress, releases, source
+from . import errors, git, progress, releases, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
+from .outputs import refuse_aliases
+from .printable import printable
 from .project import Project
 from .rebase import rebase_to
 from .redact import Stream, excepthook, redact
 from .report import Report, check_writable, refused, write_human, write_json
 from .source import check_ref
-from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for
+from .source import local_path as source_local_path
+from .wheel import METHODS, PRINT_RECORD, REPACK, WheelOptions, build_for, source_date_epoch
 
 INTERNAL = 1  # what Python exits with on a traceback; the JSON report of one says so too
 EPILOG = """exit codes: 0 ok, 2 bad input or unsafe checkout (or a wheel that cannot be built
@@ -83,10 +87,20 @@ def parser(project: Project) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130."""
-    args = None
+    """Run ``apply.py``; return its exit code. Ctrl-C anywhere ends in one line, exit 130; a
+    reader gone (``--help | true``, ``| head -1``) ends it quietly, killed by SIGPIPE."""
     sys.excepthook = excepthook  # a bug's traceback is redacted too
     try:
+        with streams.quiet_when_reader_gone():
+            return _main(argv)
+    finally:
+        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = None
+    try:
+        streams.reopen_closed()  # `apply.py >&-`: the work and its report files still get done
         line_by_line()
         stop_like_ctrl_c()
         project = Project()
@@ -96,12 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     except errors.OverlayError as err:  # this repository's own data unreadable (VERSION)
         tell(f"apply.py: error: {err}")
         return err.exit_code
-    except KeyboardInterrupt:
-        job_done()  # cleaned up: if stderr is the pipe that closed, end quietly (signal 13)
+    except (KeyboardInterrupt, BrokenPipeError):
+        job_done()  # cleaned up: a reader gone (`--help | true`, `| head -1`) ends it quietly
+        streams.end_if_reader_gone()
         tell(f"apply.py: interrupted; {_left_as_it_was(args)}")
         return 130
-    finally:
-        job_done()  # no handler of ours left behind for a caller that goes on (tests call main)
 
 
 def _left_as_it_was(args: argparse.Namespace | None) -> str:
@@ -119,11 +132,13 @@ def _left_as_it_was(args: argparse.Namespace | None) -> str:
 
 def _run(project: Project, args: argparse.Namespace) -> int:
     json_to = None  # where an error report may go: not before --json is known not to be our data
+    report = None  # the job's report, once it has one: a bug after publishing still reports it
     try:
         if args.json:
             project.refuse_as_output(args.json, "--json")
             refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
-            json_to = args.json
+        _refuse_outputs_over_inputs(project, args)
+        json_to = args.json
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
@@ -156,28 +171,40 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             report = run_apply(project, opts)
         if upstream:
             report.notes.insert(0, upstream.note())
+        if wheel_opts and report.ok:
+            try:
+                report.wheel = _build_wheel(project, report, wheel_opts)
+            except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
+                job_done()
+                report.error = (f"interrupted; branch {report.branch} was published, no wheel "
+                                f"was written")
+                report.error_code = 130
+                if json_to:  # what was published is reported all the same
+                    _json_report(report, json_to)
+                tell(f"apply.py: {report.error}")
+                return 130
+        job_done()
+        return _finish(report, args)
     except errors.OverlayError as err:
         tell(f"apply.py: error: {err}")
-        if json_to:
-            report = refused(project, args.rebase_to or args.vllm_ref, str(err), err.exit_code)
+        if json_to:  # (after publishing, the report of what was done, saying what stopped it)
+            report = report or refused(project, args.rebase_to or args.vllm_ref, "", err.exit_code)
+            report.error, report.error_code = str(err), err.exit_code
             with contextlib.suppress(errors.OverlayError):  # the error above is the one to see
                 write_json(report, json_to)
         return err.exit_code
     except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
-        if json_to:
-            report = refused(project, args.rebase_to or args.vllm_ref, f"internal error (a bug "
-                             f"of apply.py): {type(err).__name__}: {err}", INTERNAL)
+        if json_to:  # (after publishing, with what the job did: the wheel build, the reports)
+            report = report or refused(project, args.rebase_to or args.vllm_ref, "", INTERNAL)
+            report.error = f"internal error (a bug of apply.py): {type(err).__name__}: {err}"
+            report.error_code = INTERNAL
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
-    if wheel_opts and report.ok:
-        try:
-            report.wheel = _build_wheel(project, report, wheel_opts)
-        except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-            tell(f"apply.py: interrupted; branch {report.branch} was published, no wheel was "
-                 f"written")
-            return 130
-    job_done()
+
+
+def _finish(report: Report, args: argparse.Namespace) -> int:
+    """Print the report and write ``--json``; the exit code to end with."""
     # A report file is written before the text: a reader of stdout gone early (`| head -1`,
     # which now ends the tool) then costs only the text. A stream gets it after the text.
     to_stream = args.json is not None and stream_target(args.json) is not None
@@ -208,6 +235,21 @@ def _list_releases(args: argparse.Namespace) -> int:
     return errors.OK
 
 
+def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> None:
+    """UsageError (``outputs.refuse_aliases``) if a path this run writes (``--json``, the
+    wheel folder) is, or is inside, one it reads (the source folder or bundle,
+    ``--release-wheel``, the checkout), or two of them are one path. (What ``--export``
+    writes is this repository's data: ``_refuse_workdir_holding_project``. The checkout
+    may be its own source: a rerun on it fetches nothing.)"""
+    source = args.vllm_repo or os.environ.get("VLLM_REPO")
+    outputs = [(args.json, "--json")]
+    if args.build_wheel:
+        outputs.append((args.wheel_dir or project.default_wheel_dir, "--wheel-dir"))
+    checkout = (args.workdir, "--workdir") if args.workdir else (project.default_workdir, "the checkout")
+    refuse_aliases(outputs, [(source and source_local_path(source), "--vllm-repo"),
+                             (args.release_wheel, "--release-wheel"), checkout])
+
+
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
     """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it
     (publishing there would switch the tool's own files out for vLLM's), or lies inside
@@ -230,6 +272,7 @@ def _wheel_options(args: argparse.Namespace, project: Project) -> WheelOptions |
     if args.check or args.rebase_to or args.export:
         raise errors.UsageError("--build-wheel builds from the work branch apply.py publishes; "
                                 "it does not go with --check, --rebase-to or --export")
+    source_date_epoch()  # the date of its entries, read now: not a traceback after publishing
     if args.release_wheel and not args.release_wheel.is_file():
         raise errors.UsageError(f"--release-wheel {args.release_wheel}: no such file")
     if args.wheel_dir:  # the wheel and, if vLLM's build fails, vllm-build.log go there
@@ -278,9 +321,10 @@ def job_done() -> None:
 
 
 def tell(text: str, *, to=None) -> None:
-    """Print one message (stderr unless ``to``), through ``redact``: the one way the command
-    lines say anything outside a report (errors, notes, the export's summary)."""
-    print(redact(text), file=to or sys.stderr)
+    """Print one message (stderr unless ``to``), through ``redact`` and ``printable`` (git's
+    messages quote upstream's paths): the one way the command lines say anything outside a
+    report (errors, notes, the export's summary)."""
+    print(printable(redact(text)), file=to or sys.stderr)
 
 
 def report_console() -> Console:

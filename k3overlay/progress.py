@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from .printable import printable
 from .redact import Stream, redact
 
 # One line a step, even in CI logs; every line passes through ``redact`` (a URL's password,
-# a token) on its way out.
+# a token) on its way out, and each message through ``printable`` (a path's ESC sequences).
 console = Console(file=Stream(lambda: sys.stderr), highlight=False, soft_wrap=True)
 quiet = False
 
@@ -22,7 +23,7 @@ quiet = False
 def say(message: str) -> None:
     """One line of progress (a cache re-fetch, say) unless ``-q``; plain text, not markup."""
     if not quiet:
-        console.print(escape(redact(message)))
+        console.print(escape(printable(redact(message))))
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def step(message: str) -> Iterator[None]:
     done (seconds)."""
     start = time.monotonic()
     if not quiet:
-        console.print(f"[dim]…[/dim] {escape(redact(message))}")
+        console.print(f"[dim]…[/dim] {escape(printable(redact(message)))}")
     yield
     if not quiet:
         console.print(f"[dim]  done in {time.monotonic() - start:.1f} s[/dim]")
@@ -54,6 +55,7 @@ class ByteBar:
     log), a bar is only noise: a line every ``LOG_EVERY_S`` seconds says how far it got."""
 
     def __init__(self, total: int | None, label: str) -> None:
+        label = escape(printable(redact(label)))  # a file name from the index: text, not markup
         self._progress = Progress(
             "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
             TransferSpeedColumn(), console=console, transient=True,
@@ -77,4 +79,4 @@ class ByteBar:
         if self._log and time.monotonic() - self._said >= LOG_EVERY_S:
             self._said = time.monotonic()
             of = f" of {megabytes(self._total)}" if self._total else ""
-            console.print(f"[dim]  {escape(self._label)}: {megabytes(self._done) or '0 MB'}{of}[/dim]")
+            console.print(f"[dim]  {self._label}: {megabytes(self._done) or '0 MB'}{of}[/dim]")

@@ -3,7 +3,9 @@
 What counts as a secret (the kinds git's own redaction covers, and their neighbours):
 
 - the user info of a URL, ``scheme://user:password@host`` (the password; for any scheme but
-  ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user);
+  ssh the whole user info, since ``https://TOKEN@github.com`` carries a token as the user):
+  everything between ``scheme://`` and the last @ before the host, so a password holding
+  ``/ ? # @ + %`` unescaped (CodeCommit's) is masked whole;
 - a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
@@ -27,11 +29,15 @@ import urllib.parse
 
 MASK = "***"
 
-# scheme://userinfo@ — the authority ends at the first / ? # (an @ after it is a path's);
-# greedy up to the last @ before that, as curl reads ``user:p@ss@host``. Quotes, ``<>`` and
+# scheme://userinfo@ — as curl reads ``user:p@ss@host``, greedy up to the last @ before the
+# host. Two shapes: user info holding no ``/ ? #`` (the authority ends at the first of them:
+# an @ after it is a path's), or ``user:`` followed by a password holding anything but
+# white space, ``/ ? # @`` included (CodeCommit's generated passwords hold ``/`` and ``+``;
+# git hands such a URL to curl as it is, and its error line quotes it). Quotes, ``<>`` and
 # backticks belong to it: ``'`` is a sub-delim RFC 3986 allows there unescaped, and git hands
 # ``"<>``` to curl as they are (a password ``it's`` works); stopping at them showed the rest.
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<info>[^/?#\s]*)@")
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
+                       r"(?P<info>[^/?#\s@:]*:\S*|[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
 # (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
 # ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
@@ -51,13 +57,14 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 def _userinfo(url: str) -> tuple[str, str, str] | None:
-    """(``scheme://``, user info, the rest from the host on) of a URL that has user info, as
-    git reads it (up to the last @ before the first / ? #, whatever the characters)."""
+    """(``scheme://``, user info, the rest from the host on) of a URL that has user info:
+    everything between ``scheme://`` and the last @ of the URL, whatever the characters
+    (``https://user:a/b?c#d@host/x``: a password holding ``/ ? #`` unescaped, which git hands
+    to curl as it is). A source URL given with an @ in its path must write it ``%40``."""
     scheme = _SCHEME.match(url)
     if not scheme:
         return None
-    authority = re.split(r"[/?#]", url[scheme.end():], maxsplit=1)[0]
-    info, at, _host = authority.rpartition("@")
+    info, at, _host = url[scheme.end():].rpartition("@")
     return (scheme[0], info, url[scheme.end() + len(info) + 1:]) if at else None
 
 
@@ -103,16 +110,23 @@ def _masked_userinfo(match: re.Match) -> str:
 
 
 def scrub(value):
-    """``value`` with ``redact`` applied to every string in it (dict keys and values, list,
+    """``value`` with ``redact`` applied to every string in it (``map_strings``): a new
+    object, ``value`` itself is left alone. Renderers scrub the values they render, never
+    their serialized text: a mask put into JSON or XML text can swallow its escapes."""
+    return map_strings(value, redact)
+
+
+def map_strings(value, fn):
+    """``value`` with ``fn`` applied to every string in it (dict keys and values, list,
     tuple and dataclass members); a new object, ``value`` itself is left alone."""
     if isinstance(value, str):
-        return redact(value)
+        return fn(value)
     if isinstance(value, dict):
-        return {scrub(k): scrub(v) for k, v in value.items()}
+        return {map_strings(k, fn): map_strings(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(scrub(v) for v in value)
+        return type(value)(map_strings(v, fn) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: scrub(getattr(value, f.name)) for f in dataclasses.fields(value)
+        fields = {f.name: map_strings(getattr(value, f.name), fn) for f in dataclasses.fields(value)
                   if f.init}
         return dataclasses.replace(value, **fields)
     return value

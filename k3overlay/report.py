@@ -20,10 +20,12 @@ from rich.table import Table
 from rich.text import Text
 
 from . import errors
+from . import mdsafe as md
 from .files import stream_target, write_atomically
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
-from .redact import redact, scrub
+from .printable import for_terminal
+from .redact import scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
 from .stages import Section, TestRun
@@ -174,7 +176,7 @@ def write_json(reports: list[Report] | Report, path: Path) -> None:
     Raises UsageError (one line) if the file cannot be written.
     """
     data = reports.to_json() if isinstance(reports, Report) else [r.to_json() for r in reports]
-    write_text(path, json.dumps(scrub(data), indent=2) + "\n")
+    write_text(path, json.dumps(scrub(data), indent=2) + "\n")  # values redacted, not the text
 
 
 def refused(project, ref: str | None, error: str, code: int) -> Report:
@@ -221,8 +223,10 @@ def check_writable(path: Path, option: str) -> None:
 def write_text(path: Path, text: str) -> None:
     """Write a report file whole or not at all (temporary file, fsync, rename): a full disk
     leaves the previous report as it was. Raises UsageError (one line) on failure.
-    The text passes through ``redact`` (no password or token reaches a report)."""
-    write_atomically(path, redact(text).encode("utf-8", errors="replace"))
+    ``text`` is rendered from values that went through ``scrub`` (every renderer here does
+    that): redacting the rendered text again would mask across JSON's or XML's escapes
+    (``Bearer \\"x\\"`` lost its backslash, and the JSON its validity)."""
+    write_atomically(path, text.encode("utf-8", errors="replace"))
 
 
 _STYLE = {"applied": "green", "applied-3way": "yellow", "landed-upstream": "cyan",
@@ -238,7 +242,9 @@ def write_human(report: Report, console: Console) -> None:
     """
     # Lines are assembled as Text, never as markup built from escaped pieces: escaping
     # each value alone still lets two neighbours ("[/" then "]") form a tag.
-    report = scrub(report)  # before rich wraps a long line, which would cut a URL in two
+    # before rich wraps a long line, which would cut a URL in two; upstream's paths and
+    # messages may hold ESC sequences, which a terminal would act on
+    report = for_terminal(report)
     console.print(Text.assemble((f"vllm-k3-overlay {report.overlay_version}", "bold"),
                                 f" on {report.ref} ({report.ref_sha[:12] or '?'}), "
                                 f"base {report.base_ref}"))
@@ -389,8 +395,8 @@ def markdown(reports: list[Report]) -> str:
     lines = ["## vllm-k3-overlay rebase report", ""]
     if reports:
         r0 = reports[0]
-        lines.append(f"Overlay {r0.overlay_version} (base {r0.base_ref}) onto "
-                     + ", ".join(f"{r.ref}: **{verdict(r).split(':')[0]}**"
+        lines.append(f"Overlay {md.text(r0.overlay_version)} (base {md.text(r0.base_ref)}) onto "
+                     + ", ".join(f"{md.text(r.ref)}: **{md.text(verdict(r).split(':')[0])}**"
                                  + ("" if r.ok else f" (exit {r.exit_code})") for r in reports)
                      + ".")
     for r in reports:
@@ -439,37 +445,37 @@ def _count(items: list, one: str, many: str) -> str:
 def _first_screen(r: Report) -> list[str]:
     sha = f" `{r.ref_sha[:10]}`" if r.ref_sha else ""
     code = "" if r.ok else f" (exit {r.exit_code})"
-    lines = [f"### {r.ref}{sha}: {verdict(r)}{code}", ""]
+    lines = [f"### {md.text(r.ref)}{sha}: {md.text(verdict(r))}{code}", ""]
     if r.error:
         return lines[:-1]
     for p in r.conflicting_patches:
         regions = [h for h in p.hunks if _REGION.match(h)]
         where = regions or p.hunks[:3] or p.files
-        lines.append(f"- patch `{p.name}` **conflicts**: " + ", ".join(f"`{w}`" for w in where))
+        lines.append(f"- patch {md.code(p.name)} **conflicts**: " + ", ".join(md.code(w) for w in where))
     for f in r.overlay:
         if f.status == FILE_CONFLICT:
             regions = conflict_regions(f.path, f.merged or b"")
             where = (f" in {_count(regions, 'region', 'regions')}: "
-                     + ", ".join(f"`{x}`" for x in regions)) if regions else f": {f.detail}"
-            lines.append(f"- overlay `{f.path}` **conflicts**{where}")
+                     + ", ".join(md.code(x) for x in regions)) if regions else f": {md.text(f.detail)}"
+            lines.append(f"- overlay {md.code(f.path)} **conflicts**{where}")
         elif f.status == DRIFT:
-            lines.append(f"- overlay `{f.path}` drifted: {f.detail}")
+            lines.append(f"- overlay {md.code(f.path)} drifted: {md.text(f.detail)}")
     lines += _went_in(r)
-    lines.append(f"- verify: {r.verification.line()}")
-    lines += [f"  - {error}" for error in r.verification.errors]
+    lines.append(f"- verify: {md.text(r.verification.line())}")
+    lines += [f"  - {md.text(error)}" for error in r.verification.errors]
     for run in r.runs:
-        lines.append(f"- {run.name}: {run.line()}")
-        lines += [f"  - `{p.test}`: {p.first_line}" for p in run.problems]
+        lines.append(f"- {md.text(run.name)}: {md.text(run.line())}")
+        lines += [f"  - {md.code(p.test)}: {md.text(p.first_line)}" for p in run.problems]
         lines += _not_run(run.not_run)
     for section in r.sections:
-        lines += [f"- {section.title}: {line}" for line in section.lines]
+        lines += [f"- {md.text(section.title)}: {md.text(line)}" for line in section.lines]
     if r.wheel is not None:
         w = r.wheel
-        lines.append(f"- wheel not built: {w['error']}" if "error" in w else
-                     f"- wheel `{w['name']}`, {w['size']:,} bytes, sha256 `{w['sha256']}`")
+        lines.append(f"- wheel not built: {md.text(w['error'])}" if "error" in w else
+                     f"- wheel {md.code(w['name'])}, {w['size']:,} bytes, sha256 `{w['sha256']}`")
     commands = next_commands(r)
     if commands:
-        lines += ["", "```bash", *commands, "```"]
+        lines += ["", *md.fenced([md.one_line(c) for c in commands], "bash")]
     return lines
 
 
@@ -478,12 +484,13 @@ def _went_in(r: Report) -> list[str]:
     parts: dict[str, list[str]] = {}
     for p in r.patches:
         if p.status != PATCH_CONFLICT:
-            label = short_name(p.name) + (f" (as {p.upstream_commit[:12]})" if p.upstream_commit else "")
+            label = md.text(short_name(p.name)) + (f" (as {p.upstream_commit[:12]})"
+                                                   if p.upstream_commit else "")
             parts.setdefault(f"patches {p.status}", []).append(label)
     files: dict[str, list[str]] = {}
     for f in r.overlay:
         if f.status not in (FILE_CONFLICT, DRIFT):
-            files.setdefault(f.status, []).append(f"`{Path(f.path).name}`")
+            files.setdefault(f.status, []).append(md.code(Path(f.path).name))
     items = [f"{k}: {', '.join(v)}" for k, v in parts.items()]
     items += [f"overlay {k}: {', '.join(v) if k == 'merged' else len(v)}" for k, v in files.items()]
     return [f"- went in: {'; '.join(items)}"] if items else []
@@ -494,8 +501,8 @@ def _not_run(not_run: list[str]) -> list[str]:
     why: dict[str, list[str]] = {}
     for item in not_run:
         name, _, reason = item.partition(": ")
-        why.setdefault(reason, []).append(f"`{Path(name).name}`")
-    return [f"  - not run: {', '.join(names)}: {reason}" for reason, names in why.items()]
+        why.setdefault(reason, []).append(md.code(Path(name).name))
+    return [f"  - not run: {', '.join(names)}: {md.text(reason)}" for reason, names in why.items()]
 
 
 def next_commands(r: Report) -> list[str]:
@@ -529,13 +536,13 @@ def _details(r: Report) -> list[str]:
     lines = []
     for section in r.sections:
         if section.details:
-            lines += [f"<details><summary>{r.ref}: {section.title}</summary>", "",
-                      section.details.rstrip(), "", "</details>", ""]
+            lines += [f"<details><summary>{md.text(r.ref)}: {md.text(section.title)}</summary>", "",
+                      md.block(section.details.rstrip()), "", "</details>", ""]
     for f in r.overlay:
         if f.upstream_diff:
-            lines += [f"<details><summary>{r.ref}: upstream's diff of <code>{f.path}</code> since "
-                      f"{r.base_ref} ({f.status})</summary>", "", "```diff",
-                      *_clip(f.upstream_diff), "```", "</details>", ""]
+            lines += [f"<details><summary>{md.text(r.ref)}: upstream's diff of <code>"
+                      f"{md.text(f.path)}</code> since {md.text(r.base_ref)} ({f.status})</summary>",
+                      "", *md.fenced(_clip(f.upstream_diff), "diff"), "</details>", ""]
     return lines
 
 

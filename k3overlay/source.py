@@ -146,9 +146,9 @@ def check_source(source: str) -> None:
     if scheme and scheme[1].lower() not in _SCHEMES:
         raise UsageError(f"{bad}: the '{scheme[1]}' transport is not allowed; give an https, ssh "
                          f"or git URL or a local path")
-    if scheme and scheme[1].lower() != "file" or not scheme and ":" in source.split("/", 1)[0]:
+    path = local_path(source)
+    if path is None:
         return  # a remote; git reaches it (scp-like host:path is ssh)
-    path = Path(_file_url_path(source[len(scheme[0]):]) if scheme else source)
     try:
         mode = path.stat().st_mode
     except OSError:
@@ -159,6 +159,16 @@ def check_source(source: str) -> None:
     if stat.S_ISREG(mode) and not _starts_as_a_bundle(path):
         raise UsageError(f"{bad} is a file but not a git bundle (it does not start with '# v2 git "
                          f"bundle' or '# v3 git bundle'); give a repository folder, a bundle or a URL")
+
+
+def local_path(source: str) -> Path | None:
+    """The local folder or bundle a ``--vllm-repo`` names (a path, or a ``file://`` URL read
+    as git reads it), absolute from the current folder; None for a remote (a URL of
+    another scheme, an scp-like ``host:path``)."""
+    scheme = _SCHEME.match(source)
+    if scheme and scheme[1].lower() != "file" or not scheme and ":" in source.split("/", 1)[0]:
+        return None
+    return Path(os.path.abspath(_file_url_path(source[len(scheme[0]):]) if scheme else source))
 
 
 # A bundle's first line. git reads a file's whole first line to tell, byte by byte: a large

@@ -181,8 +181,28 @@ def plan(project: Project, repo: git.Repo, report: Report, result_sha: str, opts
     stamp = {VERSION_PY: releases.with_commit(versioned(release_py, version), result_sha).encode(),
              RECORD_PATH: record_bytes(record)}
     put = {p: data for p, data in changes.items() if p.startswith(PACKAGE)} | stamp
-    epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or git.commit_time(repo, result_sha))
-    return Plan(release_wheel, version, put, stamp, epoch)
+    epoch = source_date_epoch()
+    return Plan(release_wheel, version, put, stamp,
+                git.commit_time(repo, result_sha) if epoch is None else epoch)
+
+
+LAST_ZIP_SECOND = 4354819199  # 2107-12-31 23:59:59 UTC: the last date a zip entry can hold
+
+
+def source_date_epoch() -> int | None:
+    """``$SOURCE_DATE_EPOCH`` (seconds since 1970, UTC): the date of every entry of a wheel
+    built, or None when unset or empty (the patched commit's date is used). Raises
+    UsageError (one line) unless it is a whole number of seconds a zip can date (0 to the
+    end of 2107), as the reproducible-builds spec says (no sign, no fraction, no space):
+    read before any work, not after publishing, where it ended in a traceback."""
+    value = os.environ.get("SOURCE_DATE_EPOCH", "")
+    if not value:
+        return None
+    if len(value) > 10 or not value.isascii() or not value.isdigit() or int(value) > LAST_ZIP_SECOND:
+        raise UsageError(f"SOURCE_DATE_EPOCH={value[:40]!r} is not a whole number of seconds "
+                         f"since 1970 that a wheel's zip entries can hold (0 to {LAST_ZIP_SECOND}); "
+                         f"give one such as 1700000000, or unset it")
+    return int(value)
 
 
 def release_version(repo: git.Repo, ref: str, ref_sha: str) -> Version:

@@ -1,0 +1,45 @@
+"""Every path a run writes checked against every path it reads, before any work.
+
+A report or a wheel folder named inside an input would destroy it or dirty it: ``--json``
+over the ``--vllm-repo`` bundle replaced the bundle, ``--json work/vllm/r.json`` left an
+untracked file in the checkout, refused as dirty by every later run. Paths are compared
+as the file system resolves them (links and ``..`` followed); a stream (``/dev/stdout``)
+is no path and may take any report.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import UsageError
+from .files import stream_target
+
+Named = list[tuple[Path | None, str]]  # (path or None when not given, the option naming it)
+
+
+def refuse_aliases(outputs: Named, inputs: Named) -> None:
+    """Raise UsageError (one line, exit 2) if an output is an input or lies inside one (an
+    input folder: a checkout, a source repository), or two outputs are one path."""
+    seen: dict[Path, tuple[Path, str]] = {}
+    for path, option in outputs:
+        if path is None or stream_target(path) is not None:
+            continue
+        real = _real(path)
+        for source, source_option in inputs:
+            if source is None:
+                continue
+            if real == _real(source):
+                raise UsageError(f"{option} {path} is {source_option} {source}, which this run "
+                                 f"reads; refusing to write over it")
+            if _real(source) in real.parents:
+                raise UsageError(f"{option} {path} is inside {source_option} {source}, which this "
+                                 f"run reads; give a path outside it")
+        first = seen.setdefault(real, (path, option))
+        if first[1] != option:
+            raise UsageError(f"{option} {path} is the path {first[1]} {first[0]} names; give each "
+                             f"its own")
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))

@@ -1,0 +1,114 @@
+"""No path a run writes is, or is inside, a path it reads, and no two outputs are one path
+(issue 25, items 6 and 19): refused in one line, exit 2, before any work; links and ``..``
+are resolved first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from k3overlay import cli, errors
+
+from .conftest import g, snapshot
+from .test_rebase import load_ci_rebase
+
+
+@pytest.fixture
+def sources(upstream, tmp_path) -> dict[str, Path]:
+    """A source folder (a clone of upstream, with a work tree) and a source bundle, the run's inputs."""
+    folder, bundle = tmp_path / "src", tmp_path / "vllm.bundle"
+    g(upstream, "clone", "-q", str(upstream), str(folder))
+    g(upstream, "bundle", "create", str(bundle), "--all")
+    (tmp_path / "link").symlink_to(tmp_path / "wd")
+    return {"folder": folder, "bundle": bundle}
+
+
+def _files(tmp_path: Path) -> dict:
+    """Every file under ``tmp_path`` with its bytes (the inputs are there)."""
+    return {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+
+APPLY_CASES = {
+    # issue 25, 6: --json over the bundle replaced it
+    "json over the bundle": (["--vllm-repo", "{bundle}", "--json", "{bundle}"], "is --vllm-repo"),
+    "json as a file:// bundle": (["--vllm-repo", "file://{bundle}", "--json", "{bundle}"],
+                                 "is --vllm-repo"),
+    "json inside the source folder": (["--vllm-repo", "{folder}", "--json", "{folder}/r.json"],
+                                      "is inside --vllm-repo"),
+    # 19: a file inside the checkout is untracked there, and every later run refuses it as dirty
+    "json inside the workdir": (["--json", "{tmp}/wd/r.json"], "is inside --workdir"),
+    "json inside it through a link": (["--json", "{tmp}/link/r.json"], "is inside --workdir"),
+    "json inside it through ..": (["--json", "{tmp}/other/../wd/sub/r.json"], "is inside --workdir"),
+    "wheel folder inside the workdir": (["--build-wheel", "--wheel-dir", "{tmp}/wd/dist"],
+                                        "is inside --workdir"),
+    "json as the wheel folder": (["--build-wheel", "--wheel-dir", "{tmp}/out", "--json", "{tmp}/out"],
+                                 "is the path --json"),
+}
+
+
+@pytest.mark.parametrize("case", APPLY_CASES)
+def test_apply_refuses_an_output_over_an_input(project, sources, tmp_path, monkeypatch, capsys, case):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    args, said = APPLY_CASES[case]
+    fill = {"bundle": sources["bundle"], "folder": sources["folder"], "tmp": tmp_path}
+    argv = [a.format(**fill) for a in args]
+    if "--vllm-repo" not in argv:
+        argv += ["--vllm-repo", str(sources["bundle"])]
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    before = _files(tmp_path)
+    code = cli.main(["--workdir", str(wd), *argv])
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and said in err and err.count("\n") == 1, err
+    assert _files(tmp_path) == before and os.listdir(wd) == []  # before any work
+
+
+def test_apply_refuses_json_inside_the_default_checkout_and_vllm_repo_from_the_environment(
+        project, sources, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    monkeypatch.setenv("VLLM_REPO", str(sources["bundle"]))
+    assert cli.main(["--json", str(project.root / "work" / "vllm" / "r.json")]) == errors.USAGE
+    assert cli.main(["--json", str(sources["bundle"])]) == errors.USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert "is inside the checkout" in err[0] and "is --vllm-repo" in err[1]
+    assert not (project.root / "work").exists()
+
+
+def test_apply_still_takes_outputs_beside_its_inputs(project, upstream, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    (tmp_path / "wd-reports").mkdir()  # a name that starts like the checkout's is not inside it
+    assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--json",
+                     str(tmp_path / "wd-reports" / "r.json")]) == errors.OK
+    assert snapshot(tmp_path / "wd")["status"] == ""  # the report is not in the checkout
+
+
+REBASE_CASES = {
+    "json over the bundle": (["--vllm-repo", "{bundle}", "--json", "{bundle}"], "is --vllm-repo"),
+    "markdown inside the source folder": (["--vllm-repo", "{folder}", "--markdown", "{folder}/r.md"],
+                                          "is inside --vllm-repo"),
+    "junit inside --gpu-results": (["--vllm-repo", "{bundle}", "--gpu-results", "{tmp}/gpu",
+                                    "--junit", "{tmp}/gpu/r.xml"], "is inside --gpu-results"),
+    "wheels as --gpu-export": (["--vllm-repo", "{bundle}", "--wheels", "{tmp}/out", "--gpu-export",
+                                "{tmp}/out"], "is the path --wheels"),
+    "wheels inside the source through a link": (["--vllm-repo", "{folder}", "--wheels",
+                                                 "{tmp}/srclink/dist"], "is inside --vllm-repo"),
+}
+
+
+@pytest.mark.parametrize("case", REBASE_CASES)
+def test_the_rebase_job_refuses_an_output_over_an_input(project, sources, tmp_path, monkeypatch, capsys,
+                                                        case):
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "srclink").symlink_to(sources["folder"])
+    args, said = REBASE_CASES[case]
+    fill = {"bundle": sources["bundle"], "folder": sources["folder"], "tmp": tmp_path}
+    before = _files(tmp_path)
+    code = ci_rebase.main(["--onto", "v1.1.0", "--no-tests", *[a.format(**fill) for a in args]])
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and said in err and err.count("\n") == 1, err
+    assert _files(tmp_path) == before
