@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -97,17 +98,25 @@ def fetch(facts: dict) -> str | None:
 
 
 def write(facts: dict) -> str | None:
-    """Files laid into a tree: the temporary files staged beside their destinations go (a
-    rename is whole: each destination is the old file or the new one)."""
+    """Files laid into a tree: the temporary files it staged go (a rename is whole: each
+    destination is the old file or the new one), and its staging folder if it had one.
+    Only names with its own token are removed (a journal of an older version, without one:
+    any the tool names so); a file of someone else's is never taken for one of them."""
     root, removed = Path(facts["root"]), 0
-    for folder in facts["folders"]:
+    token, staging = facts.get("token"), facts.get("staging")
+    ours = re.compile(rf"^\..*\.{re.escape(token)}\.k3-tmp$") if token else TEMPORARY
+    for folder in [*facts["folders"], *([staging] if staging else [])]:
         where = root / folder if folder else root
         if where.is_symlink() or not where.is_dir():
             continue
         for entry in os.scandir(where):
-            if TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if ours.match(entry.name) and entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 removed += 1
+    if staging:
+        for folder in (staging, staging.rpartition("/")[0]):  # each only if empty now
+            with contextlib.suppress(OSError):
+                os.rmdir(root / folder)
     return f"removed {removed} half-written file(s) it left in {root}" if removed else None
 
 
