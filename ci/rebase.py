@@ -249,7 +249,7 @@ def _targets(onto: list[str], vllm_repo: str | None) -> tuple[list[str], dict, d
                 refs.append(f"v{default_mirror().latest()}")
                 continue
             found = release_for_ref(ref, vllm_repo, "--onto")
-        except errors.OverlayError as err:  # a bad or ambiguous ref, an index out of reach: its own report only
+        except errors.OverlayError as err:  # a bad or ambiguous ref, no index: its own report only
             refused_refs[ref] = err
             found = None
         refs.append(found.release.tag if found else ref)

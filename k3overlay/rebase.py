@@ -43,6 +43,7 @@ from .report import Report
 from .stages import Stages, Target
 from .wheel import WheelOptions, build_for
 
+
 def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = None,
                stages: Stages | None = None, wheels: WheelOptions | None = None) -> list[Report]:
     """One report per ref in ``refs``; nothing of the user's is touched.

@@ -19,7 +19,6 @@ from . import journal as journal_
 from .errors import OverlayError, UsageError
 from .files import TEMPORARY
 
-
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
 # acted on: recovery must not fail on it, and a journal is no licence for anything else.

@@ -151,13 +151,15 @@ def test_a_killed_export_leaves_no_temporary_file_in_the_projects_data(project, 
     g(root, "commit", "-q", "-m", "the project")
     theirs = root / ".notes.deadbeef.k3-tmp"  # the user's, named like one of ours
     theirs.write_text("mine\n")
-    killed = run_tool(project, {**env, journal.KILL_AT: "write.staged"}, "-q", "--export", "--workdir", str(wd))
+    killed = run_tool(project, {**env, journal.KILL_AT: "write.staged"}, "-q", "--export",
+                      "--workdir", str(wd))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert list((root / ".k3-tmp").rglob("*.k3-tmp")) != []  # it was killed with its files staged
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*.k3-tmp")
                   if ".k3-tmp" not in p.relative_to(root).parts[:1]) == [theirs.name]
     assert g(root, "status", "--porcelain", "--untracked-files=all") == f"?? {theirs.name}\n"
-    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "w2"))
+    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+                     "--workdir", str(tmp_path / "w2"))
     assert other.returncode == 0, other.stderr  # another workdir's run reads the project as it was
     again = run_tool(project, env, "-q", "--export", "--workdir", str(wd))
     assert again.returncode == 0, again.stderr

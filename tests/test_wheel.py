@@ -286,7 +286,8 @@ def test_the_rebase_job_builds_and_reports_a_wheel_per_applied_target(tmp_path, 
                           wheels=WheelOptions(tmp_path / "wheels"))
     wheel = report.to_json()["wheel"]
     path = tmp_path / "wheels" / "v0.1.0" / wheel["name"]  # each target its own folder
-    assert wheel["path"] == str(path) and wheel["name"] == "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl" and report.ok
+    assert wheel["path"] == str(path) and report.ok
+    assert wheel["name"] == "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl"
     assert wheel["size"] == path.stat().st_size
     assert wheel["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 

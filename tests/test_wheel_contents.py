@@ -200,10 +200,12 @@ HOSTILE = {
         r"'vllm/zz1.py': its local header names"),
     "encrypted": (lambda d: _encrypted(craft(d), "vllm/a.py"), r"'vllm/a.py' is encrypted|cannot be read"),
     # round 4: zip64 end records are sound (issue 25, 22); what they could hide is not
-    "bytes before the zip64 end record": (lambda d: zip64_ends(craft(d), saturate=True, gap=b"PK\x03\x04hidden"),
-                                          r"zip64 end record that is not where its locator says|cannot be read"),
+    "bytes before the zip64 end record": (
+        lambda d: zip64_ends(craft(d), saturate=True, gap=b"PK\x03\x04hidden"),
+        r"zip64 end record that is not where its locator says|cannot be read"),
     "an end record disagreeing with its zip64 one": (
-        lambda d: zip64_ends(craft(d), saturate=False, classic_size=7), r"disagrees with its zip64 end record"),
+        lambda d: zip64_ends(craft(d), saturate=False, classic_size=7),
+        r"disagrees with its zip64 end record"),
     # round 3: what the readers of the checks raised on (a traceback, exit 1)
     "entry points without a section": (lambda d: craft(d, info={"entry_points.txt": b"ls = vllm.a:A\n"}),
                                        r"entry_points.txt cannot be read: File contains no section"),

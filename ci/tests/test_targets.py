@@ -36,7 +36,8 @@ BAD = {
     "a key missing": (GOOD.replace('flashinfer = "0.6.18"\n', ""),
                       r'targets\."v1\.0\.0"\.flashinfer: missing \(expected a string'),
     "an unknown key (a typo)": (GOOD + 'gpu-wheels = ["a==1"]\n',
-                                r'targets\."v1\.0\.0"\.gpu-wheels: unknown key \(expected one of .*gpu_wheels'),
+                                r'targets\."v1\.0\.0"\.gpu-wheels: unknown key \(expected one of '
+                                r'.*gpu_wheels'),
     "an unknown key in e2e": (GOOD + E2E + "sm107 = true\n", r"\.e2e\.sm107: unknown key"),
     "an unknown top-level key": ("[target]\n" + GOOD, r"target: unknown key \(expected one of targets\)"),
     "no targets at all": ("# nothing\n", r"targets: missing"),
