@@ -140,16 +140,16 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         yield existing, settled
         return
     if check:
-        local = git.resolve(existing, ref) if existing is not None else None
+        local = source.fallback(existing, ref) if existing is not None else None
         scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
         try:
             with journal.step("check", scratch=str(scratch)):
                 try:
-                    clone = source.clone(origin, scratch / "vllm")
                     try:
+                        clone = source.clone(origin, scratch / "vllm")
                         sha = fetched(clone, origin, ref)
-                    except errors.UsageError:
-                        if local is None:  # the source lacks it, and so does the checkout
+                    except errors.OverlayError:
+                        if local is None:  # the source cannot answer, and the checkout may not
                             raise
                         sha = None
                     if sha is not None:

@@ -274,13 +274,20 @@ def settled_locally(repo: git.Repo, ref: str) -> str | None:
     return git.resolve(repo, ref)
 
 
+def fallback(repo: git.Repo, ref: str) -> str | None:
+    """What ``repo`` itself says ``ref`` is, where a run takes that when the source cannot
+    answer (it lacks the name, or is out of reach): a local branch, an abbreviated sha. Never
+    for ``HEAD``: a checkout's own HEAD is the patched work branch, not the source's."""
+    return None if split_ref(ref)[0] == "HEAD" else git.resolve(repo, ref)
+
+
 def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
     """The commit sha of ``ref``, fetched fresh from ``source`` unless it cannot move.
 
     What ``settled_locally`` answers is used as is. Anything else (a branch, a tag not yet
     here) is fetched first, so a branch is never read from a stale local copy; a release tag
     is fetched as that tag only, never ``--tags``, so a user's own tags of the same names are
-    left alone. A name only ``repo`` knows (a local branch) is used when ``source`` lacks it.
+    left alone. When ``source`` cannot answer, ``fallback`` (a local branch, never HEAD).
     Raises UsageError for a bad or unknown ref, SourceError when ``source`` cannot be reached.
     """
     settled = settled_locally(repo, ref)
@@ -299,7 +306,7 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
         if sha is None:  # fetched, yet no commit there (~N past the root): never a sha-less run
             raise UsageError(f"ref {ref!r} names no commit in {source}")
         return sha
-    if local:
+    if fallback(repo, ref):
         return local
     if Path(source) == default_mirror().path:  # the user's sha is likely upstream's: say what works
         raise _classify(output, what=unknown_ref_hint(ref))

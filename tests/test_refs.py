@@ -150,3 +150,19 @@ def test_check_reads_head_and_branches_in_the_source_as_a_normal_run_does(projec
         assert cli.main(["-q", "--vllm-repo", str(src), "--vllm-ref", ref, "--workdir", str(wd),
                          "--json", str(report)]) == errors.OK
         assert json.loads(report.read_text())["ref_sha"] == expected[ref], ref
+
+
+def test_head_is_never_the_checkouts_own_when_the_source_cannot_answer(project, upstream, tmp_path,
+                                                                      monkeypatch, capsys):
+    """The fallback to what the checkout says (a branch only it has) is never taken for
+    HEAD, with or without --check: the checkout's HEAD is the patched work branch."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(src))
+    assert cli.main(["-q", "--vllm-repo", str(src), "--workdir", str(wd)]) == errors.OK
+    g(src, "symbolic-ref", "HEAD", "refs/heads/gone")  # a source whose HEAD names no commit
+    before = snapshot(wd)
+    for mode in (["--check"], []):
+        code = cli.main(["-q", *mode, "--vllm-repo", str(src), "--vllm-ref", "HEAD", "--workdir", str(wd)])
+        assert code == errors.USAGE and "HEAD" in capsys.readouterr().err, mode
+        assert snapshot(wd) == before, mode
