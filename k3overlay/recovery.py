@@ -17,7 +17,7 @@ from pathlib import Path
 from . import git, publish
 from . import journal as journal_
 from .errors import OverlayError, UsageError
-from .files import TEMPORARY
+from .files import STAGING, TEMPORARY
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -40,8 +40,11 @@ def readable(entry: dict) -> bool:
                             for k, t in facts.items()):
         return False
     if entry["step"] == "write":
-        return all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
-                   for f in entry["folders"])
+        token = entry.get("token")  # (absent from an older version's entry)
+        ours = token is None or (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{8}", token)
+                                 and entry.get("staging") in (None, f"{STAGING}/{token}"))
+        return bool(ours) and all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
+                                  for f in entry["folders"])
     return True
 
 
