@@ -7,7 +7,9 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
 - a zip whose entries do not tile the file: bytes before, between or after them that
   no central-directory entry accounts for (where another unzipper, one that reads local
   headers as it streams, would find entries pip does not see), a local header whose name
-  is not the central directory's, an archive comment, an encrypted entry;
+  is not the central directory's, an archive comment, an encrypted entry; zip64 end
+  records (past 65,535 entries or 4 GiB) are sound, unless they are not where their
+  locator says or disagree with the classic end record;
 - an entry that is not a regular file: a link (mode 0o120000), a folder, a device, a
   FIFO, a socket; setuid, setgid or sticky bits; a world-writable file;
 - a name with a backslash, a ``:`` (a drive letter, an NTFS stream), a ``..``, ``.`` or
