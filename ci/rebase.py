@@ -282,12 +282,12 @@ def _targets(onto: list[str], vllm_repo: str | None) -> tuple[list[str], dict, d
     built from its sdist."""
     refs, notes, refused_refs = [], {}, {}
     for ref in onto:
-        if ref == "latest":
-            refs.append(f"v{default_mirror().latest()}")
-            continue
-        try:
+        try:  # only the targets that need the index (latest, an upstream id) fail without it
+            if ref == "latest":
+                refs.append(f"v{default_mirror().latest()}")
+                continue
             found = release_for_ref(ref, vllm_repo, "--onto")
-        except errors.OverlayError as err:  # a bad or ambiguous ref: its own report only
+        except errors.OverlayError as err:  # a bad or ambiguous ref, no index: its own report only
             refused_refs[ref] = err
             found = None
         refs.append(found.release.tag if found else ref)

@@ -22,7 +22,7 @@ from . import git
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
-from .files import write_all_in_tree
+from .files import STAGING, write_all_in_tree
 from .interrupts import deferred
 from .job import BASE_KEY, locked, record, verify_change
 from .project import COMMITTER, Project
@@ -97,7 +97,7 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     writes[_rel(project, project.manifest_path)] = (
         manifest_mod.dumps(manifest_mod.Manifest(base_ref, files)), False)
     with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
-        write_all_in_tree(project.root, writes)
+        write_all_in_tree(project.root, writes, staging=STAGING)  # (a killed one: nothing in overlay/)
         for old in project.patches_dir.glob("*.patch"):
             if old.name not in patch_files:
                 old.unlink()

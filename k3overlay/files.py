@@ -47,47 +47,67 @@ def write_in_tree(root: Path, rel: str, data: bytes, *, executable: bool = False
     write_all_in_tree(root, {rel: (data, executable)})
 
 
-def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
+STAGING = ".k3-tmp"  # the project's folder for an export's temporary files (its .gitignore names it)
+
+
+def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
+                      staging: str | None = None) -> None:
     """Write each ``rel: (data, executable)`` under ``root`` as ``write_in_tree`` does, all or
-    none: every file is first written whole to a temporary file beside its destination and
-    flushed to disk, and only then are they all renamed into place. A refused path, a full
-    disk or Ctrl-C before the renames leaves every destination as it was (a folder made on
-    the way may stay, empty). Raises UsageError as ``write_in_tree``.
+    none: every file is first written whole to a temporary file and flushed to disk, and
+    only then are they all renamed into place. A refused path, a full disk or Ctrl-C before
+    the renames leaves every destination as it was (a folder made on the way may stay,
+    empty). The temporary files are named with a token of this call, which the journal
+    records, so a killed run's are found by the next (``recovery.write``) and nobody
+    else's is ever taken for them. They lie beside their destinations, or, with
+    ``staging`` (a folder under ``root`` that git ignores: ``STAGING``), in a folder of
+    this call's own there: a killed ``--export`` then leaves nothing in ``overlay/`` or
+    ``patches/`` that other runs would read as data or ``git add -A`` would commit.
+    Raises UsageError as ``write_in_tree``.
     """
     from . import journal  # (the journal opens its own file with ``open_regular``)
 
-    # A killed run's temporary files are found by the next run (``recovery.write``).
-    with journal.step("write", root=str(root), folders=sorted({r.rpartition("/")[0] for r in files})):
-        _write_files(root, files)
+    token = secrets.token_hex(4)
+    own = f"{staging}/{token}" if staging else None
+    with journal.step("write", root=str(root), folders=sorted({r.rpartition("/")[0] for r in files}),
+                      token=token, staging=own):
+        _write_files(root, files, token, own)
 
 
-def _write_files(root: Path, files: dict[str, tuple[bytes, bool]]) -> None:
+def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, own: str | None) -> None:
     from . import journal
 
     folders: dict[str, int] = {}  # folder (relative to root) -> its descriptor, opened once
-    staged: list[tuple[int, str, str]] = []  # (folder descriptor, name, temporary name)
+    staged: list[tuple[int, str, int, str]] = []  # (its folder, temporary name, folder, name)
     try:
-        for rel, (data, executable) in files.items():
+        here = _folder_of(root, f"{own}/-", folders)[0] if own else None
+        for number, (rel, (data, executable)) in enumerate(files.items()):
             dirfd, name = _folder_of(root, rel, folders)
+            where = dirfd if here is None else here
+            temp = f".{number}.{name[:56]}.{token}.k3-tmp" if own else f".{name[:64]}.{token}.k3-tmp"
             try:
-                staged.append((dirfd, name, _stage(dirfd, name, data, 0o777 if executable else 0o666)))
+                _stage(where, name, data, 0o777 if executable else 0o666, temp=temp)
             except OSError as err:
                 raise UsageError(f"cannot write {rel}: {err.strerror}") from err
+            staged.append((where, temp, dirfd, name))
         journal.point("write.staged")
         try:
             with deferred():  # Ctrl-C waits for the last rename: all of them, or none
                 while staged:
-                    dirfd, name, temp = staged[0]
-                    os.rename(temp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+                    where, temp, dirfd, name = staged[0]
+                    os.rename(temp, name, src_dir_fd=where, dst_dir_fd=dirfd)
                     staged.pop(0)
             for dirfd in folders.values():
                 os.fsync(dirfd)  # the renames themselves survive a crash
         except OSError as err:
             raise UsageError(f"cannot write {name}: {err.strerror}") from err
     finally:
-        for dirfd, _name, temp in staged:
+        for where, temp, _dirfd, _name in staged:
             with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dirfd)
+                os.unlink(temp, dir_fd=where)
+        if own and "" in folders:
+            for folder in (own, own.rpartition("/")[0]):  # (the second only if it is empty)
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder, dir_fd=folders[""])
         for dirfd in folders.values():
             os.close(dirfd)
 
@@ -230,10 +250,12 @@ def _replace(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | Non
 TEMPORARY = re.compile(r"^\..*\.[0-9a-f]{8}\.k3-tmp$")  # what ``_stage`` names its files
 
 
-def _stage(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None) -> str:
-    """A new temporary file beside ``name`` in folder ``dirfd`` holding ``data``, flushed to
-    disk; its name. Nothing is left if it cannot be written whole."""
-    temp = f".{name[:64]}.{secrets.token_hex(4)}.k3-tmp"
+def _stage(dirfd: int, name: str, data: bytes, mode: int, keep_mode: int | None = None,
+           temp: str | None = None) -> str:
+    """A new temporary file (``temp``, or a name of its own beside ``name``) in folder
+    ``dirfd`` holding ``data``, flushed to disk; its name. Nothing is left if it cannot be
+    written whole."""
+    temp = temp or f".{name[:64]}.{secrets.token_hex(4)}.k3-tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                  dir_fd=dirfd)
     try:

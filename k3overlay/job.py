@@ -105,11 +105,7 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
     if existing is not None and not opts.check:
         refuse_unsafe(existing, branch)
     origin = source.locate(opts.vllm_repo, [manifest.base, ref])
-    with _work_repo(existing, origin, workdir, ref, opts.check) as repo:
-        if opts.check and repo is existing:
-            report.ref_sha = git.resolve(repo, ref)  # --check reads the checkout's own REF
-        else:
-            report.ref_sha = fetched(repo, origin, ref)
+    with _work_repo(existing, origin, workdir, ref, opts.check) as (repo, report.ref_sha):
         if git.resolve(repo, manifest.base) is None:
             report.notes.append(f"note: base {manifest.base} is not in this checkout (shallow or "
                                 f"foreign clone?): no upstream diff of drifted files")
@@ -127,33 +123,51 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
 
 @contextlib.contextmanager
 def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
-               check: bool) -> Iterator[git.Repo]:
-    """The repository to work in, and what to clean up after.
+               check: bool) -> Iterator[tuple[git.Repo, str]]:
+    """The repository to work in and the commit ``ref`` names, as a normal run resolves it
+    (``source.ensure_ref``); and what to clean up after.
 
-    ``--check`` never writes to a user's checkout, not even a fetched ref: if
-    the checkout does not know REF, the work happens in a throwaway clone.
-    A clone made into a fresh ``workdir`` is removed again if the run is
-    interrupted or fails with an exception, so no half-made checkout is left.
+    ``--check`` never writes to a user's checkout, not even a fetched ref: unless the
+    checkout's own answer is final (``source.settled_locally``: a full sha, a release tag
+    it has), the ref is fetched into a throwaway clone, and only a name the source lacks
+    is read from the checkout (as a normal run falls back to a local branch). A clone made
+    into a fresh ``workdir`` is removed again if the run is interrupted or fails with an
+    exception, so no half-made checkout is left.
     """
-    if existing is not None and (not check or source.resolves_locally(existing, ref)):
-        yield existing
+    if existing is not None and not check:
+        yield existing, fetched(existing, origin, ref)
+        return
+    settled = source.settled_locally(existing, ref) if existing is not None else None
+    if settled:
+        yield existing, settled
         return
     if check:
+        local = source.fallback(existing, ref) if existing is not None else None
         scratch = Path(tempfile.mkdtemp(prefix="k3-check-"))
         try:
             with journal.step("check", scratch=str(scratch)):
                 try:
-                    yield source.clone(origin, scratch / "vllm")
+                    try:
+                        clone = source.clone(origin, scratch / "vllm")
+                        sha = fetched(clone, origin, ref)
+                    except errors.OverlayError:
+                        if local is None:  # the source cannot answer, and the checkout may not
+                            raise
+                        sha = None
+                    if sha is not None:
+                        yield clone, sha
                 finally:
                     with deferred():
                         shutil.rmtree(scratch, ignore_errors=True)
         finally:
             with deferred():
                 shutil.rmtree(scratch, ignore_errors=True)  # (the journal could not be written)
+        if sha is None:  # a name only the checkout knows: a normal run takes it too
+            yield existing, local
         return
     repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
     try:
-        yield repo
+        yield repo, fetched(repo, origin, ref)
     except BaseException:
         with deferred():
             shutil.rmtree(workdir, ignore_errors=True)

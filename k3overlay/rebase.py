@@ -12,8 +12,11 @@ in the checkout itself, stopping where a human must resolve a conflict;
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from . import errors, git, source
@@ -87,8 +90,24 @@ def _one(project, manifest, patches, repo, vllm_repo, ref, stages, wheels) -> Re
                                       tuple(report.missing), conflicts))
             report.runs, report.sections = list(found.runs), list(found.sections)
         if wheels is not None and sha is not None:
-            report.wheel = build_for(project, tree, report, sha, wheels)
+            own = replace(wheels, wheel_dir=wheels.wheel_dir / target_folder(report.ref))
+            report.wheel = build_for(project, tree, report, sha, own)
     return report
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def target_folder(ref: str) -> str:
+    """The folder (one path part) of target ``ref``'s wheel under ``--wheels DIR``: two
+    targets of one vLLM release build one wheel file name (``main`` and ``v0.29.0``), so
+    each gets its own folder and no report names a file another target replaced. A ref
+    that is a plain file name is its own folder; any other (``main~2``, ``refs/tags/x``)
+    is made one, with a hash of the ref so two such refs never share a folder."""
+    if _PLAIN.fullmatch(ref) and ".." not in ref:
+        return ref
+    plain = re.sub(r"[^A-Za-z0-9._+-]+", "_", ref).strip("._") or "ref"
+    return f"{plain}-{hashlib.sha256(ref.encode()).hexdigest()[:8]}"
 
 
 def rebase_to(project: Project, opts: Options) -> Report:

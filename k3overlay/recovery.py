@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
-from .files import TEMPORARY
+from .files import STAGING, TEMPORARY
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -39,8 +40,11 @@ def readable(entry: dict) -> bool:
                             for k, t in facts.items()):
         return False
     if entry["step"] == "write":
-        return all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
-                   for f in entry["folders"])
+        token = entry.get("token")  # (absent from an older version's entry)
+        ours = token is None or (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{8}", token)
+                                 and entry.get("staging") in (None, f"{STAGING}/{token}"))
+        return bool(ours) and all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
+                                  for f in entry["folders"])
     return True
 
 
@@ -96,17 +100,25 @@ def fetch(facts: dict) -> str | None:
 
 
 def write(facts: dict) -> str | None:
-    """Files laid into a tree: the temporary files staged beside their destinations go (a
-    rename is whole: each destination is the old file or the new one)."""
+    """Files laid into a tree: the temporary files it staged go (a rename is whole: each
+    destination is the old file or the new one), and its staging folder if it had one.
+    Only names with its own token are removed (a journal of an older version, without one:
+    any the tool names so); a file of someone else's is never taken for one of them."""
     root, removed = Path(facts["root"]), 0
-    for folder in facts["folders"]:
+    token, staging = facts.get("token"), facts.get("staging")
+    ours = re.compile(rf"^\..*\.{re.escape(token)}\.k3-tmp$") if token else TEMPORARY
+    for folder in [*facts["folders"], *([staging] if staging else [])]:
         where = root / folder if folder else root
         if where.is_symlink() or not where.is_dir():
             continue
         for entry in os.scandir(where):
-            if TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if ours.match(entry.name) and entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 removed += 1
+    if staging:
+        for folder in (staging, staging.rpartition("/")[0]):  # each only if empty now
+            with contextlib.suppress(OSError):
+                os.rmdir(root / folder)
     return f"removed {removed} half-written file(s) it left in {root}" if removed else None
 
 

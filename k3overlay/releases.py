@@ -8,7 +8,8 @@ per known release, that record and, where a public source gives it, the full sha
 each with where it was read: so the release to fetch is known offline, from an
 empty cache. After the download, the sdist's own record is checked against it.
 
-A ref matches a release when it is 7 to 40 hex digits and a prefix of the full sha;
+A ref matches a release when it is 7 to 40 hex digits (any case, optionally peeled:
+``^{commit}``, ``^{}``, ``^0``, ``~0``) and a prefix of the full sha;
 for a release whose full sha is not known, when it and the sdist's record agree as
 far as both go (a full sha is then matched by the record's 9 digits alone, and the
 note says so). Releases already in the mirror but not in the file match by their
@@ -32,6 +33,10 @@ from .mirror import ReleaseMirror, release_of, tag_of
 DATA = Path(__file__).with_name("releases.json")
 VERSION_PY = "vllm/_version.py"
 _HEX = re.compile(r"^[0-9a-f]{7,40}$")
+# Suffixes that name the commit itself (git's peel to a commit, zero steps back): taken on an
+# upstream id as on a tag (``v0.29.0^{commit}``). Any other step (``~1``, ``^2``) names a
+# commit of upstream's history, which the release mirror (one root commit per sdist) lacks.
+_PEELS = re.compile(r"(?:\^\{(?:commit)?\}|\^0+|~0+)+$")
 _RECORD = re.compile(r"^g([0-9a-f]{7,40})$")
 _NAMES = ("__commit_id__", "commit_id")
 LIST_COMMAND = "python apply.py --list-releases"
@@ -130,7 +135,7 @@ def resolve(ref: str, releases: list[Release], option: str = "--vllm-ref") -> Re
     is none of them.
 
     Raises UsageError when it is a prefix of two releases' commits."""
-    sha = ref.lower()
+    sha = peeled(ref).lower()
     if not _HEX.match(sha):
         return None
     hits = {}
@@ -146,6 +151,12 @@ def resolve(ref: str, releases: list[Release], option: str = "--vllm-ref") -> Re
     return next(iter(hits.values()), None)
 
 
+def peeled(ref: str) -> str:
+    """``ref`` without a suffix that names the commit itself (``abc1234^{commit}`` ->
+    ``abc1234``); any other ref as it is."""
+    return _PEELS.sub("", ref)
+
+
 def upstream_release(ref: str, mirror: ReleaseMirror, option: str = "--vllm-ref") -> Resolved | None:
     """``ref`` as upstream's commit of a release (``releases.json``, then the releases
     already in ``mirror``), with that release fetched into ``mirror`` and its sdist's
@@ -155,7 +166,7 @@ def upstream_release(ref: str, mirror: ReleaseMirror, option: str = "--vllm-ref"
     file says, UsageError for an ambiguous ref, and what ``mirror.ensure`` raises."""
     releases = known()
     listed = {r.tag for r in releases}
-    if release_of(ref) is not None or not _HEX.match(ref.lower()):
+    if release_of(ref) is not None or not _HEX.match(peeled(ref).lower()):
         return None
     found = resolve(ref, releases, option)
     if found is None:  # a release fetched before, and not in the file: its sdist's own record

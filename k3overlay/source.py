@@ -271,27 +271,40 @@ def clone(origin: str, workdir: Path) -> git.Repo:
     return git.open_repo(workdir)
 
 
-def resolves_locally(repo: git.Repo, ref: str) -> bool:
-    """True if ``repo`` already knows ``ref``."""
-    return git.resolve(repo, ref) is not None
+def settled_locally(repo: git.Repo, ref: str) -> str | None:
+    """The commit ``ref`` names in ``repo`` when the source cannot make it name another: a
+    full sha, or a release tag ``repo`` already has (each with its ancestry steps). None for
+    anything else (``HEAD``, a branch, an abbreviated sha, a tag not here): that is read from
+    the source (``ensure_ref``), never from ``repo``, whose own ``HEAD`` or branch of that
+    name may be anything (a checkout's ``HEAD`` is the patched work branch)."""
+    check_ref(ref)
+    name, _ = split_ref(ref)
+    if not (_FULL_SHA.match(name.lower()) or (release_of(name) and git.resolve(repo, f"refs/tags/{name}"))):
+        return None
+    return git.resolve(repo, ref)
+
+
+def fallback(repo: git.Repo, ref: str) -> str | None:
+    """What ``repo`` itself says ``ref`` is, where a run takes that when the source cannot
+    answer (it lacks the name, or is out of reach): a local branch, an abbreviated sha. Never
+    for ``HEAD``: a checkout's own HEAD is the patched work branch, not the source's."""
+    return None if split_ref(ref)[0] == "HEAD" else git.resolve(repo, ref)
 
 
 def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
     """The commit sha of ``ref``, fetched fresh from ``source`` unless it cannot move.
 
-    A full sha, or a release tag ``repo`` already has, is used as is. Anything
-    else (a branch, a tag not yet here) is fetched first, so a branch is never
-    read from a stale local copy; a release tag is fetched as that tag only,
-    never ``--tags``, so a user's own tags of the same names are left alone.
-    A name only ``repo`` knows (a local branch) is used when ``source`` lacks it.
-    Raises UsageError for a bad or unknown ref, SourceError when ``source``
-    cannot be reached.
+    What ``settled_locally`` answers is used as is. Anything else (a branch, a tag not yet
+    here) is fetched first, so a branch is never read from a stale local copy; a release tag
+    is fetched as that tag only, never ``--tags``, so a user's own tags of the same names are
+    left alone. When ``source`` cannot answer, ``fallback`` (a local branch, never HEAD).
+    Raises UsageError for a bad or unknown ref, SourceError when ``source`` cannot be reached.
     """
-    check_ref(ref)
+    settled = settled_locally(repo, ref)
+    if settled:
+        return settled
     name, suffix = split_ref(ref)
     local = git.resolve(repo, ref)
-    if local and (_FULL_SHA.match(name) or (release_of(name) and git.resolve(repo, f"refs/tags/{name}"))):
-        return local
     if local is None:
         _refuse_non_commit(repo, ref, ref)
     spec = f"refs/tags/{name}:refs/tags/{name}" if release_of(name) else name
@@ -303,7 +316,7 @@ def ensure_ref(repo: git.Repo, source: str, ref: str) -> str:
         if sha is None:  # fetched, yet no commit there (~N past the root): never a sha-less run
             raise UsageError(f"ref {ref!r} names no commit in {source}")
         return sha
-    if local:
+    if fallback(repo, ref):
         return local
     if Path(source) == default_mirror().path:  # the user's sha is likely upstream's: say what works
         raise _classify(output, what=unknown_ref_hint(ref))

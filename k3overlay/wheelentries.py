@@ -7,7 +7,9 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
 - a zip whose entries do not tile the file: bytes before, between or after them that
   no central-directory entry accounts for (where another unzipper, one that reads local
   headers as it streams, would find entries pip does not see), a local header whose name
-  is not the central directory's, an archive comment, an encrypted entry;
+  is not the central directory's, an archive comment, an encrypted entry; zip64 end
+  records (past 65,535 entries or 4 GiB) are sound, unless they are not where their
+  locator says or disagree with the classic end record;
 - an entry that is not a regular file: a link (mode 0o120000), a folder, a device, a
   FIFO, a socket; setuid, setgid or sticky bits; a world-writable file;
 - a name with a backslash, a ``:`` (a drive letter, an NTFS stream), a ``..``, ``.`` or
@@ -61,6 +63,8 @@ INFO_FOLDERS = ("licenses/", "sboms/")  # PEP 639 licence files, PEP 770 SBOMs
 COMPILED = (".so", ".pyd")  # extension modules: what reusing the release's build is for
 _LOCAL = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
 _END = struct.Struct("<4s4H2LH")  # end of central directory record (22 bytes)
+_END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory record (56 bytes)
+_LOCATOR = struct.Struct("<4sLQL")  # zip64 end of central directory locator (20 bytes)
 _KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device",
           stat.S_IFBLK: "a device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
@@ -166,15 +170,42 @@ def _layout(path: Path, archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) 
                 pos += (4 if f.read(4) == b"PK\x07\x08" else 0) + 4 + (16 if _zip64(extra) else 8)
         if pos != archive.start_dir:
             found.append(f"bytes {pos}-{archive.start_dir} after the last entry belong to no entry")
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(size - _END.size)
-        end = _END.unpack(f.read(_END.size))
-        if end[0] != b"PK\x05\x06":
-            found.append("bytes after the end of the archive")
-        elif end[6] != 0xFFFFFFFF and end[6] + end[5] != size - _END.size:
-            found.append("bytes between the central directory and its end record")
+        found += _end_records(f)
     return found
+
+
+def _end_records(f) -> list[str]:
+    """The end record must close the file, and the central directory it declares must end
+    where the end records begin: the zip64 record and its locator when there are any (what
+    a writer adds for more than 65,535 entries or offsets past 4 GiB), each field of the
+    classic record equal to the zip64 one or saturated (0xFFFF...: "see zip64")."""
+    size = f.seek(0, 2)
+    f.seek(size - _END.size)
+    end = _END.unpack(f.read(_END.size))
+    if end[0] != b"PK\x05\x06":
+        return ["bytes after the end of the archive"]
+    declared, records_at = (end[6], end[5]), size - _END.size
+    f.seek(max(records_at - _LOCATOR.size, 0))
+    locator = f.read(_LOCATOR.size)
+    if len(locator) == _LOCATOR.size and locator[:4] == b"PK\x06\x07":
+        records_at = _LOCATOR.unpack(locator)[2]
+        f.seek(records_at)
+        record = f.read(_END64.size)
+        if (len(record) < _END64.size or record[:4] != b"PK\x06\x06"
+                or records_at + _END64.size != size - _END.size - _LOCATOR.size):
+            return ["a zip64 end record that is not where its locator says, or is followed by "
+                    "bytes that belong to no record"]
+        _, _, _, _, _, _, count_disk, count, cd_size, cd_offset = _END64.unpack(record)
+        classic = (end[3], end[4], end[5], end[6])
+        for value, wide, full in zip(classic, (count_disk, count, cd_size, cd_offset),
+                                     (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)):
+            if value not in (wide, full):
+                return ["an end record that disagrees with its zip64 end record (two readers "
+                        "would see two central directories)"]
+        declared = (cd_size, cd_offset)
+    if declared[1] + declared[0] != records_at:
+        return ["bytes between the central directory and its end record"]
+    return []
 
 
 def _zip64(extra: bytes) -> bool:

@@ -135,6 +135,40 @@ def test_rebase_to_killed_while_laying_the_overlay_leaves_no_half_written_file(p
     assert list(wd.rglob("*.k3-tmp")) == [] and g(wd, "status", "--porcelain") == ""
 
 
+def test_a_killed_export_leaves_no_temporary_file_in_the_projects_data(project, upstream, tmp_path, env):
+    """Issue 25, 18: a killed --export left ``.X.<hex>.k3-tmp`` files in overlay/, patches/
+    and the root: every other run refused ("files under overlay/ missing from the
+    manifest") until one on the same workdir removed them, and ``git add -A`` would commit
+    them. They are now staged in the project's ``.k3-tmp/`` (git-ignored), in a folder of
+    the run's own that the next run removes; a file of someone else's named like one of
+    ours is left alone."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    root = project.root
+    (root / ".gitignore").write_bytes((ROOT / ".gitignore").read_bytes())
+    g(root, "init", "-q")
+    g(root, "add", "-A")
+    g(root, "commit", "-q", "-m", "the project")
+    theirs = root / ".notes.deadbeef.k3-tmp"  # the user's, named like one of ours
+    theirs.write_text("mine\n")
+    killed = run_tool(project, {**env, journal.KILL_AT: "write.staged"}, "-q", "--export",
+                      "--workdir", str(wd))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert list((root / ".k3-tmp").rglob("*.k3-tmp")) != []  # it was killed with its files staged
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*.k3-tmp")
+                  if ".k3-tmp" not in p.relative_to(root).parts[:1]) == [theirs.name]
+    assert g(root, "status", "--porcelain", "--untracked-files=all") == f"?? {theirs.name}\n"
+    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+                     "--workdir", str(tmp_path / "w2"))
+    assert other.returncode == 0, other.stderr  # another workdir's run reads the project as it was
+    again = run_tool(project, env, "-q", "--export", "--workdir", str(wd))
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}removed 5 half-written file(s) it left in {root}"]  # a patch, series, 2 overlay, manifest
+    assert not (root / ".k3-tmp").exists() and theirs.read_text() == "mine\n"
+    assert [p for p in root.rglob("*.k3-tmp")] == [theirs]
+
+
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
     wd = tmp_path / "wd"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok

@@ -20,6 +20,7 @@ def test_a_journal_it_cannot_read_is_set_aside_never_a_traceback_or_a_licence(pr
     precious = tmp_path / "precious"  # the user's: no journal line may have it removed
     (precious / "k3-check-x").mkdir(parents=True)
     (precious / "k3-check-x" / "keep.txt").write_text("mine\n")
+    (precious / ".notes.deadbeef.k3-tmp").write_text("mine\n")  # named like a staged file
     entries = [
         {"step": "clone", "id": "1"},                                          # no scratch
         {"step": "clone", "id": "2", "scratch": str(precious), "prefix": ""},  # any name matches ""
@@ -31,6 +32,10 @@ def test_a_journal_it_cannot_read_is_set_aside_never_a_traceback_or_a_licence(pr
         {"step": "fetch", "id": "8", "repo": str(wd), "since": "yesterday"},
         {"step": "check", "id": "9", "scratch": ["a"]},
         {"step": "clone", "id": 10, "scratch": str(tmp_path / ".wd.k3-clone-x")},
+        # issue 25, 18: a write's staging folder is its own token's, under the project's .k3-tmp
+        {"step": "write", "id": "11", "root": str(tmp_path), "folders": [], "token": "deadbeef",
+         "staging": precious.name},
+        {"step": "write", "id": "12", "root": str(tmp_path), "folders": [precious.name], "token": ".*"},
         [1, 2], "text", None,
     ]
     journal = workdir_lock_path(wd).with_suffix(".journal")
@@ -40,4 +45,5 @@ def test_a_journal_it_cannot_read_is_set_aside_never_a_traceback_or_a_licence(pr
     err = capsys.readouterr().err
     assert "Traceback" not in err and "could not be read" in err and err.count("note:") == 1
     assert (precious / "k3-check-x" / "keep.txt").read_text() == "mine\n" and precious.is_dir()
+    assert (precious / ".notes.deadbeef.k3-tmp").read_text() == "mine\n"
     assert not journal.exists()

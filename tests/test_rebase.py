@@ -457,3 +457,19 @@ def test_the_tool_knows_nothing_of_the_ci_job():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
                      else [])
             assert not {n.split(".")[0] for n in names} & (ci | {"ci"}), (path.name, names)
+
+
+def test_an_unreachable_index_fails_only_the_targets_that_need_it(project, upstream, tmp_path, monkeypatch):
+    """Issue 25, 13: ``latest`` (and an upstream id) need the package index; a tag of a
+    local ``--vllm-repo`` does not. With the index out of reach only the former fail, each
+    in its own report; the others run."""
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # discard port: refused
+    out = tmp_path / "out.json"
+    code = ci_rebase.main(["-q", "--onto", "v1.1.0", "--onto", "latest", "--vllm-repo", str(upstream),
+                           "--no-tests", "--json", str(out)])
+    local, latest = json.loads(out.read_text())
+    assert (local["ref"], local["ok"], local.get("error")) == ("v1.1.0", True, None), local
+    assert latest["ref"] == "latest" and latest["error"].startswith("cannot reach the package index")
+    assert code == errors.SOURCE

@@ -119,3 +119,50 @@ def test_an_internal_error_in_the_rebase_job_still_writes_every_report(project, 
     [data] = json.loads(outs[0].read_text())
     assert data["error"].startswith("internal error (a bug of rebase.py): TypeError")
     assert "internal error" in outs[1].read_text() and "internal error" in outs[2].read_text()
+
+
+def test_check_reads_head_and_branches_in_the_source_as_a_normal_run_does(project, upstream, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Issue 25, 12: ``--check --vllm-ref HEAD --vllm-repo SRC`` on a published checkout read
+    the checkout's HEAD (the patched work branch: landed-upstream and drift, exit 4), and a
+    branch name the checkout also has its stale local copy. Every ref is now resolved by the
+    one rule a normal run uses: fetched from the source unless a full sha or a release tag;
+    only a name the source lacks is the checkout's."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(src))
+    g(src, "reset", "-q", "--hard", "v1.0.0")
+    assert cli.main(["-q", "--vllm-repo", str(src), "--workdir", str(wd)]) == errors.OK
+    g(wd, "branch", "mine", "v1.0.0")  # a branch only the checkout has
+    g(src, "reset", "-q", "--hard", "v1.1.0")  # the source moves on; the checkout's main is stale
+    before = snapshot(wd)
+    sha = {t: g(src, "rev-parse", f"{t}^{{commit}}").strip() for t in ("v1.0.0", "v1.1.0")}
+    expected = {"HEAD": sha["v1.1.0"], "main": sha["v1.1.0"], "HEAD~1": sha["v1.0.0"],
+                "refs/heads/main": sha["v1.1.0"], "mine": sha["v1.0.0"]}
+    report = tmp_path / "r.json"
+    for ref, want in expected.items():
+        code = cli.main(["-q", "--check", "--vllm-repo", str(src), "--vllm-ref", ref,
+                         "--workdir", str(wd), "--json", str(report)])
+        assert (code, json.loads(report.read_text())["ref_sha"]) == (errors.OK, want), (
+            ref, capsys.readouterr())
+        assert snapshot(wd) == before, ref
+    for ref in ("main", "mine"):  # the normal run agrees
+        assert cli.main(["-q", "--vllm-repo", str(src), "--vllm-ref", ref, "--workdir", str(wd),
+                         "--json", str(report)]) == errors.OK
+        assert json.loads(report.read_text())["ref_sha"] == expected[ref], ref
+
+
+def test_head_is_never_the_checkouts_own_when_the_source_cannot_answer(project, upstream, tmp_path,
+                                                                      monkeypatch, capsys):
+    """The fallback to what the checkout says (a branch only it has) is never taken for
+    HEAD, with or without --check: the checkout's HEAD is the patched work branch."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(src))
+    assert cli.main(["-q", "--vllm-repo", str(src), "--workdir", str(wd)]) == errors.OK
+    g(src, "symbolic-ref", "HEAD", "refs/heads/gone")  # a source whose HEAD names no commit
+    before = snapshot(wd)
+    for mode in (["--check"], []):
+        code = cli.main(["-q", *mode, "--vllm-repo", str(src), "--vllm-ref", "HEAD", "--workdir", str(wd)])
+        assert code == errors.USAGE and "HEAD" in capsys.readouterr().err, mode
+        assert snapshot(wd) == before, mode

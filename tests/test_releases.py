@@ -129,6 +129,30 @@ def test_a_full_sha_of_a_release_known_only_by_its_record_says_so(released, proj
     assert "the rest of the ref was not checked" in out
 
 
+@pytest.mark.parametrize("suffix", ["^{commit}", "^0", "~0", "^{}", "^0~0^{commit}"])
+def test_an_upstream_id_peeled_to_its_commit_is_that_release(released, project, monkeypatch, capsys,
+                                                             suffix):
+    """Issue 25, 21: ``v1.1.0^{commit}`` worked, ``<upstream id>^{commit}`` (or ``^0``, ``~0``)
+    was refused as an unknown ref: the id is peeled before it is translated. Upper case too."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    for ref in (FULL["v1.1.0"][:12] + suffix, FULL["v1.1.0"].upper() + suffix):
+        code = cli.main(["--vllm-ref", ref, "--check"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert code == errors.OK, out
+        assert f"--vllm-ref {ref}: upstream's commit of vLLM v1.1.0" in out and "on v1.1.0 (" in out
+    from ci import rebase
+
+    monkeypatch.delenv("VLLM_REPO", raising=False)
+    assert rebase._targets([FULL["v1.1.0"][:7] + suffix], None)[0] == ["v1.1.0"]
+
+
+@pytest.mark.parametrize("ref", [FULL["v1.0.0"][:12] + "~1", FULL["v1.0.0"][:12] + "^", "1111111aa^2",
+                                 FULL["v1.0.0"][:12] + "~10"])
+def test_a_step_back_from_an_upstream_id_is_not_taken_for_the_release(ref):
+    """A step back names a commit of upstream's history, never the release itself."""
+    assert resolve(ref, KNOWN) is None
+
+
 def test_an_sdist_recording_another_commit_is_a_source_error(released, upstream, monkeypatch):
     released.publish("vllm-1.1.0.tar.gz", sdist_of(upstream, "v1.1.0", "g999999999"))
     with pytest.raises(errors.SourceError, match="records g999999999, not g2222222bb"):

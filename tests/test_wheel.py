@@ -285,8 +285,9 @@ def test_the_rebase_job_builds_and_reports_a_wheel_per_applied_target(tmp_path, 
     [report] = run_rebase(project, ["v0.1.0"], vllm_repo=str(vupstream),
                           wheels=WheelOptions(tmp_path / "wheels"))
     wheel = report.to_json()["wheel"]
-    path = tmp_path / "wheels" / wheel["name"]
-    assert wheel["name"] == "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl" and report.ok
+    path = tmp_path / "wheels" / "v0.1.0" / wheel["name"]  # each target its own folder
+    assert wheel["path"] == str(path) and report.ok
+    assert wheel["name"] == "vllm-0.1.0+k3ov.9.9.9-py3-none-any.whl"
     assert wheel["size"] == path.stat().st_size
     assert wheel["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -663,3 +664,30 @@ def test_a_sha256_repository_checks_the_release_wheel_by_its_own_blob_ids(tmp_pa
     rebuilt = make_wheel(tmp_path / "rebuilt", "0.1.0", release_files({**TREE, "vllm/a.py": "A = 9\n"}))
     with pytest.raises(errors.UsageError, match="vllm/a.py differs$"):
         check_release(git.open_repo(repo), sha, rebuilt, Version("0.1.0"))
+
+
+def test_two_targets_of_one_release_keep_their_own_wheels(tmp_path, vupstream, fake_index):
+    """Issue 25, 14: two targets of one vLLM version build one wheel file name; the second
+    replaced the first while the first's report still gave that path and its own sha256.
+    Each target's wheel now lands in its own folder; every report describes a file there.
+    The folder reused by a later run is taken again, each wheel replaced by its new build."""
+    upstream = tmp_path / "up"
+    g(tmp_path, "clone", "-q", str(vupstream), str(upstream))
+    g(upstream, "checkout", "-q", "-b", "next/1", "v0.1.0")
+    write(upstream, {"README.md": "one commit past the release, the same vLLM 0.1.0\n"})
+    g(upstream, "add", "-A")
+    g(upstream, "commit", "-q", "-m", "docs")
+    project = make_project(tmp_path / "project", upstream, PATCH)
+    fake_index.publish("vllm-0.1.0-py3-none-any.whl", wheel_bytes("0.1.0", release_files(TREE)))
+    wheels = tmp_path / "wheels"
+    for _ in range(2):
+        reports = run_rebase(project, ["v0.1.0", "next/1", "next/1~0"], vllm_repo=str(upstream),
+                             wheels=WheelOptions(wheels))
+        built = [r.to_json()["wheel"] for r in reports]
+        assert all(r.ok for r in reports) and len({w["name"] for w in built}) == 1
+        paths = [Path(w["path"]) for w in built]
+        assert len(set(paths)) == 3 and all(p.parent.parent == wheels for p in paths), paths
+        for wheel, path in zip(built, paths):
+            assert wheel["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+            assert wheel["size"] == path.stat().st_size
+        assert len({w["sha256"] for w in built[:2]}) == 2  # two trees: two wheels, both kept

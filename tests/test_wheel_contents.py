@@ -14,6 +14,7 @@ import hashlib
 import io
 import re
 import stat
+import struct
 import zipfile
 from pathlib import Path
 
@@ -108,6 +109,28 @@ def _hidden_entry(path: Path) -> Path:
     return path
 
 
+def zip64_ends(path: Path, *, saturate: bool, gap: bytes = b"", classic_size: int | None = None) -> Path:
+    """``path`` with zip64 end records (record and locator) before its end record, as a
+    writer adds them past 65,535 entries: the end record's fields kept (Python's zipfile)
+    or saturated to 0xFFFF... (``saturate``: Info-ZIP's ``-fz``); ``gap`` slipped in between
+    the central directory and the zip64 record; ``classic_size`` a central-directory size
+    the end record gives that the zip64 record does not."""
+    data = path.read_bytes()
+    end = data.rfind(b"PK\x05\x06")
+    sig, disk, cd_disk, count_disk, count, cd_size, cd_offset, comment = struct.unpack(
+        "<4s4H2LH", data[end:end + 22])
+    record_at = end + len(gap)
+    record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count_disk, count, cd_size,
+                         cd_offset)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, record_at, 1)
+    if saturate:
+        count_disk, count, cd_size, cd_offset = 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF
+    classic = struct.pack("<4s4H2LH", sig, disk, cd_disk, count_disk, count,
+                          cd_size if classic_size is None else classic_size, cd_offset, comment)
+    path.write_bytes(data[:end] + gap + record + locator + classic + data[end + 22:])
+    return path
+
+
 EVIL_PTH = b"import os; os.system('touch /tmp/pwned')\n"
 # name -> (how to make the wheel in a folder, a regex the one-line refusal matches)
 HOSTILE = {
@@ -176,6 +199,13 @@ HOSTILE = {
         lambda d: _local_name(craft(d, [("vllm/zz1.py", b"Z = 1\n", REG)]), b"vllm/zz1.py", b"vllm/a.py\0\0"),
         r"'vllm/zz1.py': its local header names"),
     "encrypted": (lambda d: _encrypted(craft(d), "vllm/a.py"), r"'vllm/a.py' is encrypted|cannot be read"),
+    # round 4: zip64 end records are sound (issue 25, 22); what they could hide is not
+    "bytes before the zip64 end record": (
+        lambda d: zip64_ends(craft(d), saturate=True, gap=b"PK\x03\x04hidden"),
+        r"zip64 end record that is not where its locator says|cannot be read"),
+    "an end record disagreeing with its zip64 one": (
+        lambda d: zip64_ends(craft(d), saturate=False, classic_size=7),
+        r"disagrees with its zip64 end record"),
     # round 3: what the readers of the checks raised on (a traceback, exit 1)
     "entry points without a section": (lambda d: craft(d, info={"entry_points.txt": b"ls = vllm.a:A\n"}),
                                        r"entry_points.txt cannot be read: File contains no section"),
@@ -274,6 +304,32 @@ def test_a_good_release_wheel_with_data_descriptors_is_taken(setup, tmp_path):  
     built = build(project, repo, report, tip, WheelOptions(tmp_path / "w", release_wheel=streamed),
                   source.release_files())
     assert built.path.is_file()
+
+
+@pytest.mark.parametrize("saturate", [False, True], ids=["fields kept", "fields saturated"])
+def test_a_good_release_wheel_with_zip64_end_records_is_taken(setup, tmp_path, saturate):  # noqa: F811
+    """Issue 25, 22: zip64 end records (pip installs such a wheel) were refused as "bytes
+    between the central directory and its end record"."""
+    wheel = zip64_ends(craft(tmp_path / "z"), saturate=saturate)
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.testzip() is None and len(archive.namelist()) > 3
+    project, _, repo, report, tip = setup
+    built = build(project, repo, report, tip, WheelOptions(tmp_path / "w", release_wheel=wheel),
+                  source.release_files())
+    assert built.path.is_file()
+
+
+def test_a_zip_python_writes_past_65535_entries_has_a_sound_layout(tmp_path):
+    """What zipfile itself writes for more entries than the classic end record counts."""
+    path = tmp_path / "many.zip"
+    with zipfile.ZipFile(path, "w") as archive:
+        for n in range(0x10000 + 1):
+            archive.writestr(f"vllm/f{n}.py", b"")
+    assert path.read_bytes().find(b"PK\x06\x06") > 0
+    expected = wheelentries.Expected("vllm", INFO, None)
+    layout = [p for p in wheelentries.problems(path, expected) if "belong to no" in p or "record" in p
+              or "cannot be read" in p]
+    assert not [p for p in layout if "RECORD" not in p], layout[:3]
 
 
 def test_the_issues_three_wheels_are_one_line_exit_2_from_the_command_line(setup, vupstream,  # noqa: F811

@@ -74,8 +74,12 @@ def main(argv=None) -> int:
     ap.add_argument("--python-version", default="3.12")
     args = ap.parse_args(argv)
     work, payload = start_parts(args)
-    with tarfile.open(payload, "w") as t:
-        refs = add_targets(t, args.target_trees, work, args.python_version)
+    try:
+        with tarfile.open(payload, "w") as t:
+            refs = add_targets(t, args.target_trees, work, args.python_version)
+    except targets.TargetsError as err:  # the data file is malformed: one line, exit 2
+        print(f"addon.py: error: {err}", file=sys.stderr)
+        return err.exit_code
     return write_parts(args, work, payload, {"kind": "targets", "targets": refs})
 
 
