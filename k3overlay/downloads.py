@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -53,6 +55,8 @@ class ReleaseFiles:
         if self._page is None:
             page, failures = [], []
             for url in self.settings.indexes:
+                if _local_without_vllm(url):
+                    continue  # a file:// index (requests cannot read one) that has no vLLM anyway
                 try:
                     with self._index(url) as index:
                         page += index.get_project_page(PROJECT).packages
@@ -179,6 +183,15 @@ class ReleaseFiles:
     def _index(self, url: str | None) -> PyPISimple:
         """A client of index ``url`` (None: only to download a listed file's own URL)."""
         return PyPISimple(endpoint=url or PYPI, session=self.settings.session())
+
+
+def _local_without_vllm(url: str) -> bool:
+    """True for a ``file://`` index with no ``vllm/`` project folder (this machine's own pip
+    configuration has two): nothing there to miss, so nothing to say."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "file":
+        return False
+    return not (Path(urllib.request.url2pathname(parts.path)) / PROJECT).exists()
 
 
 def file_sha256(path: Path) -> str:

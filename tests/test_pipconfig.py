@@ -125,3 +125,16 @@ def test_parse_takes_pips_order_and_quoting():
 
 def test_settings_without_pip_are_pips_defaults(tmp_path):
     assert pipconfig.settings(str(tmp_path / "no-python")) == pipconfig.IndexSettings()
+
+
+def test_a_file_index_without_vllm_is_passed_over_quietly(index, tmp_path, monkeypatch, capsys):
+    """pip's configuration may name local folders as extra indexes (file://); one without vLLM
+    is nothing to miss, one with it cannot be read by requests and is named."""
+    publish(index)
+    empty, with_vllm = tmp_path / "empty-simple", tmp_path / "local-simple"
+    empty.mkdir()
+    (with_vllm / "vllm").mkdir(parents=True)
+    pip_conf(tmp_path, monkeypatch, index_url=index.url, extra_index_url=f"file://{empty} file://{with_vllm}")
+    assert source.release_files().sdist(V).filename == "vllm-0.1.0.tar.gz"
+    err = capsys.readouterr().err
+    assert str(empty) not in err and f"file://{with_vllm}/vllm/" in err and "passed over" in err
