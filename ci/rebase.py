@@ -33,16 +33,28 @@ from __future__ import annotations
 
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
-if __name__ == "__main__" and not __package__:  # ``python ci/rebase.py``, the old layout's habit:
-    import shlex  # the ci package is not importable then, and the job would die minutes in
-    import sys
 
-    print("rebase.py: error: run it as a module, from the repository's root: python -m ci.rebase "
-          + " ".join(map(shlex.quote, sys.argv[1:])), file=sys.stderr)
-    sys.exit(2)
+def _ci_importable() -> bool:
+    """True if ``import ci`` finds this file's package (run as ``python -m ci.rebase``, or
+    with the repository's root on PYTHONPATH); ``python ci/rebase.py`` alone does not."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("ci")
+    here = os.path.dirname(os.path.realpath(__file__))
+    return bool(spec and spec.origin) and os.path.dirname(os.path.realpath(spec.origin)) == here
+
 
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
     import sys
+
+    if __name__ == "__main__" and not globals().get("__package__") and not _ci_importable():
+        # ``python ci/rebase.py``, the old layout's habit: the job would die minutes in
+        import shlex
+
+        print("rebase.py: error: run it as a module, from the repository's root: python -m ci.rebase "
+              + " ".join(map(shlex.quote, sys.argv[1:])), file=sys.stderr)
+        sys.exit(2)
     from argparse import RawDescriptionHelpFormatter
     from pathlib import Path
     from types import SimpleNamespace
