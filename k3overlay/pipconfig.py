@@ -74,8 +74,10 @@ class _SystemTrust(HTTPAdapter):
     """HTTPS verified against the operating system's trust store, as pip does by default."""
 
     def init_poolmanager(self, *args, **kwargs):
-        import truststore  # imported here: only an HTTPS index needs it
-
+        try:  # imported here: only an HTTPS index needs it
+            import truststore
+        except ImportError:  # a venv installed before it was a dependency: requests' own CAs
+            return super().init_poolmanager(*args, **kwargs)
         kwargs["ssl_context"] = truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         return super().init_poolmanager(*args, **kwargs)
 
