@@ -33,10 +33,31 @@ from __future__ import annotations
 
 INTERRUPTED = "rebase.py: interrupted; no checkout was touched (the job works in throwaway clones)"
 
+
+def _ci_importable() -> bool:
+    """True if ``import ci`` finds this file's package (run as ``python -m ci.rebase``, or
+    with the repository's root on PYTHONPATH); ``python ci/rebase.py`` alone does not."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("ci")
+    here = os.path.dirname(os.path.realpath(__file__))
+    return bool(spec and spec.origin) and os.path.dirname(os.path.realpath(spec.origin)) == here
+
+
 try:  # Ctrl-C while starting up (the imports take a while): one line, like anywhere else
     import contextlib
     import os
     import sys
+
+    if __name__ == "__main__" and not globals().get("__package__") and not _ci_importable():
+        # ``python ci/rebase.py``, the old layout's habit: the job would die minutes in
+        import shlex
+
+        print("rebase.py: error: run it as a module, from the repository's root: python -m ci.rebase "
+              + " ".join(map(shlex.quote, sys.argv[1:])), file=sys.stderr)
+        sys.exit(2)
+    from argparse import RawDescriptionHelpFormatter
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -160,15 +181,26 @@ def _interruptible(argv: list[str] | None) -> int:
         return 130
 
 
+EXIT_CODES = """exit codes: 0 every ref clean; else the first failing ref's: 2 bad input (a ref, an
+option), 3 patch conflict, 4 overlay drift or conflict, 5 verify or tests failed, 6 source
+unreachable (repository, package index), 7 test environment, 1 a bug of rebase.py.
+Each report asked for is written whatever the outcome. See docs/rebase-job.md."""
+
+
 def _main(argv: list[str] | None) -> int:
-    p = OneLineParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                      formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--onto", action="append", required=True, metavar="REF",
                    help="upstream ref to rebase onto (repeatable); 'latest' = the newest vLLM "
                         "release on the package index")
     p.add_argument("--vllm-repo", metavar="PATH_OR_URL", help="as for apply.py")
-    p.add_argument("--json", type=Path, metavar="FILE")
-    p.add_argument("--junit", type=Path, metavar="FILE")
-    p.add_argument("--markdown", type=Path, metavar="FILE")
+    p.add_argument("--json", type=Path, metavar="FILE",
+                   help="write every ref's report as JSON (docs/apply.md: JSON report, one per ref)")
+    p.add_argument("--junit", type=Path, metavar="FILE",
+                   help="write JUnit XML: one testsuite per ref, a failure per item that needs a human")
+    p.add_argument("--markdown", type=Path, metavar="FILE",
+                   help="write the maintainer's summary (a PR comment): verdicts, then per ref what "
+                        "conflicts and the commands to run next")
     p.add_argument("--no-tests", action="store_true", help="skip the CPU test tier")
     p.add_argument("--wheels", type=Path, metavar="DIR",
                    help="build each applied ref's wheel into DIR (name, size, sha256 reported)")
@@ -179,7 +211,7 @@ def _main(argv: list[str] | None) -> int:
                      help="attach the GPU stage's results measured elsewhere on these trees")
     p.add_argument("--gpu-export", type=Path, metavar="DIR",
                    help="write each built tree and its GPU-stage inputs here (offline bundle)")
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages (errors still show)")
     args = p.parse_args(argv)
     progress.quiet = args.quiet
     reports_to = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]

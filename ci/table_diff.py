@@ -14,6 +14,7 @@ both route to a different backend or config, and counts the rows where they agre
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -163,8 +164,18 @@ def choice(side: dict | None) -> str:
     return f"{side['backend']} {cfg}"
 
 
-if __name__ == "__main__":  # python ci/table_diff.py PRISTINE PATCHED [OURS_DIR]
-    args = [Path(a) for a in sys.argv[1:]]
-    prefer = args[2] if len(args) > 2 else None
-    up, us = read_tables(args[0], sys.executable), read_tables(args[1], sys.executable, prefer)
-    print(json.dumps(summary(section(up, us, args[0], args[1], prefer)), indent=1))
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ci.table_diff PRISTINE PATCHED [OURS_DIR]``: the diff's JSON summary on stdout."""
+    p = argparse.ArgumentParser(prog="python -m ci.table_diff", description=__doc__.splitlines()[0])
+    p.add_argument("pristine", type=Path, help="the target's vLLM tree as released (upstream's tables)")
+    p.add_argument("patched", type=Path, help="the same tree with the series and overlay laid (ours)")
+    p.add_argument("ours_dir", type=Path, nargs="?",
+                   help="our overlay files, read ahead of PATCHED (where our module's merge conflicted)")
+    args = p.parse_args(argv)
+    up = read_tables(args.pristine, sys.executable)
+    us = read_tables(args.patched, sys.executable, args.ours_dir)
+    print(json.dumps(summary(section(up, us, args.pristine, args.patched, args.ours_dir)), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,9 +16,9 @@ done_() { echo "ci/test.sh:   done in $((SECONDS - started)) s"; }
 pip_install() {
     local log
     log=$(mktemp "${TMPDIR:-/tmp}/k3-pip.XXXXXX")
+    # one unbuffered sed picks, indents and clips the lines (grep | cut held them: cut buffers)
     if ! "$PY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 | tee "$log" \
-            | { grep --line-buffered -E '^ *(Downloading|Installing collected packages)' \
-                | cut -c1-240 | sed -u 's/^ */  /' || true; }; then
+            | sed -u -n -E '/^ *(Downloading|Installing collected packages)/{s/^ */  /;s/^(.{240}).*/\1/;p}'; then
         tail -n 30 "$log" >&2
         rm -f "$log"
         return 1
@@ -58,7 +58,8 @@ pip_install -r .venv/vllm-common.txt pytest tblib
 done_
 
 export K3_CPU_TIER=required  # here a missing vLLM dependency is a failure, not a skip
-# With no arguments (README command 2): skip reasons and the slowest tests listed at the end.
-[ $# -gt 0 ] || set -- -rs --durations=10
+# With no arguments (README command 2): the failing tests by name, the skip reasons and the
+# slowest tests listed at the end (-rfEs: -r alone would replace pytest's default -rfE).
+[ $# -gt 0 ] || set -- -rfEs --durations=10
 echo "ci/test.sh: pytest $* (each e2e test says when it starts and how long it took)"
 exec $PY -m pytest "$@"

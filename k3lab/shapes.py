@@ -3,8 +3,8 @@
 Each entry is a local ``(N, K)`` weight shape (``weight`` is ``[N, K]`` bf16,
 the activation ``x`` is ``[M, K]``) with the projection(s) it serves and the
 tensor-parallel layout it comes from. Source of the list: the shapes keyed in
-vLLM v0.28.0's ``vllm/models/kimi_k3/nvidia/low_latency_gemm.py`` (TP8 and TP16
-entries) plus the MTP ``eh_proj`` (7168x14336) that our patch 0001 makes a
+vLLM v0.28.0's ``vllm/models/kimi_k3/nvidia/low_latency_gemm.py`` (its first block
+holds TP8 and TP4 shapes, a TP4 one twice its TP8 one in N or K; its second TP16) plus the MTP ``eh_proj`` (7168x14336) that our patch 0001 makes a
 ``ReplicatedLinear``, and the two row views of the TP8 packed KDA weight that
 ``kda_projection.py`` runs as GEMMs of their own. Names are labels only; nothing
 dispatches on them.
@@ -18,29 +18,29 @@ M_RANGE: tuple[int, ...] = tuple(range(1, 17))
 # (N, K) -> (label, layouts). Replicated projections keep their shape at TP16.
 SHAPES: dict[tuple[int, int], tuple[str, str]] = {
     (1536, 128): ("f_b_proj", "TP8"),
-    (3072, 128): ("f_b_proj", "TP8"),
+    (3072, 128): ("f_b_proj", "TP4"),
     (1536, 7168): ("shared_gate_up_proj/mla_g_proj", "TP8"),
-    (3072, 7168): ("shared_gate_up_proj", "TP8"),
+    (3072, 7168): ("shared_gate_up_proj", "TP4"),
     (2112, 7168): ("fused_qkv_a_proj", "TP8+TP16"),
     (2304, 1536): ("q_b_proj", "TP8"),
-    (4608, 1536): ("q_b_proj", "TP8"),
+    (4608, 1536): ("q_b_proj", "TP4"),
     (3584, 7168): ("routed_expert_down_proj", "TP8+TP16"),
     (6288, 7168): ("in_proj_qkvgfab", "TP8"),
     # KDA decode projections on two streams (kda_projection.py): row views of the packed
     # in_proj_qkvgfab weight.
     (6144, 7168): ("kda_qkvg (in_proj_qkvgfab rows 0..6143)", "TP8"),
     (144, 7168): ("kda_f_a_beta (in_proj_qkvgfab rows 6144..6287)", "TP8"),
-    (12448, 7168): ("in_proj_qkvgfab", "TP8"),
+    (12448, 7168): ("in_proj_qkvgfab", "TP4"),
     (7168, 768): ("shared_down_proj / o_proj", "TP8+TP16"),
     (7168, 1536): ("o_proj", "TP8"),
-    (7168, 3072): ("o_proj", "TP8"),
+    (7168, 3072): ("o_proj", "TP4"),
     (7168, 3584): ("routed_expert_up_proj", "TP8+TP16"),
     (7168, 4224): ("dense_down_proj", "TP8"),
-    (7168, 8448): ("dense_down_proj", "TP8"),
+    (7168, 8448): ("dense_down_proj", "TP4"),
     (8448, 7168): ("dense_gate_up_proj", "TP8"),
-    (16896, 7168): ("dense_gate_up_proj", "TP8"),
+    (16896, 7168): ("dense_gate_up_proj", "TP4"),
     (20480, 7168): ("lm_head", "TP8"),
-    (40960, 7168): ("lm_head", "TP8"),
+    (40960, 7168): ("lm_head", "TP4"),
     (7168, 14336): ("mtp eh_proj", "TP8+TP16"),
     (3216, 7168): ("in_proj_qkvgfab", "TP16"),
     (768, 7168): ("mla_g_proj/shared_gate_up_proj", "TP16"),

@@ -13,7 +13,9 @@ Modules, one concept each:
   publish   switching the user's checkout to the work branch: all or nothing
   interrupts  where Ctrl-C/SIGTERM may stop the tool, and where it waits
   project   where this repo keeps its data (VERSION, patches/, overlay/, overlay.json)
+  pipconfig the package index as pip sees it: pip's configuration read by pip, its CA or the system's
   downloads vLLM's release files (sdists, wheels), cached, checked against the index on every use
+  untar     extracting a tar archive by tarfile's ``data`` filter's rules, on every Python 3.11
   mirror    a local git mirror of vLLM release sdists, one tagged root commit per release
   releases  upstream vLLM's commit id of each release (releases.json): --vllm-ref <upstream sha>
   source    getting a vLLM checkout at a ref (a repo URL/path, or the mirror)

@@ -67,10 +67,12 @@ def parser(project: Project) -> argparse.ArgumentParser:
     mode.add_argument("--export", action="store_true",
                       help="maintainers: regenerate patches/ and overlay.json from the work branch")
     mode.add_argument("--list-releases", action="store_true",
-                      help="list the vLLM releases --vllm-ref knows, with upstream's commit id of each "
-                           "and the release mirror's sha (offline)")
+                      help="list the vLLM releases whose upstream commit id this tool records "
+                           "(releases.json) and those already in the release mirror, with the mirror's "
+                           "sha (offline); any other vX.Y.Z with an sdist on the package index works "
+                           "as --vllm-ref too")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
-    wheel = p.add_argument_group("internal wheels (README: Internal vLLM wheels)")
+    wheel = p.add_argument_group("internal wheels (docs/apply.md: Internal vLLM wheels)")
     wheel.add_argument("--build-wheel", action="store_true",
                        help="after applying, build vllm-X.Y.Z+k3ov.<VERSION> from the work branch, "
                             "reusing the release's compiled code; it is checked before it is kept")

@@ -1,6 +1,7 @@
 """vLLM's published release files (sdists, wheels), cached and checked on every use.
 
-Files come from the package index (``$PIP_INDEX_URL`` is honoured) through
+Files come from the package indexes pip's configuration names (``pipconfig``: pip.conf,
+``$PIP_CONFIG_FILE``, ``PIP_*``; its ``cert`` or the system trust store) through
 pypi-simple, which reads the same Simple API pip reads. Each is kept under the
 cache directory (``sdists/``, ``wheels/``) and, every time it is used, not only
 when it was downloaded, checked against the sha256 the index publishes: a
@@ -10,16 +11,14 @@ be read even after one fresh fetch, the job stops with a SourceError (exit 6),
 one line, and nothing unverified is ever used. The cache's files (the lock,
 cached and partial downloads) are opened without following a link or waiting
 on a FIFO: anything but a regular file there is refused, one line, exit 2.
-
-Why not ``pip download``: for vLLM's sdist it prepares metadata by running
-vLLM's own build (it wants a CUDA torch), i.e. it executes upstream code just
-to fetch a tarball.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -28,11 +27,12 @@ import requests
 from packaging.tags import sys_tags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
-from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError, PyPISimple
+from pypi_simple import DigestMismatchError, DistributionPackage, NoDigestsError, NoSuchProjectError, PyPISimple
 
 from .errors import SourceError, UsageError
 from .files import open_regular
 from .lock import held
+from .pipconfig import PYPI, IndexSettings
 from .progress import ByteBar, megabytes, say, step
 from .regular import own_folder
 
@@ -41,22 +41,35 @@ T = TypeVar("T")
 
 
 class ReleaseFiles:
-    """vLLM's release files on the package index at ``index_url`` (None: PyPI),
-    cached under ``cache`` (``cache/sdists``, ``cache/wheels``)."""
+    """vLLM's release files on the package indexes of ``settings`` (default: PyPI, no pip
+    configuration), cached under ``cache`` (``cache/sdists``, ``cache/wheels``)."""
 
-    def __init__(self, cache: Path, index_url: str | None = None) -> None:
+    def __init__(self, cache: Path, settings: IndexSettings | None = None) -> None:
         self.cache = cache
-        self.index_url = index_url
+        self.settings = settings or IndexSettings()
         self._page: list[DistributionPackage] | None = None
 
     def packages(self) -> list[DistributionPackage]:
-        """Every file the index lists for vLLM (read once per instance). SourceError offline."""
+        """Every file the indexes list for vLLM, pip's index-url first (read once per
+        instance). An extra index that cannot be read is passed over with a note, as pip
+        does; SourceError when none can be read (offline, a certificate refused)."""
         if self._page is None:
-            try:
-                with self._index() as index:
-                    self._page = list(index.get_project_page(PROJECT).packages)
-            except requests.RequestException as err:
-                raise SourceError(f"cannot reach the package index: {_reason(err)}") from err
+            page, failures = [], []
+            for url in self.settings.indexes:
+                if _local_without_vllm(url):
+                    continue  # a file:// index (requests cannot read one) that has no vLLM anyway
+                try:
+                    with self._index(url) as index:
+                        page += index.get_project_page(PROJECT).packages
+                except NoSuchProjectError:
+                    continue
+                except requests.RequestException as err:
+                    failures.append(_reason(err))
+            if failures and (len(failures) == len(self.settings.indexes) or not page):
+                raise SourceError(f"cannot reach the package index: {failures[0]}")
+            for reason in failures:
+                say(f"a package index pip names cannot be read; passed over: {reason}")
+            self._page = page
         return self._page
 
     def sdist(self, version: Version) -> DistributionPackage:
@@ -149,7 +162,7 @@ class ReleaseFiles:
         os.close(open_regular(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         try:
             size = f" ({megabytes(pkg.size)})" if pkg.size else ""
-            with step(f"downloading {pkg.filename}{size}"), self._index() as index:
+            with step(f"downloading {pkg.filename}{size}"), self._index(None) as index:
                 index.download_package(pkg, partial, verify=True,
                                        progress=lambda total: ByteBar(total, pkg.filename))
         except BaseException as err:
@@ -168,8 +181,18 @@ class ReleaseFiles:
             raise SourceError(f"the package index names a file {name!r}; refusing to write it")
         return own_folder(self.cache / ("sdists" if pkg.package_type == "sdist" else "wheels")) / name
 
-    def _index(self) -> PyPISimple:
-        return PyPISimple(**({"endpoint": self.index_url} if self.index_url else {}))
+    def _index(self, url: str | None) -> PyPISimple:
+        """A client of index ``url`` (None: only to download a listed file's own URL)."""
+        return PyPISimple(endpoint=url or PYPI, session=self.settings.session())
+
+
+def _local_without_vllm(url: str) -> bool:
+    """True for a ``file://`` index with no ``vllm/`` project folder (this machine's own pip
+    configuration has two): nothing there to miss, so nothing to say."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "file":
+        return False
+    return not (Path(urllib.request.url2pathname(parts.path)) / PROJECT).exists()
 
 
 def file_sha256(path: Path) -> str:

@@ -28,6 +28,7 @@ from .gitproc import (  # noqa: F401
     _environment,
     _carried_config,
     environ,
+    user_has_identity,
     open_repo,
     init_bare,
     clone,

@@ -272,6 +272,18 @@ def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
     return tuple(entries)
 
 
+def user_has_identity() -> bool:
+    """True if git, run as the user runs it (their config and variables), knows who commits:
+    where it does not (a CI runner, a fresh machine) ``git am --continue`` dies with
+    "Committer identity unknown", so the commands the tool suggests must name one."""
+    try:
+        proc = subprocess.run(["git", "var", "GIT_COMMITTER_IDENT"], cwd=os.path.abspath(os.sep),
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
 def environ(**extra: str) -> dict[str, str]:
     """Variables for one git call (identity, dates), set on top of the tool's own
     environment for git (see ``_environment``); not a whole environment."""

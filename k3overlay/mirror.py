@@ -29,7 +29,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from . import git
+from . import git, untar
 from .downloads import ReleaseFiles
 from .errors import SourceError
 from .lock import held
@@ -112,8 +112,8 @@ def unpack(sdist: Path, dest: Path) -> datetime:
     """Extract sdist ``sdist`` into ``dest``, dropping its single top-level folder.
 
     Returns the newest member's modification time (UTC), the release date
-    to use when the index gives no upload time. Uses tarfile's ``data``
-    filter: no absolute paths, links out of the tree, or device files.
+    to use when the index gives no upload time. Extracts by tarfile's ``data``
+    filter's rules (``untar``): no absolute paths, links out of the tree, or device files.
     Raises SourceError on a damaged or truncated archive, leaving no ``dest``.
     """
     try:
@@ -127,7 +127,7 @@ def unpack(sdist: Path, dest: Path) -> datetime:
                 if member.islnk():
                     member.linkname = member.linkname.partition("/")[2]
                 members.append(member)
-            archive.extractall(dest, members=members, filter="data")
+            untar.extract(archive, dest, members)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as err:  # EOFError: truncated gzip
         shutil.rmtree(dest, ignore_errors=True)
         raise SourceError(f"cannot unpack {sdist.name}: {err}") from err

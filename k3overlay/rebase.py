@@ -165,7 +165,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                       keep_conflict=True, base_sha=base_sha)
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
-            report.notes.append(f"resolve {', '.join(result.files)}, run `git am --continue` in "
+            report.notes.append(f"resolve {', '.join(result.files)}, `git add` them, run `git am --continue` in "
                                 f"{workdir}, then run apply.py --rebase-to {opts.ref} again (or "
                                 f"`git am --abort`, drop the patch from patches/series, re-run)")
             return report

@@ -186,9 +186,23 @@ def upstream_release(ref: str, mirror: ReleaseMirror, option: str = "--vllm-ref"
     return found
 
 
+# A release version written the way pip, PyPI or a habit writes it: 0.29.0, V0.29.0, vllm-0.29.0,
+# vllm==0.29.0 (the tag is v0.29.0)
+_NEAR_TAG = re.compile(r"(?:vllm(?:-|==)|[vV])?(\d+\.\d+\.\d+)")
+
+
+def meant_tag(ref: str) -> str | None:
+    """The release tag ``ref`` most likely means (``0.29.0`` -> ``v0.29.0``), None if none."""
+    match = _NEAR_TAG.fullmatch(ref.strip())
+    return f"v{match.group(1)}" if match and ref != f"v{match.group(1)}" else None
+
+
 def unknown_ref_hint(ref: str) -> str:
-    """The one line for a ref the release mirror cannot resolve."""
-    return (f"ref {ref!r} is not in the release mirror: without --vllm-repo, give a release tag "
+    """The one line for a ref the release mirror cannot resolve (with a "did you mean" for a
+    release version written without its ``v``)."""
+    tag = meant_tag(ref)
+    meant = f"; did you mean {tag}?" if tag else ""
+    return (f"ref {ref!r} is not in the release mirror{meant}: without --vllm-repo, give a release tag "
             f"(v0.29.0), upstream's commit id of a release (full, or at least 7 hex digits), or a "
             f"release-mirror sha; `{LIST_COMMAND}` lists them (any other commit: --vllm-repo "
             f"with a vLLM git clone)")
@@ -211,4 +225,5 @@ def listing(mirror: ReleaseMirror) -> list[str]:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
              for row in rows]
     return lines + [f"(sources of the upstream ids: {DATA}; --vllm-ref takes a tag, an upstream "
-                    f"commit id, full or >= 7 hex digits, or a release-mirror sha)"]
+                    f"commit id, full or >= 7 hex digits, or a release-mirror sha; a release tag "
+                    f"not listed here works too when the package index has its sdist)"]

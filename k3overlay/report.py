@@ -22,10 +22,12 @@ from rich.text import Text
 from . import errors
 from . import mdsafe as md
 from .files import stream_target, write_atomically
+from .gitproc import user_has_identity
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .printable import for_terminal
 from .redact import scrub
+from .project import COMMITTER
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
 from .stages import Section, TestRun
@@ -292,6 +294,9 @@ def write_human(report: Report, console: Console) -> None:
     else:
         console.print(Text.assemble(("failed", "red"), f" (exit {report.exit_code})"
                                     + (f": {report.error}" if report.error else "")))
+        if not report.published:  # --check, or a run that wrote nothing: say what to run next
+            for command in next_commands(report):
+                console.print(Text(f"  next: {command}"))
 
 
 def _styled(status: str) -> Text:
@@ -505,17 +510,24 @@ def _not_run(not_run: list[str]) -> list[str]:
     return [f"  - not run: {', '.join(names)}: {md.text(reason)}" for reason, names in why.items()]
 
 
-def next_commands(r: Report) -> list[str]:
-    """The commands a maintainer runs next for this ref, exact (comments say the manual steps)."""
+def next_commands(r: Report, has_identity: bool | None = None) -> list[str]:
+    """The commands a maintainer runs next for this ref, exact (comments say the manual steps).
+    ``has_identity``: whether git knows who commits (None: ask git, ``user_has_identity``)."""
     if r.error or r.exit_code == errors.ENVIRONMENT:
         return []
     source = f" --vllm-repo {shlex.quote(r.vllm_repo)}" if r.vllm_repo else ""
     rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}"
     git = "git -C work/vllm"
+    # git commits only with an identity: name the tool's own where git knows none (CI, a fresh
+    # machine), as every other commit on the work branch has it
+    committing = git if (has_identity if has_identity is not None else user_has_identity()) else (
+        f"{git} -c user.name={shlex.quote(COMMITTER['GIT_COMMITTER_NAME'])} "
+        f"-c user.email={COMMITTER['GIT_COMMITTER_EMAIL']}")
     lines = [rebase]
     for p in r.conflicting_patches:
+        add = f"{git} add -- {' '.join(map(shlex.quote, p.files))} && " if p.files else ""
         lines += [f"# stops at {p.name}: resolve {', '.join(p.files) or 'it'}, then",
-                  f"{git} am --continue && {rebase}"]
+                  f"{add}{committing} am --continue && {rebase}"]
     conflicted = [f for f in r.overlay if f.status == FILE_CONFLICT]
     for f in conflicted:
         regions = conflict_regions(f.path, f.merged or b"")
@@ -527,7 +539,8 @@ def next_commands(r: Report) -> list[str]:
         found = ["verify"] * bool(r.verify and not r.verify.ok) + problems
         lines.append(f"# fix what {' and '.join(found)} found (above) on the work branch")
     if len(lines) > 1 and not lines[-1].startswith(git):
-        return lines + [f"{git} commit -a && python apply.py --export"]
+        add = f"{git} add -- {' '.join(shlex.quote(f.path) for f in conflicted)} && " if conflicted else ""
+        return lines + [f"{add}{committing} commit -a && python apply.py --export"]
     return lines + ["python apply.py --export"]
 
 

@@ -382,8 +382,16 @@ def _failed(repo: git.Repo, patch: Patch, ref_sha: str, output: str) -> PatchRes
         hunks = _conflict_regions(Path(repo.working_tree_dir), unmerged) + _failed_hunks(output)
         return PatchResult(patch.name, CONFLICT, unmerged, hunks)
     # No 3-way was possible (am's direct attempt is silent then): ask git apply which hunks fail.
-    return PatchResult(patch.name, CONFLICT, git.patch_paths(repo, patch.path),
-                       _failed_hunks(output + "\n" + git.apply_errors(repo, patch.path)))
+    hunks = _failed_hunks(output + "\n" + git.apply_errors(repo, patch.path))
+    return PatchResult(patch.name, CONFLICT, _named(git.patch_paths(repo, patch.path), hunks), hunks)
+
+
+def _named(paths: list[str], hunks: list[str]) -> list[str]:
+    """Those of ``paths`` a failed hunk names (``patch failed: PATH:LINE``, ``PATH: does not
+    exist in index``): the files to resolve, not every file the patch touches (0006 on
+    v0.29.0: ``mla.py`` alone, its ``mtp.py`` hunks apply). All of them if none is named."""
+    named = [p for p in paths if any(f"{p}:" in line for line in hunks)]
+    return named or paths
 
 
 def _drop_empty_commits(repo: git.Repo, start: str,

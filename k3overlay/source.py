@@ -15,7 +15,7 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from . import git, journal, redact
+from . import git, journal, pipconfig, redact
 from .downloads import ReleaseFiles
 from .errors import SourceError, UsageError
 from .interrupts import deferred
@@ -90,8 +90,12 @@ def _ref_refusal(ref: str) -> str | None:
 
 
 def release_files() -> ReleaseFiles:
-    """vLLM's release files, cached under the cache directory (index: ``$PIP_INDEX_URL`` if set)."""
-    return ReleaseFiles(cache_dir(), os.environ.get("PIP_INDEX_URL"))
+    """vLLM's release files, cached under the cache directory, from the package indexes
+    pip's own configuration names (``pipconfig``); their user info is masked from here on."""
+    settings = pipconfig.settings()
+    for url in settings.indexes:
+        redact.remember(url)
+    return ReleaseFiles(cache_dir(), settings)
 
 
 def default_mirror() -> ReleaseMirror:

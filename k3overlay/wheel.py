@@ -42,7 +42,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 from wheel.wheelfile import WheelError, WheelFile
 
-from . import git, releases, source, wheelcheck
+from . import git, releases, source, untar, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
 from .wheelrelease import PACKAGE, RECORD_PATH, check_release, readable  # noqa: F401  (tests read it here)
 from .wheelrelease import opened as _opened
@@ -516,7 +516,7 @@ def _vllm_build(repo: git.Repo, result_sha: str, p: Plan, tmp: Path) -> Path:
     with step(f"exporting {result_sha[:12]} with git archive"):
         git.archive(repo, result_sha, tmp / "src.tar")
         with tarfile.open(tmp / "src.tar") as archive:
-            archive.extractall(export, filter="data")
+            untar.extract(archive, export)
     env = {**os.environ, **VLLM_BUILD_ENV, "VLLM_PRECOMPILED_WHEEL_LOCATION": str(p.release_wheel),
            "VLLM_VERSION_OVERRIDE": str(p.version), "SOURCE_DATE_EPOCH": str(p.epoch)}
     python_tag, abi, _ = p.release_wheel.name.removesuffix(".whl").split("-")[-3:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import ssl
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,12 +41,15 @@ class FakeIndex:
         return {"meta": {"api-version": "1.1"}, "name": "vllm", "files": files}
 
 
-def serve(index: FakeIndex) -> ThreadingHTTPServer:
-    """Start serving ``index`` on a free loopback port; sets ``index.url``. Call ``shutdown()``."""
+def serve(index: FakeIndex, tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
+    """Start serving ``index`` on a free loopback port; sets ``index.url``. Call ``shutdown()``.
+
+    ``tls``: (certificate, key) files to serve HTTPS with, as a company mirror behind its own CA.
+    """
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            base = f"http://127.0.0.1:{self.server.server_address[1]}"
+            base = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
             if self.path.rstrip("/") == "/simple/vllm":
                 self._send(json.dumps(index.page(base)).encode(), "application/vnd.pypi.simple.v1+json")
             elif self.path.startswith("/files/") and self.path[7:] in index.files:
@@ -64,7 +68,12 @@ def serve(index: FakeIndex) -> ThreadingHTTPServer:
         def log_message(self, *args):  # keep pytest's output clean
             pass
 
+    scheme = "https" if tls else "http"
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    index.url = f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    if tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    index.url = f"{scheme}://127.0.0.1:{server.server_address[1]}/simple/"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

@@ -82,8 +82,9 @@ def test_every_option_is_explained(project, monkeypatch, capsys):
     for line in ("--vllm-ref REF vLLM ref to patch: a release tag, upstream's commit id of a release "
                  "(full or abbreviated; see --list-releases), or a tag, branch or sha of --vllm-repo "
                  "(default: the pinned base in overlay.json)",
-                 "--list-releases list the vLLM releases --vllm-ref knows, with upstream's commit id "
-                 "of each and the release mirror's sha (offline)",
+                 "--list-releases list the vLLM releases whose upstream commit id this tool records "
+                 "(releases.json) and those already in the release mirror, with the mirror's sha "
+                 "(offline); any other vX.Y.Z with an sdist on the package index works as --vllm-ref too",
                  "--vllm-repo PATH_OR_URL vLLM git repository (default: $VLLM_REPO, else a local "
                  "mirror of release sdists under ~/.cache/vllm-k3-overlay)",
                  "--json FILE also write the report as JSON",
@@ -95,7 +96,7 @@ def test_every_option_is_explained(project, monkeypatch, capsys):
                  "--rebase-to REF maintainers: rebuild the work branch on REF in the checkout, dropping "
                  "landed patches, 3-way merging drifted overlay files, stopping at conflicts",
                  "--export maintainers: regenerate patches/ and overlay.json from the work branch",
-                 "internal wheels (README: Internal vLLM wheels):",
+                 "internal wheels (docs/apply.md: Internal vLLM wheels):",
                  "--build-wheel after applying, build vllm-X.Y.Z+k3ov.<VERSION> from the work branch, "
                  "reusing the release's compiled code; it is checked before it is kept",
                  "--wheel-dir DIR where wheels go (default: work/wheels)",

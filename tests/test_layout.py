@@ -235,3 +235,15 @@ def test_the_front_door_and_every_page_stay_readable_and_their_links_resolve():
     front = (ROOT / "README.md").read_text()
     for wing_page in ("docs/apply.md", "docs/rebase-job.md", "docs/gpu-lab.md", "results/README.md"):
         assert f"]({wing_page})" in front
+
+
+def test_the_tools_own_tests_test_no_lab_module():
+    """A test of the lab (``k3lab.decode_step``: test_decode_step.py) lives in ``k3lab/tests/``,
+    with the wing it tests, not among the tool's tests."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(path.name, n) for n in names if n.split(".")[0] == "k3lab"]
+    assert found == []

@@ -608,3 +608,16 @@ def test_a_patch_writing_into_dot_git_or_out_of_the_tree_is_named(project, upstr
     assert report.patches[1].hunks == [f"error: invalid path '{path}'"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "project", "wd"]
     assert not (wd / ".git/hooks/post-checkout").exists() and not marker.exists()
+
+
+def test_a_conflict_without_3way_names_only_the_files_whose_hunks_fail():
+    """0006 on v0.29.0 in the job's fresh clone: git apply fails mla.py's hunk, mtp.py's apply;
+    the files to resolve are mla.py alone (the report used to say "resolve mla.py, mtp.py")."""
+    from k3overlay.series import _named
+
+    paths = ["vllm/model_executor/layers/mla.py", "vllm/models/kimi_k3/nvidia/mtp.py"]
+    hunks = ["error: patch failed: vllm/model_executor/layers/mla.py:212",
+             "error: vllm/model_executor/layers/mla.py: patch does not apply"]
+    assert _named(paths, hunks) == ["vllm/model_executor/layers/mla.py"]
+    assert _named(paths, ["error: vllm/models/kimi_k3/nvidia/mtp.py: does not exist in index"]) == [paths[1]]
+    assert _named(paths, ["something git said"]) == paths  # nothing named: every file, as before

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from packaging.version import Version
@@ -55,6 +56,7 @@ case "$1 $2 $3" in
     echo "WARNING: Location 'file:///opt/pypi/simple/x/' is ignored: it is neither a file nor a directory."
     echo "Collecting torch==2.13.0"
     echo "  Downloading torch-2.13.0-cp311-none-linux_x86_64.whl (190.9 MB)"
+    sleep "${SLOW_PIP:-0}"
     echo "Installing collected packages: torch"
     echo "Successfully installed torch-2.13.0";;
   "-m pytest "*) echo "pytest ran";;
@@ -113,3 +115,74 @@ def test_an_e2e_test_says_when_it_starts_and_how_long_it_took(tmp_path):
     done = lines[start + 2]
     assert done.startswith("test_slow.py::test_slow: done in ") and done.endswith(" s")
     assert not [line for line in lines if "test_fast" in line]  # a fast test stays a dot
+
+
+SLOW_E2E = "import time\n\nimport pytest\n\n\n@pytest.mark.e2e\ndef test_slow():\n    time.sleep(2.5)\n"
+
+
+def test_e2e_heartbeats_reach_a_pipe_while_the_test_runs(tmp_path):
+    """tests/conftest.py's minute heartbeat, in a CI log (stdout a pipe): each line is out while
+    the test runs, not held in pytest's capture of the test and shown at its end or never."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests/conftest.py").read_text())
+    (tmp_path / "test_slow.py").write_text(SLOW_E2E)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    e2e: real releases\n")
+    env = {**os.environ, "K3_TEST_HEARTBEAT_S": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "test_slow.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = [(time.monotonic(), line) for line in proc.stdout]
+    assert proc.wait() == 0, "".join(line for _, line in seen)
+    beats = [at for at, line in seen if "test_slow: still running" in line]
+    done = next(at for at, line in seen if "test_slow: done in" in line)
+    assert beats, "".join(line for _, line in seen)
+    assert done - beats[0] > 1.0  # the first came out about 2 s before the test ended
+
+
+def test_ci_test_sh_shows_each_download_as_it_starts_when_piped(tmp_path):
+    """ci/test.sh | tee: pip's "Downloading" line comes out when pip says it, not when pip ends
+    (``cut`` in the filter held 33 lines for 160 s)."""
+    (tmp_path / "ci").mkdir()
+    shutil.copy2(ROOT / "ci" / "test.sh", tmp_path / "ci" / "test.sh")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    env = {**os.environ, "CALLS": str(tmp_path / "calls"), "MIRROR": str(tmp_path / "none.git"), "SLOW_PIP": "3"}
+    proc = subprocess.Popen(["ci/test.sh", "-q", "tests"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append((time.monotonic(), line.rstrip("\n")))
+        if line.startswith("ci/test.sh:   done in "):
+            break  # the first step (the package and torch) is all this test needs
+    proc.kill()
+    proc.wait()
+    downloading = next(at for at, line in seen if line.startswith("  Downloading torch"))
+    installing = next(at for at, line in seen if line.startswith("  Installing collected packages"))
+    assert installing - downloading > 2, seen
+
+
+
+def test_ci_test_sh_and_ci_run_name_the_failing_tests_in_the_summary(tmp_path):
+    """-rs alone replaced pytest's default -rfE: the summary listed skips, then "1 failed"."""
+    (tmp_path / "ci").mkdir()
+    shutil.copy2(ROOT / "ci" / "test.sh", tmp_path / "ci" / "test.sh")
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    tree, mirror = tmp_path / "release", tmp_path / "mirror.git"
+    (tree / "requirements").mkdir(parents=True)
+    (tree / "requirements" / "common.txt").write_text("numpy\n")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "v1.0.0"], ["tag", "v1.0.0"]):
+        subprocess.run(["git", *args], cwd=tree, check=True)
+    subprocess.run(["git", "clone", "-q", "--bare", str(tree), str(mirror)], check=True)
+    env = {**os.environ, "CALLS": str(tmp_path / "calls"), "MIRROR": str(mirror)}
+    subprocess.run(["ci/test.sh"], cwd=tmp_path, env=env, capture_output=True, check=True)
+    pytest_calls = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m pytest")]
+    assert pytest_calls == ["-m pytest -rfEs --durations=10"]
+    assert "ci/test.sh -q -rfEs " in (ROOT / ".ci" / "run").read_text()
+    (tmp_path / "test_x.py").write_text("def test_fails():\n    assert 0\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "test_x.py"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert "FAILED test_x.py::test_fails" in proc.stdout.split("short test summary info")[1]

@@ -28,3 +28,4 @@ def test_the_gpu_mark_is_known_under_each_plugin(plugin, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
+

@@ -473,3 +473,26 @@ def test_an_unreachable_index_fails_only_the_targets_that_need_it(project, upstr
     assert (local["ref"], local["ok"], local.get("error")) == ("v1.1.0", True, None), local
     assert latest["ref"] == "latest" and latest["error"].startswith("cannot reach the package index")
     assert code == errors.SOURCE
+
+
+def test_the_suggested_next_commands_work_where_git_knows_no_identity(project, upstream, tmp_path,
+                                                                     monkeypatch):
+    """The report's commands after a patch conflict, run as written on a machine with no git
+    identity (CI, a fresh clone): they stage the resolution and name an identity themselves."""
+    no_identity = tmp_path / "gitconfig"
+    no_identity.write_text("[user]\n\tuseConfigOnly = true\n")  # git guesses none from the host
+    for key in [k for k in os.environ if k.startswith(("GIT_AUTHOR_", "GIT_COMMITTER_"))] + ["EMAIL"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(no_identity))
+    wd = tmp_path / "work/vllm"
+    report = rebase_to(project, Options(ref="v1.3.0", vllm_repo=str(upstream), workdir=wd))
+    assert report.exit_code == errors.CONFLICT and report.patches[0].files == ["pkg/model.txt"]
+    (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text().split("<<<<<<<")[0] + "line 4\n")
+    commands = [c for c in markdown([report]).split("```bash\n")[1].split("```")[0].splitlines()
+                if c.startswith("git -C work/vllm")]
+    assert commands and "-c user.name=" in commands[0] and " add -- pkg/model.txt && " in commands[0]
+    git_part = commands[0].split(" && python apply.py")[0]
+    done = subprocess.run(["bash", "-c", git_part], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not (wd / ".git/rebase-apply").exists()
+    assert g(wd, "log", "-1", "--format=%s%n%cn").splitlines() == ["model: change lines [4]", "vllm-k3-overlay"]

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from k3overlay import errors
 from k3overlay.manifest import FileResult
-from k3overlay.report import Report, junit_xml, markdown, write_human, write_json
+from k3overlay.report import Report, junit_xml, markdown, next_commands, write_human, write_json
 from k3overlay.series import PatchResult
 from k3overlay.stages import Problem, Section, TestRun
 from k3overlay.verify import VerifyResult
@@ -161,10 +161,10 @@ def test_markdown_first_screen_answers_the_maintainer():
         "```bash\n"
         "python apply.py --rebase-to v3\n"
         "# stops at 0002-b.patch: resolve x.py, then\n"
-        "git -C work/vllm am --continue && python apply.py --rebase-to v3\n"
+        "git -C work/vllm add -- x.py && git -C work/vllm am --continue && python apply.py --rebase-to v3\n"
         "# resolve the conflict markers in n.py\n"
         "# fix what verify found (above) on the work branch\n"
-        "git -C work/vllm commit -a && python apply.py --export\n```\n")
+        "git -C work/vllm add -- n.py && git -C work/vllm commit -a && python apply.py --export\n```\n")
     assert "<details><summary>v3: upstream's diff of <code>n.py</code> since v1 (conflict)" in text
     stopped = Report("1.0.0", "v1", "v9", error="ref 'v9' not found", error_code=errors.USAGE)
     assert markdown([stopped]).splitlines()[-1] == \
@@ -202,9 +202,12 @@ def test_terminal_summary():
         ["x.py:4-8"], ["CONFLICT", "(content)"],
         ["overlay", "m.py", "drift"], ["upstream", "blob", "1234abcd", "differs"],
         ["overlay", "n.py", "conflict"], ["3-way", "merge:", "1", "conflicting", "region(s)"]]
-    assert lines[10:] == ["verify: failed: 1 error(s)", "  x.py:1: does not compile: invalid syntax",
-                          "cpu tests: 2 passed, 1 failed, 3 skipped, 4 errors",
-                          "  tests/t.py::test_a: AssertionError: 1 != 2", "failed (exit 3)"]
+    assert lines[10:15] == ["verify: failed: 1 error(s)", "  x.py:1: does not compile: invalid syntax",
+                            "cpu tests: 2 passed, 1 failed, 3 skipped, 4 errors",
+                            "  tests/t.py::test_a: AssertionError: 1 != 2", "failed (exit 3)"]
+    # nothing was published (--check): what to run next follows the verdict, as in the markdown
+    assert lines[15:] == [f"  next: {command}" for command in next_commands(broken())]
+    assert lines[15] == "  next: python apply.py --rebase-to v3"
     out = io.StringIO()
     write_human(clean(), Console(file=out, width=120, highlight=False, color_system=None))
     assert out.getvalue().rstrip().splitlines()[-2:] == ["verify: ok", "ok -> branch k3/1 in /w"]

@@ -472,9 +472,9 @@ def test_release_version_from_the_tree_or_the_tag(vupstream, tmp_path):
 
 def test_vllm_build_refuses_a_torch_without_cuda_before_downloading(setup, tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # any download would fail 6
+    # a CPU torch by construction: which torch build this venv got depends on the index pip used
+    monkeypatch.setattr("k3overlay.wheel.torch_in", lambda python: ("2.13.0+cpu", None))
     project, release, repo, report, tip = setup
-    torch = torch_in(sys.executable)
-    assert torch is not None and torch[1] is None, "this venv has the CPU torch ci/test.sh installs"
     with pytest.raises(errors.UsageError, match="needs a CUDA torch.*has no CUDA") as err:
         build(project, repo, report, tip, WheelOptions(tmp_path / "w", method=VLLM),
               source.release_files())
@@ -530,10 +530,15 @@ def test_build_env_accepted():
     check_build_env("", ("2.14.0+cu130", "13.0"))
 
 
-def test_torch_pin_and_probe(vupstream):
+def test_torch_pin_and_probe(vupstream, tmp_path):
     repo = git.open_repo(vupstream)
     assert torch_pin(repo, git.resolve(repo, "v0.1.0")) == "torch==2.13.0"
     assert torch_in("/nonexistent/python") is None
+    for build, cuda in (("2.13.0+cpu", None), ("2.13.0+cu130", "13.0")):  # stand-in interpreters
+        python = tmp_path / f"python-{build}"
+        python.write_text(f"#!/bin/sh\necho 'noise'\necho '{json.dumps([build, cuda])}'\n")
+        python.chmod(0o755)
+        assert torch_in(str(python)) == (build, cuda)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def main() -> int:
         tip = git.branch_tip(repo, report.branch)
         files = source.release_files()
         if not args.no_download:
-            fresh = ReleaseFiles(tmp / "cache", files.index_url)
+            fresh = ReleaseFiles(tmp / "cache", files.settings)
             pkg = fresh.wheel(wheel.release_version(repo, report.ref, report.ref_sha))
             timed(figures, "download", lambda: fresh.fetch(pkg))
             files = fresh

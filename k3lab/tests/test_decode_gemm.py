@@ -356,3 +356,16 @@ def test_the_sm90_results_page_carries_the_committed_runs_report_verbatim():
     path = ROOT / "results" / "sm90" / "decode_gemm_sm90.json"
     text = figures_targets.render(json.loads(path.read_text()), "results/sm90/decode_gemm_sm90.json")
     assert text.strip() in (ROOT / "results" / "sm90" / "README.md").read_text()
+
+
+def test_the_backend_letters_have_one_home():
+    """plot.py and targets.py each kept a copy of the letter map; a new backend in one only
+    would mark a plot and its table differently."""
+    import ast
+
+    folder = ROOT / "k3lab" / "bench" / "decode_gemm"
+    homes = [path.name for path in sorted(folder.glob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+             and any(isinstance(t, ast.Name) and t.id == "LETTER" for t in node.targets)]
+    assert homes == ["winners.py"]

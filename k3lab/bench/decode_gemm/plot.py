@@ -31,7 +31,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 MS = list(range(1, 17))
-LETTER = {"swap_ab": "S", "cute": "C", "ll_bf16": "L", "tinygemm": "T", "dsv3_fused_a": "D"}
 
 
 def _order(shapes):
@@ -95,7 +94,7 @@ def panels_from_figures(run: dict) -> tuple[list, list]:
     def routed(r):
         w = r.get("winner")
         us = w["us"][1] if w else r["cublas_us"][1]
-        return r["roof_us"] / us, LETTER.get(w["backend"], "?") if w else None
+        return r["roof_us"] / us, winners.LETTER.get(w["backend"], "?") if w else None
 
     new, marks = _fill(shapes, per, routed)
     return shapes, [(f"before: cuBLAS\n(run {rid})", cub, None),

@@ -15,8 +15,7 @@ import os
 import sys
 
 from k3lab.bench.decode_gemm import winners
-
-LETTER = {"swap_ab": "S", "cute": "C", "ll_bf16": "L", "tinygemm": "T", "dsv3_fused_a": "D"}
+from k3lab.bench.decode_gemm.winners import LETTER
 
 
 def _span(xs, fmt: str) -> str:

@@ -21,6 +21,10 @@ import math
 
 WIN = 1.05
 
+#: The letter each backend is marked with in the figures' text (``targets``) and plots
+#: (``plot``): one map, so a figure and its table never disagree.
+LETTER = {"swap_ab": "S", "cute": "C", "ll_bf16": "L", "tinygemm": "T", "dsv3_fused_a": "D"}
+
 #: Backends whose kernels launch with PDL and load their weights before
 #: ``griddepcontrol.wait`` (our swap-AB); the others (vLLM's CuTe skinny GEMM,
 #: FlashInfer's tinygemm, ll_bf16, dsv3) end the overlap of the chain they sit in.

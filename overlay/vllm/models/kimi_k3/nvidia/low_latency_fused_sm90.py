@@ -4,12 +4,10 @@
 
 ``FUSED_SM90[op][shape] = (backend, config tuple or None, token counts)``: the backend
 (its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
-``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``) are
-keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``,
-``mtp_input``) by ``(width,)``.
 ``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
 ``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
-weight's); row ops (``rmsnorm``, ``act_mul``) by ``(width,)``.
+weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``) by
+``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
