@@ -26,8 +26,8 @@ from .gitproc import user_has_identity
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .printable import for_terminal
-from .redact import scrub
 from .project import COMMITTER
+from .redact import scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
 from .stages import Section, TestRun
