@@ -25,9 +25,15 @@ function                 stock line it wraps                           fused op
 
 Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
 ``KimiMoE``'s router gate, ``routed_expert_down_proj`` and the shared experts'
-``gate_up_proj``, three GEMMs of one input, by one (MegaMoE branch). It needs the three
-weights as row views of one tensor: the patch's model-level post-load hook calls
+``gate_up_proj``, three GEMMs of one input, by one. It needs the three weights as row
+views of one tensor: the patch's model-level post-load hook calls
 :func:`stack_moe_input_weights` once, after every quant method has finalized its layer.
+On the FusedMoE branch (the H200's) the runner calls the shared experts itself: patch
+0008 leaves their ``gate_up`` for that call (:func:`hand_shared_gate_up`,
+:func:`take_shared_gate_up`), and patch 0009 replaces ``LatentMoERunner``'s small-M
+tail by :func:`latent_moe_tail` (op ``rmsnorm_gemm`` with the shared output added in
+its epilogue). Both MoE paths run only in the deployment modes (MoE branch, capture
+mode) they were measured in (``low_latency_fused_dispatch.path_enabled``).
 
 A module is taken only when it is exactly the vLLM class the model builds
 (``type(...) is``, as the GEMM dispatch does for methods: a subclass may compute

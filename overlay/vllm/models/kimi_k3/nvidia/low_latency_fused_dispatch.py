@@ -21,6 +21,11 @@ op                  public entry
 Which backend runs for an (op, shape, M) is table data per GPU architecture
 (``low_latency_fused_sm90``, each row with its source); no backend is named here.
 
+The model-level paths built of these ops on the MoE (``PATHS``) also depend on the
+deployment mode: :func:`path_enabled` runs one only on the MoE branch and capture mode
+(:func:`capture_mode`) that the device's data says it was measured in
+(``MEASURED_MODES`` of ``low_latency_fused_sm90``), and logs each refusal once.
+
 Every ``try_*`` returns None, never raises, when the model must run its stock ops:
 the switch is off (it is turned on once, by :func:`enable_kimi_k3_fused_decode`, which
 the GEMM dispatch's ``enable_kimi_k3_low_latency_gemm`` calls); ``VLLM_BATCH_INVARIANT``
