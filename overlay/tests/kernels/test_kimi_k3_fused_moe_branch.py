@@ -316,7 +316,8 @@ def test_the_tail_answers_none_before_any_all_reduce(launches, all_reduces, monk
 
 runner_module = pytest.importorskip("vllm.models.kimi_k3.nvidia.latent_moe_runner")
 needs_patch_0009 = pytest.mark.skipif(
-    not hasattr(runner_module, "latent_moe_tail"), reason="latent_moe_runner.py without patch 0009"
+    "latent_moe_tail" not in Path(runner_module.__file__).read_text("utf-8"),
+    reason="latent_moe_runner.py without patch 0009 here",
 )
 
 
@@ -329,13 +330,14 @@ def test_the_patched_tail_returns_ours_or_runs_the_stock_lines(monkeypatch) -> N
         allreduce_norm_latent_out=lambda x, norm: log.append("allreduce_norm") or x,
         _shared_ar_events=(None, None),
     )  # fmt: skip
-    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append(("ours", a)) or "fused")
+    # the patched method imports it from fused_decode when it runs
+    monkeypatch.setattr(fused_decode, "latent_moe_tail", lambda *a: log.append(("ours", a)) or "fused")
     tail = runner_module.LatentMoERunner._overlap_allreduce_tail
     latent, shared = torch.zeros(2, L, dtype=BF16), torch.zeros(2, H, dtype=BF16)
     assert tail(runner, latent, shared, 7) == ("final", "fused", 7, True)
     assert log == [("ours", (runner, latent, shared))]
     log.clear()
-    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append("ours") or None)
+    monkeypatch.setattr(fused_decode, "latent_moe_tail", lambda *a: log.append("ours") or None)
     monkeypatch.setattr(runner_module, "tensor_model_parallel_all_reduce", lambda t: log.append("ar") or t)
     monkeypatch.setattr(runner_module, "aux_stream", lambda: None)
     final = tail(runner, latent, shared, 7)
