@@ -9,7 +9,10 @@ Each is one Triton launch without PDL, the shape of what vLLM runs on SM90:
 
 The RMSNorm and fused-add RMSNorm stand-ins (``torch.ops._C.rms_norm`` /
 ``fused_add_rms_norm``) are our overlay ``norm`` kernel launched with ``pdl=False``: one
-launch, fp32 math, no PDL, as vLLM's CUDA kernels.
+launch, fp32 math, no PDL, as vLLM's CUDA kernels. ``rms_norm_out`` and
+``fused_add_rms_norm_`` are the same in ``_C``'s calling convention (output buffer, in-place
+add), for the model check (:mod:`k3lab.decode_step.model_check`), which registers them, with
+``situ_and_mul``, as ``torch.ops._C`` ops under v0.28.0's own layers.
 """
 
 from __future__ import annotations
@@ -41,11 +44,42 @@ def _sigmoid_mul(x_ptr, g_ptr, y_ptr, D, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * D + offs, (x / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def situ_and_mul(gate_up: torch.Tensor, beta: float) -> torch.Tensor:
-    """``[M, 2D]`` packed bf16 -> ``[M, D]``."""
+@triton.jit
+def _rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, D, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+    if ADD:  # _C fused_add_rms_norm: residual += x (bf16), x = norm(residual)
+        x = (x + tl.load(r_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        tl.store(r_ptr + row * D + offs, x, mask=ok)
+        x = x.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * w
+    tl.store(y_ptr + row * D + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    return x.numel() // x.shape[-1], x.shape[-1]
+
+
+def rms_norm_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``_C.rms_norm``'s convention: ``out = rmsnorm(x) * weight``, contiguous rows."""
+    m, d = _rows(x)
+    _rms_norm[(m,)](x, x, weight, out, d, eps, ADD=False, BLOCK=triton.next_power_of_2(d), num_warps=8)
+
+
+def fused_add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """``_C.fused_add_rms_norm``'s convention, in place: ``residual += x``, ``x = rmsnorm(residual)``."""
+    m, d = _rows(x)
+    _rms_norm[(m,)](x, residual, weight, x, d, eps, ADD=True, BLOCK=triton.next_power_of_2(d), num_warps=8)
+
+
+def situ_and_mul(gate_up: torch.Tensor, beta: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, 2D]`` packed bf16 -> ``[M, D]`` (into ``out`` when given, ``_C``'s convention)."""
     m, d2 = gate_up.shape
     d = d2 // 2
-    y = torch.empty((m, d), dtype=gate_up.dtype, device=gate_up.device)
+    y = torch.empty((m, d), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     _situ_and_mul[(m, triton.cdiv(d, 1024))](gate_up, y, d, beta, BLOCK=1024, num_warps=4)
     return y
 
