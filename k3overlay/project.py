@@ -85,8 +85,9 @@ class Project:
         for ``option`` to write (a report, the wheel folder, the work directory), is one of
         ``data_paths`` or inside one, or inside a ``.git`` folder (this repository's, a
         linked worktree's or the vLLM checkout's) or any other git folder (a bare repository
-        such as the release mirror, a separate git folder). Links are followed: the file written
-        is the one they lead to."""
+        such as the release mirror, a separate git folder), or inside the tool's cache
+        (``cache_dir``: a report over a lock file let a second run in). Links are followed: the
+        file written is the one they lead to."""
         target = path.resolve()
         for data in self.data_paths:
             data = data.resolve()
@@ -105,12 +106,26 @@ class Project:
         if repos:
             raise UsageError(f"{option} {path} is inside the git repository {repos[-1]} (a bare "
                              f"or separate git folder); refusing to write there")
+        cache = _cache_or_none()
+        if cache is not None and (target == cache or cache in target.parents):
+            raise UsageError(f"{option} {path} is inside the tool's cache {cache}; refusing to "
+                             f"write there (its locks, journals and downloads would be replaced: "
+                             f"a lock replaced lets two runs at once)")
 
 
 def _is_git_dir(path: Path) -> bool:
     """True if ``path`` is a git folder by its layout (a bare repository, a ``--separate-git-dir``,
     the release mirror), whatever its name: HEAD, objects/ and refs/ in it."""
     return (path / "HEAD").is_file() and (path / "objects").is_dir() and (path / "refs").is_dir()
+
+
+def _cache_or_none() -> Path | None:
+    """``cache_dir()`` as the file system resolves it, or None where there is none (no home:
+    the run that needs one says so itself)."""
+    try:
+        return cache_dir().resolve()
+    except UsageError:
+        return None
 
 
 def cache_dir() -> Path:

@@ -46,6 +46,16 @@ APPLY_CASES = {
                                         "is inside --workdir"),
     "json as the wheel folder": (["--build-wheel", "--wheel-dir", "{tmp}/out", "--json", "{tmp}/out"],
                                  "is the path --json"),
+    # the tool's cache (XDG_CACHE_HOME is tmp/cache here): --json over a lock file replaced its
+    # inode, so a run waiting on the old one and a new run on the new one went on at once
+    "json over a lock file in the cache": (["--json", "{tmp}/cache/vllm-k3-overlay/locks/x.lock"],
+                                           "inside the tool's cache"),
+    "json over a cached download through a link": (["--json", "{tmp}/cachelink/sdists/v.tar.gz"],
+                                                   "inside the tool's cache"),
+    "wheel folder in the cache": (["--build-wheel", "--wheel-dir", "{tmp}/cache/vllm-k3-overlay/wheels"],
+                                  "inside the tool's cache"),
+    "workdir in the cache": (["--workdir", "{tmp}/cache/vllm-k3-overlay/locks"],
+                             "inside the tool's cache"),
 }
 
 
@@ -59,6 +69,9 @@ def test_apply_refuses_an_output_over_an_input(project, sources, tmp_path, monke
         argv += ["--vllm-repo", str(sources["bundle"])]
     wd = tmp_path / "wd"
     wd.mkdir()
+    (tmp_path / "cache" / "vllm-k3-overlay" / "locks").mkdir(parents=True)
+    (tmp_path / "cache" / "vllm-k3-overlay" / "locks" / "x.lock").write_text("apply.py (pid 1)\n")
+    (tmp_path / "cachelink").symlink_to(tmp_path / "cache" / "vllm-k3-overlay")
     before = _files(tmp_path)
     code = cli.main(["--workdir", str(wd), *argv])
     err = capsys.readouterr().err
@@ -95,6 +108,11 @@ REBASE_CASES = {
                                 "{tmp}/out"], "is the path --wheels"),
     "wheels inside the source through a link": (["--vllm-repo", "{folder}", "--wheels",
                                                  "{tmp}/srclink/dist"], "is inside --vllm-repo"),
+    "junit over a journal in the cache": (["--vllm-repo", "{bundle}", "--junit",
+                                           "{tmp}/cache/vllm-k3-overlay/locks/x.journal"],
+                                          "inside the tool's cache"),
+    "gpu export into the cache": (["--vllm-repo", "{bundle}", "--gpu-export",
+                                   "{tmp}/cache/vllm-k3-overlay/envs"], "inside the tool's cache"),
 }
 
 
