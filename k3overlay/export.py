@@ -26,6 +26,7 @@ from .files import STAGING, write_all_in_tree
 from .interrupts import deferred
 from .job import BASE_KEY, locked, record, verify_change
 from .project import COMMITTER, Project
+from .safety import refuse_git_locks
 
 
 @dataclass
@@ -64,6 +65,7 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     base_ref = branch and git.config_get(repo, BASE_KEY.format(branch))
     if not base_ref:
         raise UsageError(f"{workdir} is not on a work branch made by apply.py")
+    refuse_git_locks(repo, branch)  # a `git commit --amend` with its editor open: wait for it
     base_sha = git.resolve(repo, base_ref)
     if base_sha is None:
         raise UsageError(f"the work branch's base {base_ref!r} is not in {workdir} (a deleted tag "

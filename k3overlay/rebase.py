@@ -40,7 +40,7 @@ from .job import (
 )
 from .project import COMMITTER, Project
 from .report import Report
-from .safety import foreign_commits
+from .safety import foreign_commits, refuse_git_locks
 from .stages import Stages, Target
 from .wheel import WheelOptions, build_for
 
@@ -138,6 +138,10 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
                                 f"or abort it, then run --rebase-to again")
+    # Continuing skips refuse_unsafe (the branch holds the maintainer's resolutions by design),
+    # never git's own locks: the maintainer's `git commit` with its editor open holds index.lock,
+    # and the overlay used to be laid into the work tree before staging failed on it.
+    refuse_git_locks(repo, branch)
     report.ref_sha = fetched(repo, origin, opts.ref)
     fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
     continuing = (git.current_branch(repo) == branch

@@ -15,6 +15,7 @@ import pytest
 
 from k3overlay import cli, errors, journal
 from k3overlay.downloads import ReleaseFiles
+from k3overlay.export import export
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock_path
 from k3overlay.mirror import ReleaseMirror
@@ -264,3 +265,30 @@ def test_a_cache_folder_that_is_a_link_or_no_folder_is_refused(project, upstream
             ReleaseFiles(cache)._path(type("Pkg", (), {"filename": "x.whl", "package_type":
                                                        folder[:-1]})())
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("step", ["--rebase-to, continued after a resolution", "--export"])
+def test_a_git_lock_of_the_users_stops_rebase_to_and_export_too(project, conflicting_upstream,
+                                                                tmp_path, step):
+    """A --rebase-to continued on its own branch skips the normal run's checks (the branch holds
+    the maintainer's resolutions), and took git's locks for one of them: with the user's `git
+    commit` holding index.lock, it laid the overlay into the work tree, then died in `git
+    update-index`. --export did not look either (`git commit --amend`, its editor open)."""
+    wd, up = tmp_path / "wd", str(conflicting_upstream)
+    assert run_apply(project, Options(vllm_repo=up, workdir=wd)).ok
+    opts = Options(ref="v1.4.0", vllm_repo=up, workdir=wd)
+    if step.startswith("--rebase-to"):
+        assert rebase_to(project, opts).exit_code == errors.CONFLICT
+        (wd / "pkg/model.txt").write_text(model({1: "line 1 (upstream)", 4: "line 4 (both)"}))
+        g(wd, "add", "pkg/model.txt")
+        g(wd, "am", "--continue")
+    lock = wd / ".git" / "index.lock"
+    lock.write_bytes(b"the user's git commit is writing this\n")
+    before, data = snapshot(wd), {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file()}
+    with pytest.raises(errors.UsageError) as err:
+        rebase_to(project, opts) if step.startswith("--rebase-to") else export(project, wd)
+    assert str(err.value).startswith(f"{lock} exists: a git command is running in {wd}")
+    assert lock.read_bytes() == b"the user's git commit is writing this\n"
+    lock.unlink()  # (git status needs it gone to compare)
+    assert snapshot(wd) == before
+    assert {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file()} == data
