@@ -99,10 +99,10 @@ def _export(project: Project, workdir: Path) -> ExportResult:
     writes[_rel(project, project.manifest_path)] = (
         manifest_mod.dumps(manifest_mod.Manifest(base_ref, files)), False)
     with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
-        write_all_in_tree(project.root, writes, staging=STAGING)  # (a killed one: nothing in overlay/)
-        for old in project.patches_dir.glob("*.patch"):
-            if old.name not in patch_files:
-                old.unlink()
+        # (killed while staging: nothing in overlay/; while renaming: the next run finishes)
+        write_all_in_tree(project.root, writes, staging=STAGING,
+                          remove=tuple(_rel(project, old) for old in project.patches_dir.glob("*.patch")
+                                       if old.name not in patch_files))
         record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}

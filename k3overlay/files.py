@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -51,7 +52,7 @@ STAGING = ".k3-tmp"  # the project's folder for an export's temporary files (its
 
 
 def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
-                      staging: str | None = None) -> None:
+                      staging: str | None = None, remove: tuple[str, ...] = ()) -> None:
     """Write each ``rel: (data, executable)`` under ``root`` as ``write_in_tree`` does, all or
     none: every file is first written whole to a temporary file and flushed to disk, and
     only then are they all renamed into place. A refused path, a full disk or Ctrl-C before
@@ -62,7 +63,11 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
     ``staging`` (a folder under ``root`` that git ignores: ``STAGING``), in a folder of
     this call's own there: a killed ``--export`` then leaves nothing in ``overlay/`` or
     ``patches/`` that other runs would read as data or ``git add -A`` would commit.
-    Raises UsageError as ``write_in_tree``.
+    ``remove``: files (``rel`` paths) unlinked once every file is in place (an export's
+    patches that left the series). Once all is staged, the renames and removals are
+    journaled as one ``rename`` step (each path with its old and new sha256): a run
+    killed part-way through them is finished by the next (``finish_renames``), never
+    left half old, half new. Raises UsageError as ``write_in_tree``.
     """
     from . import journal  # (the journal opens its own file with ``open_regular``)
 
@@ -70,14 +75,16 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
     own = f"{staging}/{token}" if staging else None
     with journal.step("write", root=str(root), folders=sorted({r.rpartition("/")[0] for r in files}),
                       token=token, staging=own):
-        _write_files(root, files, token, own)
+        _write_files(root, files, token, own, remove)
 
 
-def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, own: str | None) -> None:
+def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, own: str | None,
+                 remove: tuple[str, ...]) -> None:
     from . import journal
 
     folders: dict[str, int] = {}  # folder (relative to root) -> its descriptor, opened once
     staged: list[tuple[int, str, int, str]] = []  # (its folder, temporary name, folder, name)
+    moves: list[list[str | None]] = []  # [temporary file, destination, old sha256, new sha256]
     try:
         here = _folder_of(root, f"{own}/-", folders)[0] if own else None
         for number, (rel, (data, executable)) in enumerate(files.items()):
@@ -89,15 +96,24 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
             except OSError as err:
                 raise UsageError(f"cannot write {rel}: {err.strerror}") from err
             staged.append((where, temp, dirfd, name))
+            moves.append([f"{own or rel.rpartition('/')[0]}/{temp}".lstrip("/"), rel,
+                          _digest(root, rel), hashlib.sha256(data).hexdigest()])
         journal.point("write.staged")
+        gone = [[rel, _digest(root, rel)] for rel in remove]
+        name = ""
         try:
-            with deferred():  # Ctrl-C waits for the last rename: all of them, or none
+            with journal.step("rename", root=str(root), moves=moves, remove=gone), \
+                    deferred():  # Ctrl-C waits for the last rename: all of them, or none
                 while staged:
                     where, temp, dirfd, name = staged[0]
                     os.rename(temp, name, src_dir_fd=where, dst_dir_fd=dirfd)
                     staged.pop(0)
-            for dirfd in folders.values():
-                os.fsync(dirfd)  # the renames themselves survive a crash
+                for rel, _old in gone:
+                    dirfd, name = _folder_of(root, rel, folders)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dirfd)
+                for dirfd in folders.values():
+                    os.fsync(dirfd)  # the renames themselves survive a crash
         except OSError as err:
             raise UsageError(f"cannot write {name}: {err.strerror}") from err
     finally:
@@ -112,7 +128,60 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
             os.close(dirfd)
 
 
-def _folder_of(root: Path, rel: str, folders: dict[str, int]) -> tuple[int, str]:
+def _digest(root: Path, rel: str) -> str | None:
+    """The sha256 of the regular file ``root/rel``, read following no link below ``root``;
+    None if nothing is there, "other" for anything but a regular file."""
+    folders: dict[str, int] = {}
+    try:
+        dirfd, name = _folder_of(root, rel, folders, make=False)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+    except FileNotFoundError:
+        return None
+    except UsageError as err:  # (a folder on the way missing, a link, no folder)
+        return None if isinstance(err.__cause__, FileNotFoundError) else "other"
+    except OSError:
+        return "other"
+    finally:
+        for each in folders.values():
+            os.close(each)
+    with os.fdopen(fd, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest() if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else "other"
+
+
+def finish_renames(root: Path, moves: list, remove: list) -> bool | None:
+    """Finish a killed ``rename`` step (``write_all_in_tree``): rename each staged file still
+    there into place, then remove what it was to remove. Only where a normal run would
+    write: every destination still holds its old or its new content, every file to remove
+    its old one (or nothing). True if finished, False if left as it is (changed since),
+    None if there was nothing left to do."""
+    left = [(temp, dest) for temp, dest, _old, new in moves if _digest(root, temp) == new]
+    doomed = [rel for rel, _old in remove if _digest(root, rel) is not None]
+    if not left and not doomed:
+        return None
+    if any(_digest(root, dest) not in (old, new) for _temp, dest, old, new in moves) \
+            or any(_digest(root, rel) not in (old, None) for rel, old in remove):
+        return False
+    folders: dict[str, int] = {}
+    try:
+        for temp, dest in left:
+            where, temp_name = _folder_of(root, temp, folders, make=False)
+            dirfd, name = _folder_of(root, dest, folders)
+            os.rename(temp_name, name, src_dir_fd=where, dst_dir_fd=dirfd)
+        for rel in doomed:
+            dirfd, name = _folder_of(root, rel, folders, make=False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dirfd)
+        for dirfd in folders.values():
+            os.fsync(dirfd)
+    except OSError as err:
+        raise UsageError(f"cannot finish writing into {root}: {err.strerror}") from err
+    finally:
+        for dirfd in folders.values():
+            os.close(dirfd)
+    return True
+
+
+def _folder_of(root: Path, rel: str, folders: dict[str, int], *, make: bool = True) -> tuple[int, str]:
     """A descriptor of the folder ``rel``'s file goes in, and the file's name. The folder is
     made if missing, every folder below ``root`` opened without following a link, and kept
     open in ``folders`` (its caller closes them). UsageError if a folder on the way or the
@@ -127,8 +196,9 @@ def _folder_of(root: Path, rel: str, folders: dict[str, int]) -> tuple[int, str]
             here, above = "/".join(parts[:depth]), "/".join(parts[:depth - 1])
             if here in folders:
                 continue
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, dir_fd=folders[above])
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=folders[above])
             try:
                 folders[here] = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folders[above])
             except OSError as err:

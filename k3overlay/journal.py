@@ -23,6 +23,9 @@ Steps (``STEPS``; the facts each records):
   write      ``root``, ``folders``: files laid into a tree, all or none (``files``: the overlay
              into a checkout, an export into patches/) -> the temporary files, not yet renamed
              into place, removed
+  rename     ``root``, ``moves`` ([temporary, destination, old sha256, new sha256]), ``remove``
+             ([path, old sha256]): a write's files all staged, being renamed into place ->
+             finished where every destination still holds its old or new content, else left
 
 Tests stop a run at each ``POINTS`` entry with SIGKILL (``point``): only with
 ``K3OVERLAY_TEST_KILL_AT`` naming it *and* pytest's ``PYTEST_CURRENT_TEST`` set, so a
@@ -43,7 +46,7 @@ from pathlib import Path
 from .errors import UsageError
 from .regular import open_regular
 
-STEPS = ("clone", "check", "worktree", "fetch", "publish", "write")
+STEPS = ("clone", "check", "worktree", "fetch", "publish", "write", "rename")
 # Where a test may kill a run: each step just recorded, publishing after the switch
 # and before the branch record, and each step's end just recorded.
 POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged",

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
-from .files import STAGING, TEMPORARY
+from .files import STAGING, TEMPORARY, finish_renames
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -29,6 +29,7 @@ FACTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "publish": {"repo": str, "branch": str, "sha": str, "ref": str, "since": _NUMBER,
                 "old_head": (str, type(None)), "old_tip": (str, type(None))},
     "write": {"root": str, "folders": list},
+    "rename": {"root": str, "moves": list, "remove": list},
 }
 
 
@@ -43,9 +44,19 @@ def readable(entry: dict) -> bool:
         token = entry.get("token")  # (absent from an older version's entry)
         ours = token is None or (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{8}", token)
                                  and entry.get("staging") in (None, f"{STAGING}/{token}"))
-        return bool(ours) and all(isinstance(f, str) and not os.path.isabs(f) and ".." not in Path(f).parts
-                                  for f in entry["folders"])
+        return bool(ours) and all(_plain(f) for f in entry["folders"])
+    if entry["step"] == "rename":
+        return all(isinstance(m, list) and len(m) == 4 and _plain(m[0]) and _plain(m[1])
+                   and TEMPORARY.match(m[0].rpartition("/")[2]) and isinstance(m[3], str)
+                   and isinstance(m[2], (str, type(None))) for m in entry["moves"]) \
+            and all(isinstance(r, list) and len(r) == 2 and _plain(r[0])
+                    and isinstance(r[1], (str, type(None))) for r in entry["remove"])
     return True
+
+
+def _plain(path: object) -> bool:
+    """A path relative to the step's root that stays inside it."""
+    return isinstance(path, str) and not os.path.isabs(path) and ".." not in Path(path).parts
 
 
 def _scratch(facts: dict, marker: str, what: str) -> str | None:
@@ -122,8 +133,21 @@ def write(facts: dict) -> str | None:
     return f"removed {removed} half-written file(s) it left in {root}" if removed else None
 
 
+def rename(facts: dict) -> str | None:
+    """A write's staged files being renamed into place (and an export's dropped patches
+    removed): finished, so the tree is never left half old, half new, where every
+    destination still holds its old or its new content; else left (the write's own step
+    then removes the staged files)."""
+    root = Path(facts["root"])
+    finished = finish_renames(root, facts["moves"], facts["remove"])
+    if finished is None:
+        return None
+    said = f"it was renaming {len(facts['moves'])} written file(s) into place in {root}"
+    return f"{said}: finished" if finished else f"{said}: left as it is (changed since)"
+
+
 HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
-            "publish": resume.finish, "write": write}
+            "publish": resume.finish, "write": write, "rename": rename}
 
 
 def _elsewhere(entry: dict, workdir: str) -> str | None:

@@ -31,7 +31,8 @@ SCENARIO = {"clone": "fresh", "clone.cloned": "fresh", "clone.done": "fresh",
             "check": "check", "check.done": "check"}
 # Points at which the killed run leaves something the next run must finish or remove.
 LEAVES_WORK = {"clone", "clone.cloned", "check", "worktree", "worktree.added", "publish",
-               "publish.switched", "write", "write.staged", "write.done"}  # (write: in a worktree)
+               "publish.switched", "write", "write.staged", "write.done", "rename",
+               "rename.done"}  # (write, rename: in a worktree)
 
 
 def run_tool(project, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -64,7 +65,7 @@ def env(tmp_path) -> dict[str, str]:
 def test_every_point_is_passed_by_one_of_the_scenarios():
     assert set(SCENARIO) | {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done",
                             "publish", "publish.switched", "publish.done", "write",
-                            "write.staged", "write.done"} == set(journal.POINTS)
+                            "write.staged", "write.done", "rename", "rename.done"} == set(journal.POINTS)
 
 
 @pytest.mark.parametrize("point", journal.POINTS)
@@ -167,6 +168,62 @@ def test_a_killed_export_leaves_no_temporary_file_in_the_projects_data(project, 
         f"{NOTE}removed 5 half-written file(s) it left in {root}"]  # a patch, series, 2 overlay, manifest
     assert not (root / ".k3-tmp").exists() and theirs.read_text() == "mine\n"
     assert [p for p in root.rglob("*.k3-tmp")] == [theirs]
+
+
+def _renamed_patch(project, upstream, tmp_path) -> Path:
+    """A published work branch whose patch commit has a new subject (so --export writes
+    0002-model-a-new-subject.patch and removes 0001-model-line-4.patch), the project a
+    clean git checkout."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    (project.root / ".gitignore").write_bytes((ROOT / ".gitignore").read_bytes())
+    g(project.root, "init", "-q")
+    g(project.root, "add", "-A")
+    g(project.root, "commit", "-q", "-m", "the project")
+    patch = g(wd, "commit-tree", "HEAD~1^{tree}", "-p", "HEAD~2", "-m",
+              "model: a new subject\n\nUpstream-Status: Pending\n").strip()
+    tip = g(wd, "commit-tree", "HEAD^{tree}", "-p", patch, "-m", g(wd, "log", "-1", "--format=%B")).strip()
+    g(wd, "reset", "-q", "--hard", tip)
+    return wd
+
+
+@pytest.mark.parametrize("point", ["rename", "rename.done", "write.done"])
+def test_an_export_killed_while_renaming_is_finished_by_the_next_run(project, upstream, tmp_path,
+                                                                     env, point):
+    """An --export killed after its renames, before it removed the patch that left the series
+    (a renamed or landed patch), left patches/ holding a file the series did not list:
+    every run on any checkout refused ("patches not in series") and --export again refused
+    the data as changed, for good. A kill part-way through the renames left the data half
+    old, half new. The renames and removals are one journaled step the next run finishes."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    args = ["-q", "--export", "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
+    again = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+    notes = [line for line in again.stderr.splitlines() if NOTE in line]
+    assert len(notes) == (1 if point == "rename" else 0), again.stderr
+    assert sorted(p.name for p in project.patches_dir.iterdir()) == ["0002-model-a-new-subject.patch",
+                                                                      "series"]
+    assert (project.patches_dir / "series").read_text() == "0002-model-a-new-subject.patch\n"
+    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+                     "--workdir", str(tmp_path / "w2"))
+    assert other.returncode == 0, other.stderr  # another checkout's run reads a whole series
+
+
+def test_an_export_killed_while_renaming_then_edited_is_left_alone(project, upstream, tmp_path, env):
+    """The roll-forward is no stronger than a normal run: a data file the user changed since
+    the kill is never written over; the staged files are removed, nothing else."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    args = ["-q", "--export", "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "rename"}, *args).returncode == -signal.SIGKILL
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n# mine\n")
+    before = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    again = run_tool(project, env, *args)
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: left as it is "
+        f"(changed since); removed 5 half-written file(s) it left in {project.root}"], again.stderr
+    assert again.returncode == 2 and "uncommitted changes" in again.stderr.splitlines()[-1]
+    assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
+    assert not (project.root / ".k3-tmp").exists()
 
 
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
