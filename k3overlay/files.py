@@ -253,10 +253,18 @@ def refuse_one_file_twice(named: list[tuple[Path | None, str]]) -> None:
     ``/dev/stdout`` may be named twice): ``named`` is ``(path or None, option)`` in the
     order they are written or read, and the later write would replace the earlier file
     (a report, or an input the run reads, such as ``--release-wheel``)."""
-    seen: dict[str, tuple[Path, str]] = {}
+    seen: dict[object, tuple[Path, str]] = {}
     for path, option in named:
         if path is None or stream_target(path) is not None:
             continue
+        try:  # one inode under two names realpath cannot join (a hard link, a bind mount, a case)
+            info = os.stat(path)
+            first = seen.setdefault((info.st_dev, info.st_ino), (path, option))
+            if first[1] != option:
+                raise UsageError(f"{option} {path} is the file {first[1]} {first[0]} names; "
+                                 f"give each its own")
+        except OSError:
+            pass
         first = seen.setdefault(os.path.realpath(path), (path, option))
         if first[1] != option:
             raise UsageError(f"{option} {path} is the file {first[1]} {first[0]} names; give each "

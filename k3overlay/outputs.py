@@ -3,8 +3,9 @@
 A report or a wheel folder named inside an input would destroy it or dirty it: ``--json``
 over the ``--vllm-repo`` bundle replaced the bundle, ``--json work/vllm/r.json`` left an
 untracked file in the checkout, refused as dirty by every later run. Paths are compared
-as the file system resolves them (links and ``..`` followed); a stream (``/dev/stdout``)
-is no path and may take any report.
+as the file system resolves them (links and ``..`` followed), then by inode (a hard link,
+a bind mount, a name in another case on a case-insensitive file system); a stream
+(``/dev/stdout``) is no path and may take any report.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def refuse_aliases(outputs: Named, inputs: Named) -> None:
         for source, source_option in inputs:
             if source is None:
                 continue
-            if real == _real(source):
+            if same(real, source):
                 raise UsageError(f"{option} {path} is {source_option} {source}, which this run "
                                  f"reads; refusing to write over it")
-            if _real(source) in real.parents:
+            if inside(real, source):
                 raise UsageError(f"{option} {path} is inside {source_option} {source}, which this "
                                  f"run reads; give a path outside it")
         first = seen.setdefault(real, (path, option))
@@ -43,3 +44,31 @@ def refuse_aliases(outputs: Named, inputs: Named) -> None:
 
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what ``path`` names (links followed), None if nothing is there."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def same(path: Path, other: Path) -> bool:
+    """Whether ``path`` and ``other`` name one file or folder: one path once links and
+    ``..`` are resolved, or one inode under two names resolving cannot join (a hard link,
+    a bind mount, another case of the name on a case-insensitive file system)."""
+    if _real(path) == _real(other):
+        return True
+    mine = _identity(path)
+    return mine is not None and mine == _identity(other)
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` lies inside ``folder`` (``same`` applied to each folder above it)."""
+    real, top = _real(path), _real(folder)
+    if top in real.parents:
+        return True
+    mine = _identity(top)
+    return mine is not None and any(_identity(above) == mine for above in real.parents)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .files import read_regular
+from .outputs import inside, same
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,10 +93,10 @@ class Project:
         for data in self.data_paths:
             data = data.resolve()
             what = f"{data.name}/" if data.is_dir() else data.name
-            if target == data:
+            if same(target, data):
                 raise UsageError(f"{option} {path} is this repository's {what}; refusing to "
                                  f"write over it")
-            if data in target.parents:
+            if inside(target, data):
                 raise UsageError(f"{option} {path} is inside this repository's {what}; "
                                  f"refusing to write there")
         gitdirs = [p for p in (target, *target.parents) if p.name.casefold() == ".git"]
@@ -107,7 +108,7 @@ class Project:
             raise UsageError(f"{option} {path} is inside the git repository {repos[-1]} (a bare "
                              f"or separate git folder); refusing to write there")
         cache = _cache_or_none()
-        if cache is not None and (target == cache or cache in target.parents):
+        if cache is not None and (same(target, cache) or inside(target, cache)):
             raise UsageError(f"{option} {path} is inside the tool's cache {cache}; refusing to "
                              f"write there (its locks, journals and downloads would be replaced: "
                              f"a lock replaced lets two runs at once)")

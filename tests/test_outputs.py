@@ -6,6 +6,7 @@ are resolved first.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,69 @@ def test_the_rebase_job_refuses_an_output_over_an_input(project, sources, tmp_pa
     err = capsys.readouterr().err
     assert code == errors.USAGE and said in err and err.count("\n") == 1, err
     assert _files(tmp_path) == before
+
+
+@pytest.fixture
+def bind(tmp_path):
+    """``bind(src, dest)``: ``src`` mounted again at ``dest`` (one folder, two paths realpath
+    cannot join, as a name in another case is on a case-insensitive file system); skipped
+    where mounting is not permitted. Unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(src: Path, dest: Path) -> None:
+        dest.mkdir()
+        if subprocess.run(["mount", "--bind", str(src), str(dest)], capture_output=True).returncode:
+            pytest.skip("bind mounts are not permitted here")
+        mounted.append(dest)
+
+    yield mount
+    for dest in reversed(mounted):
+        subprocess.run(["umount", str(dest)], check=False)
+
+
+ALIASES = {
+    # one inode, two names: os.path.realpath resolves links and .., not these
+    "json hard-linked to the bundle": ("hard", "{tmp}/vllm.bundle", "{tmp}/also.bundle",
+                                       ["--json", "{tmp}/also.bundle"], "is --vllm-repo"),
+    "json hard-linked to overlay.json": ("hard", "{root}/overlay.json", "{tmp}/m.json",
+                                         ["--json", "{tmp}/m.json"], "is this repository's overlay.json"),
+    "json into the workdir through a bind mount": ("bind", "{tmp}/wd", "{tmp}/alias",
+                                                   ["--json", "{tmp}/alias/r.json"], "is inside --workdir"),
+    "json into patches/ through a bind mount": ("bind", "{root}/patches", "{tmp}/alias",
+                                                ["--json", "{tmp}/alias/r.json"],
+                                                "is inside this repository's patches/"),
+    "json into the cache through a bind mount": ("bind", "{tmp}/cache", "{tmp}/alias",
+                                                 ["--json", "{tmp}/alias/vllm-k3-overlay/locks/x.lock"],
+                                                 "inside the tool's cache"),
+    "json and the release wheel one file by a hard link": (
+        "hard", "{tmp}/vllm.whl", "{tmp}/r.json",
+        ["--build-wheel", "--release-wheel", "{tmp}/vllm.whl", "--json", "{tmp}/r.json"],
+        "is the file --release-wheel"),
+}
+
+
+@pytest.mark.parametrize("case", ALIASES)
+def test_an_output_aliasing_an_input_by_inode_is_refused(project, sources, tmp_path, monkeypatch,
+                                                         capsys, bind, case):
+    """A hard link, a bind mount (and so a name in another case on a case-insensitive file
+    system, macOS's default) reach an input under a path realpath never joins to it: the
+    report used to be written there (into the checkout, patches/, over the bundle's other
+    name)."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    how, src, dest, args, said = ALIASES[case]
+    fill = {"tmp": tmp_path, "root": project.root, "bundle": sources["bundle"]}
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (tmp_path / "cache" / "vllm-k3-overlay" / "locks").mkdir(parents=True)  # an earlier run's
+    (tmp_path / "vllm.whl").write_bytes(b"PK\x05\x06" + bytes(18))
+    src, dest = Path(src.format(**fill)), Path(dest.format(**fill))
+    if how == "hard":
+        os.link(src, dest)
+    else:
+        bind(src, dest)
+    before = _files(tmp_path)
+    code = cli.main(["--vllm-repo", str(sources["bundle"]), "--workdir", str(wd),
+                     *[a.format(**fill) for a in args]])
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and said in err and err.count("\n") == 1, err
+    assert _files(tmp_path) == before and os.listdir(wd) == []
