@@ -149,14 +149,17 @@ def _digest(root: Path, rel: str) -> str | None:
 
 
 def finish_renames(root: Path, moves: list, remove: list) -> bool | None:
-    """Finish a killed ``rename`` step (``write_all_in_tree``): rename each staged file still
-    there into place, then remove what it was to remove. Only where a normal run would
-    write: every destination still holds its old or its new content, every file to remove
-    its old one (or nothing). True if finished, False if left as it is (changed since),
-    None if there was nothing left to do."""
+    """Finish a killed ``rename`` step (``write_all_in_tree``) that had begun renaming: rename
+    each staged file still there into place, then remove what it was to remove. One that
+    had renamed nothing yet is left to ``recovery.write`` (its staged files removed: the
+    tree is as it was). Only where a normal run would write: every destination still holds
+    its old or its new content, every file to remove its old one (or nothing). True if
+    finished, False if left as it is (changed since), None if there was nothing to finish."""
     left = [(temp, dest) for temp, dest, _old, new in moves if _digest(root, temp) == new]
     doomed = [rel for rel, _old in remove if _digest(root, rel) is not None]
-    if not left and not doomed:
+    begun = any(_digest(root, dest) == new != old for _temp, dest, old, new in moves) \
+        or any(old is not None and _digest(root, rel) is None for rel, old in remove)
+    if not begun or (not left and not doomed):
         return None
     if any(_digest(root, dest) not in (old, new) for _temp, dest, old, new in moves) \
             or any(_digest(root, rel) not in (old, None) for rel, old in remove):

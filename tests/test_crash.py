@@ -187,40 +187,77 @@ def _renamed_patch(project, upstream, tmp_path) -> Path:
     return wd
 
 
-@pytest.mark.parametrize("point", ["rename", "rename.done", "write.done"])
-def test_an_export_killed_while_renaming_is_finished_by_the_next_run(project, upstream, tmp_path,
-                                                                     env, point):
+NEW_SERIES = ["0002-model-a-new-subject.patch", "series"]
+
+
+def _whole(project, upstream, env, tmp_path, names: list[str]) -> None:
+    """patches/ holds ``names``, its series lists exactly its patches, and a run on another
+    checkout reads it."""
+    assert sorted(p.name for p in project.patches_dir.iterdir()) == names
+    assert (project.patches_dir / "series").read_text() == "".join(f"{n}\n" for n in names[:-1])
+    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+                     "--workdir", str(tmp_path / "w2"))
+    assert other.returncode == 0, other.stderr
+
+
+def _rename_by_hand(project, name: str) -> None:
+    """What a run killed after its first rename leaves: one staged file already in place."""
+    staged = next(p for p in (project.root / ".k3-tmp").rglob("*.k3-tmp") if f".{name}." in p.name)
+    staged.rename(project.patches_dir / name)
+
+
+@pytest.mark.parametrize("point", ["rename.done", "write.done"])
+def test_an_export_killed_after_its_renames_leaves_no_patch_the_series_does_not_list(
+        project, upstream, tmp_path, env, point):
     """An --export killed after its renames, before it removed the patch that left the series
     (a renamed or landed patch), left patches/ holding a file the series did not list:
     every run on any checkout refused ("patches not in series") and --export again refused
-    the data as changed, for good. A kill part-way through the renames left the data half
-    old, half new. The renames and removals are one journaled step the next run finishes."""
+    the data as changed, for good. The removals are now part of the renames' step."""
     wd = _renamed_patch(project, upstream, tmp_path)
     args = ["-q", "--export", "--workdir", str(wd)]
     assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
-    again = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
-    notes = [line for line in again.stderr.splitlines() if NOTE in line]
-    assert len(notes) == (1 if point == "rename" else 0), again.stderr
-    assert sorted(p.name for p in project.patches_dir.iterdir()) == ["0002-model-a-new-subject.patch",
-                                                                      "series"]
-    assert (project.patches_dir / "series").read_text() == "0002-model-a-new-subject.patch\n"
-    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
-                     "--workdir", str(tmp_path / "w2"))
-    assert other.returncode == 0, other.stderr  # another checkout's run reads a whole series
+    _whole(project, upstream, env, tmp_path, NEW_SERIES)
 
 
-def test_an_export_killed_while_renaming_then_edited_is_left_alone(project, upstream, tmp_path, env):
-    """The roll-forward is no stronger than a normal run: a data file the user changed since
-    the kill is never written over; the staged files are removed, nothing else."""
+def test_an_export_killed_part_way_through_its_renames_is_finished_by_the_next_run(
+        project, upstream, tmp_path, env):
+    """Killed after renaming the series into place and before the rest: patches/ was half
+    old, half new (a series naming a patch file not there), and the recovery only removed
+    the staged rest. The next run on that workdir now finishes the renames."""
     wd = _renamed_patch(project, upstream, tmp_path)
     args = ["-q", "--export", "--workdir", str(wd)]
     assert run_tool(project, {**env, journal.KILL_AT: "rename"}, *args).returncode == -signal.SIGKILL
+    _rename_by_hand(project, "series")
+    again = run_tool(project, env, *args)  # (the export is left for the user to commit)
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: finished"], again.stderr
+    _whole(project, upstream, env, tmp_path, NEW_SERIES)
+
+
+def test_an_export_killed_before_its_first_rename_is_undone(project, upstream, tmp_path, env):
+    """Nothing renamed yet: the staged files go and the data is as it was (the least change)."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    args = ["-q", "--export", "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "rename"}, *args).returncode == -signal.SIGKILL
+    again = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}removed 5 half-written file(s) it left in {project.root}"], again.stderr
+    _whole(project, upstream, env, tmp_path, ["0001-model-line-4.patch", "series"])
+
+
+def test_an_export_killed_part_way_then_edited_is_left_alone(project, upstream, tmp_path, env):
+    """The roll-forward is no stronger than a normal run: a data file the user changed since
+    the kill is never written over; only the staged files are removed."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    args = ["-q", "--export", "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "rename"}, *args).returncode == -signal.SIGKILL
+    _rename_by_hand(project, "0002-model-a-new-subject.patch")
     (project.patches_dir / "series").write_text("0001-model-line-4.patch\n# mine\n")
     before = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
     again = run_tool(project, env, *args)
     assert [line for line in again.stderr.splitlines() if NOTE in line] == [
         f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: left as it is "
-        f"(changed since); removed 5 half-written file(s) it left in {project.root}"], again.stderr
+        f"(changed since); removed 4 half-written file(s) it left in {project.root}"], again.stderr
     assert again.returncode == 2 and "uncommitted changes" in again.stderr.splitlines()[-1]
     assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
     assert not (project.root / ".k3-tmp").exists()
