@@ -24,7 +24,8 @@ from . import series as series_mod
 from .errors import UsageError
 from .files import STAGING, write_all_in_tree
 from .interrupts import deferred
-from .job import BASE_KEY, locked, record, verify_change
+from .job import BASE_KEY, locked, record, aside, verify_change
+from .lock import workdir_lock
 from .project import COMMITTER, Project
 from .safety import refuse_git_locks
 
@@ -48,9 +49,11 @@ def export(project: Project, workdir: Path) -> ExportResult:
     rather than ours, or was laid over upstream's changes with
     ``--allow-drift``; the branch fails verification; or this repository has
     uncommitted changes in the files export rewrites. The writing itself is
-    not cut short by Ctrl-C, and holds the checkout's lock like apply does.
+    not cut short by Ctrl-C, and holds the checkout's lock like apply does, and this
+    repository's: two exports at once (from two checkouts) wait for each other, never
+    interleave their files.
     """
-    with locked(workdir):
+    with locked(workdir), workdir_lock(project.root, say=aside):
         return _export(project, workdir)
 
 

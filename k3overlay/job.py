@@ -82,17 +82,19 @@ def work_branch(project: Project, opts: Options) -> str:
     return branch
 
 
+def aside(text: str) -> None:
+    """Print a line aside, even with -q: a run that waits must say why, a recovery what it did."""
+    progress.console.print(f"[dim]…[/dim] {escape(text)}")
+
+
 @contextlib.contextmanager
 def locked(workdir: Path, *, check: bool = False) -> Iterator[None]:
     """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it; first finish
     or undo what a killed run left (``journal``; with ``check``, only say what is left: a
     --check writes nothing), then record this run's steps."""
-    def say(text: str) -> None:  # (said even with -q: a run that waits must say why)
-        progress.console.print(f"[dim]…[/dim] {escape(text)}")
-
-    with workdir_lock(workdir, say=say):
+    with workdir_lock(workdir, say=aside):
         with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), workdir,
-                               lambda unfinished: recovery.recover(unfinished, say, act=not check)):
+                               lambda unfinished: recovery.recover(unfinished, aside, act=not check)):
             yield
 
 

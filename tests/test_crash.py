@@ -263,6 +263,46 @@ def test_an_export_killed_part_way_then_edited_is_left_alone(project, upstream, 
     assert not (project.root / ".k3-tmp").exists()
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_two_exports_at_once_into_one_project_wait_for_each_other(project, upstream, tmp_path, env):
+    """Two exports from two checkouts into one project took only their checkouts' locks:
+    one stopped between staging and renaming while the other exported a renamed patch
+    wrote its series and 0002 over the other's, or the other way round: patches/ ended
+    with a file its series did not list, or with whichever came last. The project's own
+    lock makes the second wait, saying so."""
+    renamed = _renamed_patch(project, upstream, tmp_path)
+    first = tmp_path / "wd1"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=first)).ok
+    start = [sys.executable, "-c", RUNNER, str(project.root), "-q", "--export", "--workdir"]
+    one = subprocess.Popen([*start, str(first)], cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                           env={**env, journal.KILL_AT: "write.staged",
+                                journal.KILL_AT + "_SIGNAL": "SIGSTOP"})
+    try:
+        deadline = time.monotonic() + 60
+        while not _stopped(one.pid):
+            assert one.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        two = subprocess.Popen([*start, str(renamed)], cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                               env=env)
+        try:
+            two.wait(timeout=15)  # it waits for the first, which is stopped
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        os.kill(one.pid, signal.SIGCONT)
+    assert one.wait(timeout=120) == 0
+    two.wait(timeout=120)
+    said = two.stderr.read()
+    assert f"waiting for apply.py (pid {one.pid}) to finish with {project.root}" in said, said
+    # then, as after any export, it finds the first one's result uncommitted and says so
+    assert two.returncode == 2 and "have uncommitted changes" in said.splitlines()[-1], said
+    _whole(project, upstream, env, tmp_path, ["0001-model-line-4.patch", "series"])
+
+
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
     wd = tmp_path / "wd"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
