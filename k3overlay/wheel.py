@@ -53,6 +53,7 @@ from .lock import owned_scratch
 from .mirror import release_of
 from .progress import ByteBar, step
 from .project import Project
+from .redact import redact
 from .report import Report
 from .series import load as load_series
 
@@ -532,7 +533,10 @@ def _vllm_build(repo: git.Repo, result_sha: str, p: Plan, tmp: Path) -> Path:
     if code != 0 or len(built) != 1:
         kept = tmp.parent / "vllm-build.log"  # the wheel folder: tmp goes away
         try:
-            write_in_tree(tmp.parent, kept.name, log.read_bytes())  # never through a link there
+            # never through a link there, and with no secret a build step printed (a URL's
+            # password in a fetch's error line): the log is an output like any report
+            text = redact(log.read_bytes().decode("utf-8", "surrogateescape"))
+            write_in_tree(tmp.parent, kept.name, text.encode("utf-8", "surrogateescape"))
             where = f"log: {kept}"
         except UsageError as err:
             where = f"log not kept: {err}"

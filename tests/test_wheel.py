@@ -696,3 +696,29 @@ def test_two_targets_of_one_release_keep_their_own_wheels(tmp_path, vupstream, f
             assert wheel["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
             assert wheel["size"] == path.stat().st_size
         assert len({w["sha256"] for w in built[:2]}) == 2  # two trees: two wheels, both kept
+
+
+def test_the_kept_build_log_holds_no_secret(setup, tmp_path, monkeypatch):
+    """vllm-build.log, kept in the wheel folder when vLLM's build fails, is an output like any
+    report; it was written raw, so a password a build step printed (a fetch's error line
+    quoting its URL) reached the file while the error line above it was masked."""
+    wheel_dir = tmp_path / "wheels"
+    wheel_dir.mkdir()
+    monkeypatch.setattr("k3overlay.wheel.torch_in", lambda python: ("2.13.0+cu130", "13.0"))
+    url = "https://builder:S3cr3t/pw+x@git.example.com/deps.git"
+
+    real = subprocess.run
+
+    def build(command, **kwargs):  # pip wheel fails quoting a URL with a password
+        if command[1:4] != ["-m", "pip", "wheel"]:
+            return real(command, **kwargs)
+        kwargs["stdout"].write(f"fatal: unable to access '{url}/': Could not resolve host\n")
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr("k3overlay.wheel.subprocess.run", build)
+    with pytest.raises(errors.BuildError) as err:
+        build_in(setup, wheel_dir, method=VLLM)
+    log = (wheel_dir / "vllm-build.log").read_text()
+    assert "Could not resolve host" in log and "https://***@git.example.com/deps.git" in log, log
+    assert "S3cr3t" not in log and "pw+x" not in log
+    assert "vllm-build.log" in str(err.value)  # (its message is masked where it is printed)
