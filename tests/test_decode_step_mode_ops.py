@@ -134,3 +134,20 @@ def test_a_breakable_mode_cuts_the_step_into_one_graph_per_segment(mode, graphs)
     assert flat == [(op.name, c) for c in range(2) for op in ops if not mode_ops.is_break(op)]
     if graphs == 3:  # copy 0's tail and copy 1's head share a graph, as consecutive layers do
         assert segs[1][0] == (ops[4], 0) and segs[1][-1] == (ops[2], 1)
+
+
+def test_the_plot_attributes_stock_time_to_the_patched_ops_that_cover_it() -> None:
+    from k3lab.decode_step import plot
+
+    def rec(variant, op, us, covers):
+        return {"layer": "kda", "M": 8, "variant": variant, "op": op, "us": us, "roof_us": 1.0, "covers": covers}
+
+    doc = {"per_op": [
+        rec("stock", "router_gate", 4.0, ["router_gate"]),
+        rec("stock", "shared experts", 18.0, ["shared_gate_up", "situ_and_mul", "shared_down"]),
+        rec("patched", "router_gate+routed_down+shared_gate_up", 20.0, ["router_gate", "routed_down", "shared_gate_up"]),
+        rec("patched", "shared experts", 9.0, ["situ_and_mul", "shared_down"]),
+    ]}  # fmt: skip
+    rows = plot.per_op_rows(doc, "kda", 8)
+    assert [r[0] for r in rows] == ["router_gate+routed_down+shared_gate_up", "shared experts"]
+    assert rows[0][2] == 4.0 + 6.0 and rows[1][2] == 12.0  # a third of the fork to the stack
