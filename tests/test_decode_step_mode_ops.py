@@ -151,3 +151,34 @@ def test_the_plot_attributes_stock_time_to_the_patched_ops_that_cover_it() -> No
     rows = plot.per_op_rows(doc, "kda", 8)
     assert [r[0] for r in rows] == ["router_gate+routed_down+shared_gate_up", "shared experts"]
     assert rows[0][2] == 4.0 + 6.0 and rows[1][2] == 12.0  # a third of the fork to the stack
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+def test_the_small_ops_are_the_modes_c_kernels_or_native_torch(mode) -> None:
+    # Breakable capture (compile mode NONE): vLLM's _C kernels (stand-ins); full capture
+    # (Inductor): the norms as eager PyTorch ops and SITU-and-mul torch.compile'd.
+    calls = []
+
+    class Stock:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append(name) or (_Any(), _Any())
+
+    class Norm(_Any):
+        def rms_norm(self, *a, **k):
+            calls.append("norm.rms_norm")
+            return _Any()
+
+        def add_rms_norm(self, *a, **k):
+            calls.append("norm.rms_norm")
+            return _Any(), _Any()
+
+    kn = layers.Kernels(*([_Any()] * 2), Norm(), *([_Any()] * 4), Stock(), _Any())
+    br = modes.branches(mode, "mtp")
+    by = {op.name: op for op in mode_ops.leaves(mode_ops.stock_ops(kn, "mtp", br))}
+    st = {k: _Any() for k in ("h0", "o_out", "moe_out", "r1", "gu")}
+    for name in ("input_layernorm", "post_attention_layernorm", "shared_head.norm", "situ_and_mul"):
+        by[name].run(st, {k: _Any() for k in ("in_norm", "post_norm", "head_norm")})
+    if br["small_ops"] == "native":
+        assert calls == ["native_rms_norm", "native_add_rms_norm", "native_add_rms_norm", "compiled_situ_and_mul"]
+    else:
+        assert calls == ["norm.rms_norm"] * 3 + ["situ_and_mul"]

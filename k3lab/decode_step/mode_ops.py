@@ -102,6 +102,8 @@ def fork(name: str, stream: str, main: list[Op], aux: list[Op], where: str) -> O
 def _stock_moe(kn, src: str, br: dict) -> list[Op]:
     """v0.28.0's FusedMoE branch at decode (model.py:789-826, the runner, tier-1 tail)."""
     base = {op.name: op for op in layers._moe_stock(kn, src)}
+    if br["small_ops"] == "native":
+        base = _native(kn, base)
 
     def gate(st, w):
         st["logits"] = kn.gate_ll_bf16(st[src], w["gate"])
@@ -142,10 +144,35 @@ def _mla_stock(base: dict, br: dict, core_break: bool) -> list[Op]:
     return [fork("attention front end || g_proj", "mla_aux", front, [g], "nvidia/mla.py:534-550"), *back]
 
 
+def _native(kn, base: dict[str, Op]) -> dict[str, Op]:
+    """``small_ops=native``: the norms as eager PyTorch ops and SITU-and-mul compiled by
+    Inductor, as v0.28.0 runs them when it compiles (:mod:`k3lab.decode_step.stock`)."""
+    s = kn.stock
+
+    def in_norm(st, w):
+        st["hn"] = s.native_rms_norm(st["h0"], w["in_norm"], EPS)
+
+    def post_norm(st, w):
+        st["hn2"], st["r1"] = s.native_add_rms_norm(st["o_out"], st["h0"], w["post_norm"], EPS)
+
+    def head_norm(st, w):
+        st["logits_h"], st["r2"] = s.native_add_rms_norm(st["moe_out"], st["r1"], w["head_norm"], EPS)
+
+    def situ(st, w):
+        st["act"] = s.compiled_situ_and_mul(st["gu"], layers.SITU_BETA)
+
+    eager = "eager PyTorch ops of ir.ops' native implementation (one kernel each)"
+    swaps = {"input_layernorm": (in_norm, eager), "post_attention_layernorm": (post_norm, eager),
+             "shared_head.norm": (head_norm, eager), "situ_and_mul": (situ, "torch.compile'd SituAndMul (Inductor)")}
+    return {n: op._replace(run=swaps[n][0], runs=swaps[n][1]) if n in swaps else op for n, op in base.items()}
+
+
 def stock_ops(kn, layer: str, br: dict) -> list[Op]:
     """v0.28.0's ops of ``layer`` in a mode whose branches are ``br`` (:func:`modes.branches`)."""
     _replayable(br)
     base = {op.name: op for op in layers.LAYERS[layer](kn)[0]}
+    if br["small_ops"] == "native":
+        base = _native(kn, base)
     brk = br["capture"] == "breakable"
     if layer == "kda":
         attn = [base["attn_res (pre-attn)"], base["in_proj_qkvgfab"], base["f_b_proj"],
@@ -182,7 +209,11 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
     def situ(st, w):
         out = pk.fused.try_act_mul(st["gu"], situ_beta=layers.SITU_BETA)
         patched._via(st, "situ_and_mul", out is not None)
-        st["act"] = out if out is not None else kn.stock.situ_and_mul(st["gu"].contiguous(), layers.SITU_BETA)
+        if out is None:  # fused_decode.act_and_mul: the stock kernel gets packed rows
+            st["gu"] = st["gu"].contiguous()
+            stock["situ_and_mul"].run(st, w)
+        else:
+            st["act"] = out
 
     def tail(st, w):  # i27-wiring's moe_tail: up_proj with the reduced shared output in its epilogue
         out = pk.llg.try_low_latency_gemm(st["lat_n"], w["up"], residual=st["shared"]) if on_tail else None
@@ -243,6 +274,11 @@ def patched_ops(pk, kn, layer: str, br: dict) -> list[Op]:
                 stock["attn_res (post-attn)"]]  # fmt: skip
     else:
         by = {op.name: op for op in patched.mtp_ops(pk, kn)}
+        # the norms' fallbacks: this mode's stock norms (c_kernels or native)
+        by.update((a[0], patched._norm(pk, kn, *a, stock)) for a in (
+            ("input_layernorm", "h0", "hn", "in_norm", None, None),
+            ("post_attention_layernorm", "o_out", "hn2", "post_norm", "h0", "r1"),
+            ("shared_head.norm", "moe_out", "logits_h", "head_norm", "r1", "r2")))  # fmt: skip
         attn = [by["fused_mtp_input"], by["eh_proj"], by["input_layernorm"],
                 *_patched_mla(pk, kn, "hn", stock, br, brk), by["post_attention_layernorm"]]  # fmt: skip
     tail = [by["shared_head.norm"]] if layer == "mtp" else []
