@@ -95,6 +95,7 @@ def test_patched_covers_every_stock_op_once_in_stock_order(mode, layer, paths) -
     assert "shared experts (runner, aux stream)" in names
     stacked = "router_gate+routed_down+shared_gate_up" in names
     assert stacked == (paths is not None and "moe_front" in paths)
+    assert ("routed_expert_norm+routed_up+shared_add" in names) == (paths is not None and "moe_tail" in paths)
     assert ("router_gate || routed_down" in names) == (not stacked and br["gate_down"] == "fork")
 
 

@@ -24,9 +24,11 @@ Patched, on the FusedMoE branch: patch 0007's stacked gate and 0005's ``routed_o
 not fire there (``fused_decode._moe_input_params`` answers None off MegaMoE; the runner's
 tail calls ``torch.mm`` itself); the shared experts take the GEMM dispatch and ``try_act_mul``;
 GateLinear's tier 1 is untouched by the series. Where the tree has the FusedMoE branch's own
-entries (i27-wiring, ``low_latency_fused_dispatch.path_enabled``), the front (gate +
-``routed_down`` + shared ``gate_up`` as one GEMM) and the tail (``up_proj`` with the shared
-output in its epilogue) take them when the switch says so for this branch and capture.
+entries (i27-wiring: patches 0008, 0009, ``low_latency_fused_dispatch.path_enabled``), the
+front (gate + ``routed_down`` + shared ``gate_up`` as one GEMM, ``try_gate_gemm``; the runner's
+shared experts then run only act-and-mul and ``down_proj``) and the tail (the latent's plain
+all-reduce, then its RMSNorm in ``up_proj``'s prologue and the shared output in its epilogue:
+``try_rmsnorm_gemm(add_to=)``) take them where the switch says so for this branch and capture.
 
 The MegaMoE branch (SM100 modes) is data only here: :class:`NotReplayable`.
 """
@@ -215,14 +217,17 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
         else:
             st["act"] = out
 
-    def tail(st, w):  # i27-wiring's moe_tail: up_proj with the reduced shared output in its epilogue
-        out = pk.llg.try_low_latency_gemm(st["lat_n"], w["up"], residual=st["shared"]) if on_tail else None
-        patched._via(st, "moe_tail", out is not None)
-        if out is None:
-            stock["routed_up"].run(st, w)
-            stock["shared_add"].run(st, w)
+    def tail(st, w):
+        # i27-wiring's moe_tail (patch 0009): the latent's plain all-reduce (left out), then one
+        # launch: its RMSNorm in the prologue of up_proj, the reduced shared output added in
+        # the epilogue; else v0.28.0's tier 1 (AR+norm, torch.mm, add_).
+        fused = pk.fused.try_rmsnorm_gemm(st["lat_out"], w["lat_norm"], EPS, w["up"], add_to=st["shared"])
+        patched._via(st, "moe_tail", fused is not None)
+        if fused is None:
+            for name in ("routed_expert_norm", "routed_up", "shared_add"):
+                stock[name].run(st, w)
         else:
-            st["moe_out"] = out
+            st["moe_out"] = fused[0]
 
     stock_moe = {
         "router_gate": stock["router_gate"],
@@ -231,7 +236,6 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
     }
     act = Op("situ_and_mul", "", situ, "try_act_mul (0005), else stock", covers=("situ_and_mul",))
     sdown = patched._proj(pk, "shared_down", "act", "shared", "sdown")
-    on_tail = _path_on(pk, "moe_tail")
     if _path_on(pk, "moe_front"):
         head = [Op("router_gate+routed_down+shared_gate_up", "", front, "moe_front: try_gate_gemm, else stock",
                    covers=("router_gate", "routed_down", "shared_gate_up"))]  # fmt: skip
@@ -241,13 +245,13 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
         head = pair if br["gate_down"] == "in_line" else [
             fork("router_gate || routed_down", "moe_aux", pair[:1], pair[1:], "")]
         shared = [stock_moe["shared_gate_up"], act, sdown]
-    return [
-        *head,
-        fork("shared experts (runner, aux stream)", "moe_aux", [], shared, ""),
-        stock["routed_expert_norm"],
-        Op("routed_up+shared_add", "", tail, "moe_tail: try_low_latency_gemm(residual), else stock",
-           covers=("routed_up", "shared_add")),
-    ]  # fmt: skip
+    if _path_on(pk, "moe_tail"):
+        end = [Op("routed_expert_norm+routed_up+shared_add", "", tail,
+                  "moe_tail: try_rmsnorm_gemm(norm prologue, add_to=shared), else stock",
+                  covers=("routed_expert_norm", "routed_up", "shared_add"))]  # fmt: skip
+    else:
+        end = [stock["routed_expert_norm"], stock["routed_up"], stock["shared_add"]]
+    return [*head, fork("shared experts (runner, aux stream)", "moe_aux", [], shared, ""), *end]
 
 
 def _patched_mla(pk, kn, src: str, stock: dict, br: dict, core_break: bool) -> list[Op]:
