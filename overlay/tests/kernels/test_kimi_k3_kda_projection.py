@@ -265,6 +265,39 @@ def test_sm90_uses_the_table_and_its_measured_set(monkeypatch, warmups) -> None:
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
+def test_breakable_capture_keeps_the_overlap_off_and_says_so(monkeypatch, warmups) -> None:
+    """v0.28.0's default for Kimi-K3 (breakable CUDA graphs: one stream): nothing of the
+    two-stream path is set up, not even where this GPU measured it, and the log says so
+    once; the packed GEMM and f_b keep their own (planned) linear methods."""
+    pin_capability(monkeypatch, SM90)
+    pin_tokens(monkeypatch, SM90, {5, 6})
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    asked: list = []
+    monkeypatch.setattr(kp, "_kda_qkvg_flashinfer_backend", lambda: asked.append(1) or "cute-dsl")
+    lines: list = []
+    monkeypatch.setattr(kp.logger, "info", lambda msg, *args: lines.append(msg % args))
+    model = _model()
+    model.layers.append(FakeKDA())
+    streams = [layer.aux_stream for layer in model.layers[::2]]
+    assert kp.autotune_kda_qkvg(model) == 2
+    for layer, stream in zip(model.layers[::2], streams):
+        assert (layer.kda_overlap_tokens, layer.kda_qkvg_backend) == (frozenset(), None)
+        assert layer.aux_stream is stream
+    assert warmups == [] and asked == [], "nothing to warm or tune for a path that never runs"
+    assert len(lines) == 1 and "breakable" in lines[0]
+
+
+def test_the_sm90_gemm_table_plans_both_packed_kda_projections() -> None:
+    """What serves the KDA projections under breakable capture: the table's rows for the
+    packed in_proj and for f_b (on the strided F_A slice), so the planned methods
+    ``enable_kimi_k3_low_latency_gemm`` installs run our kernels there."""
+    table = llg.TABLES_BY_CAPABILITY[SM90]
+    packed, f_b = table[PACKED], table[F_B]
+    assert {m for m, _ in packed.winners} == set(range(1, 17))
+    assert len(f_b.winners) >= 12
+
+
+@pytest.mark.usefixtures("cpu_fast_path")
 @pytest.mark.parametrize(
     "tokens,high,moved",
     [({5}, True, True), ({5}, False, False), (set(), True, False)],
@@ -558,6 +591,19 @@ def test_patched_forward_keeps_prefill_and_eager_on_the_packed_gemm(monkeypatch,
     monkeypatch.setattr(kda, "run_kda_projection_overlap", pytest.fail)
     layer, fed = _fake_kda(tokens=[2])
     _forward(layer, torch.randn(num_tokens, K_SMALL).to(BF16))
+    assert (layer.in_proj_qkvgfab.calls, layer.f_b_proj.calls) == (1, 1)
+    assert len(fed) == 1
+
+
+@needs_patch_0003
+def test_patched_forward_under_breakable_capture_runs_the_packed_layers(monkeypatch) -> None:
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(BreakableCUDAGraphCapture, "is_active", classmethod(lambda cls: True))
+    monkeypatch.setattr(kda, "run_kda_projection_overlap", pytest.fail)
+    layer, fed = _fake_kda(tokens=[2])
+    _forward(layer, torch.randn(2, K_SMALL).to(BF16))
     assert (layer.in_proj_qkvgfab.calls, layer.f_b_proj.calls) == (1, 1)
     assert len(fed) == 1
 

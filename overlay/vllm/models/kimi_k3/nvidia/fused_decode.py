@@ -25,9 +25,15 @@ function                 stock line it wraps                           fused op
 
 Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
 ``KimiMoE``'s router gate, ``routed_expert_down_proj`` and the shared experts'
-``gate_up_proj``, three GEMMs of one input, by one (MegaMoE branch). It needs the three
-weights as row views of one tensor: the patch's model-level post-load hook calls
+``gate_up_proj``, three GEMMs of one input, by one. It needs the three weights as row
+views of one tensor: the patch's model-level post-load hook calls
 :func:`stack_moe_input_weights` once, after every quant method has finalized its layer.
+On the FusedMoE branch (the H200's) the runner calls the shared experts itself: patch
+0008 leaves their ``gate_up`` for that call (:func:`hand_shared_gate_up`,
+:func:`take_shared_gate_up`), and patch 0009 replaces ``LatentMoERunner``'s small-M
+tail by :func:`latent_moe_tail` (op ``rmsnorm_gemm`` with the shared output added in
+its epilogue). Both MoE paths run only in the deployment modes (MoE branch, capture
+mode) they were measured in (``low_latency_fused_dispatch.path_enabled``).
 
 A module is taken only when it is exactly the vLLM class the model builds
 (``type(...) is``, as the GEMM dispatch does for methods: a subclass may compute
@@ -48,6 +54,8 @@ from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
+    path_enabled,
+    rmsnorm_gemm_routes,
     routes_any,
     try_act_mul,
     try_gate_gemm,
@@ -209,17 +217,23 @@ def _is_view_of(param: torch.Tensor, weight: torch.Tensor, row: int) -> bool:
     return param.data_ptr() == weight[row].data_ptr() and param.stride() == weight.stride()
 
 
-def _moe_input_params(moe: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter] | None:
-    """(gate, routed_down, shared gate_up) weights of a MegaMoE-branch ``KimiMoE`` whose
-    three projections can be one GEMM of :func:`moe_input_projections`, else None.
+def _branch(moe: nn.Module) -> str:
+    """The MoE branch v0.28.0's ``KimiMoE`` takes (``use_mega_moe``)."""
+    return "mega_moe" if getattr(moe, "use_mega_moe", False) else "fused_moe"
 
-    The gate must be vLLM's ``GateLinear`` without bias and with fp32 logits (what the
-    stacked GEMM gives), the other two unquantized and bias-free, the shared experts
-    without sequence-parallel sharding (that branch all-gathers x before ``gate_up``);
-    all three packed BF16 weights of one K on one device.
+
+def _moe_input_params(moe: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter] | None:
+    """(gate, routed_down, shared gate_up) weights of a ``KimiMoE`` whose three
+    projections can be one GEMM of :func:`moe_input_projections`, else None.
+
+    The path must be on for the MoE's branch in this capture mode (``path_enabled``:
+    where it was measured); the gate vLLM's ``GateLinear`` without bias and with fp32
+    logits (what the stacked GEMM gives), the other two unquantized and bias-free, the
+    shared experts without sequence-parallel sharding (that branch all-gathers x before
+    ``gate_up``); all three packed BF16 weights of one K on one device.
     """
-    if not getattr(moe, "use_mega_moe", False):
-        return None  # the FusedMoE branch runs the shared experts inside its runner
+    if not path_enabled("moe_front", _branch(moe)):
+        return None
     gate, shared = getattr(moe, "gate", None), getattr(moe, "shared_experts", None)
     if type(gate) is not GateLinear or gate.bias is not None or gate.out_dtype is not torch.float32:
         return None
@@ -302,3 +316,83 @@ def moe_input_projections(
         return None
     logits, rest = fused
     return logits, rest[:, : stack.latent_rows], rest[:, stack.latent_rows :]
+
+
+# --------------------------------------- the FusedMoE branch: the runner's shared experts
+
+
+def hand_shared_gate_up(
+    shared_experts: nn.Module | None, hidden_states: torch.Tensor, gate_up: torch.Tensor | None
+) -> None:
+    """FusedMoE branch (patch 0008): leave ``gate_up`` (the shared experts' ``gate_up_proj``
+    of ``hidden_states``, from :func:`moe_input_projections`) for the runner's call of the
+    shared experts, which :func:`take_shared_gate_up` picks up. ``None`` clears what an
+    earlier forward left, so a stale one is never read. The runner calls the shared
+    experts through its custom op and maybe on its aux stream, after it waited for the
+    current stream, where ``gate_up`` was written."""
+    if shared_experts is not None:
+        shared_experts._k3_gate_up = None if gate_up is None else (hidden_states, gate_up)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # The custom op may hand the runner another Python object of the same tensor.
+    return (a.data_ptr(), a.shape, a.stride(), a.device) == (b.data_ptr(), b.shape, b.stride(), b.device)
+
+
+def take_shared_gate_up(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The ``gate_up`` :func:`hand_shared_gate_up` left on ``mlp`` for exactly this input
+    ``x`` (same data, shape, strides, device), once; else None: ``KimiMLP`` then runs its
+    own ``gate_up_proj`` (a runner that gathered, padded or copied the input, a forward
+    the fused front did not run)."""
+    left = getattr(mlp, "_k3_gate_up", None)
+    if left is None or not isinstance(x, torch.Tensor):
+        return None
+    mlp._k3_gate_up = None
+    hidden_states, gate_up = left
+    return gate_up if _same_tensor(hidden_states, x) else None
+
+
+def latent_moe_tail(
+    runner: nn.Module, fused_output: torch.Tensor, shared_output: torch.Tensor
+) -> torch.Tensor | None:
+    """v0.28.0's ``LatentMoERunner`` small-M tail at TP > 1 (patch 0009), fully reduced,
+    with one GEMM: ``up_proj(norm(AR(latent))) + AR(shared)``, or None (nothing launched)
+    for the stock tail.
+
+    The latent norm cannot run before the all-reduce (each rank holds a partial sum of
+    the experts' output and the norm is not linear), so the latent is all-reduced plain
+    and the norm rides in the GEMM's prologue; the reduced shared output is added in its
+    epilogue (op ``rmsnorm_gemm``), in place of v0.28.0's fused all-reduce + norm, GEMM
+    and add. Both all-reduces stay: merging them needs one buffer for the experts' and
+    the shared experts' partials, which the runner does not give.
+
+    Args:
+        runner: the ``LatentMoERunner`` (``routed_output_transform``: v0.28.0's
+            ``KimiRoutedOutputTransform`` with an RMSNorm and an unquantized up_proj).
+        fused_output: the routed experts' un-reduced latent, (M, L) BF16.
+        shared_output: the shared experts' un-reduced output, (M, H) BF16.
+
+    Returns:
+        A new (M, H) BF16 tensor, reduced; or None where ``path_enabled`` refuses this
+        mode, the transform is of another kind, or the GEMM's row, M or operands do not
+        route (checked before any all-reduce runs). Never raises where the stock tail
+        would not.
+    """
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    transform = getattr(runner, "routed_output_transform", None)
+    norm = getattr(transform, "norm", None)
+    norm_weight = None if norm is None else _norm_weight(norm)
+    weight = _plain_linear_weight(getattr(transform, "up_proj", None))
+    if norm_weight is None or weight is None or not path_enabled("moe_tail", "fused_moe"):
+        return None
+    if not rmsnorm_gemm_routes(fused_output, norm_weight, weight, add_to=shared_output):
+        return None
+    latent = tensor_model_parallel_all_reduce(fused_output)
+    shared = tensor_model_parallel_all_reduce(shared_output)
+    fused = try_rmsnorm_gemm(latent, norm_weight, norm.variance_epsilon, weight, add_to=shared)
+    if fused is not None:
+        return fused[0]
+    # Routed above, refused now: only a reduced tensor's layout could differ. v0.28.0's
+    # sequence on the reduced operands.
+    return torch.mm(norm(latent), weight.t()).add_(shared)

@@ -49,6 +49,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
+from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import capture_mode
 
 logger = init_logger(__name__)
 
@@ -105,6 +106,14 @@ KDA_OVERLAP_TOKENS: Mapping[llg.Capability, OverlapTokens] = MappingProxyType(
 
 #: Any architecture without figures of ours (B300's upstream limit of 14 is not reused).
 NOT_MEASURED = OverlapTokens(frozenset(), "not measured on this architecture: overlap off")
+#: Under breakable CUDA graphs (v0.28.0's default for Kimi-K3) vLLM keeps to one stream
+#: and the two-stream path was never measured there: the layer keeps its packed
+#: ``in_proj_qkvgfab`` and ``f_b_proj`` lines, whose linear methods are the GEMM table's
+#: planned kernels (SM90 rows (6288, 7168) and (1536, 128), installed and warmed by
+#: ``enable_kimi_k3_low_latency_gemm``): our kernels on one stream.
+BREAKABLE = OverlapTokens(
+    frozenset(), "off under breakable CUDA graphs (one stream): packed in_proj + f_b on the GEMM table"
+)
 
 
 @functools.cache
@@ -318,7 +327,9 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     if not layers:
         return 0
     where = overlap_tokens(llg._device_capability())
-    backend = _kda_qkvg_flashinfer_backend()
+    if where.tokens and capture_mode() == "breakable":
+        where = BREAKABLE
+    backend = _kda_qkvg_flashinfer_backend() if where.tokens else None
     for layer in layers:
         layer.kda_qkvg_backend = backend
         layer.kda_overlap_tokens = where.tokens

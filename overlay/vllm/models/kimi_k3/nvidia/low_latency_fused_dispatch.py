@@ -21,6 +21,11 @@ op                  public entry
 Which backend runs for an (op, shape, M) is table data per GPU architecture
 (``low_latency_fused_sm90``, each row with its source); no backend is named here.
 
+The model-level paths built of these ops on the MoE (``PATHS``) also depend on the
+deployment mode: :func:`path_enabled` runs one only on the MoE branch and capture mode
+(:func:`capture_mode`) that the device's data says it was measured in
+(``MEASURED_MODES`` of ``low_latency_fused_sm90``), and logs each refusal once.
+
 Every ``try_*`` returns None, never raises, when the model must run its stock ops:
 the switch is off (it is turned on once, by :func:`enable_kimi_k3_fused_decode`, which
 the GEMM dispatch's ``enable_kimi_k3_low_latency_gemm`` calls); ``VLLM_BATCH_INVARIANT``
@@ -232,6 +237,52 @@ def disable_kimi_k3_fused_decode() -> None:
     _enabled = False
 
 
+# ------------------------------------------------------------- deployment modes
+
+#: Our model-level paths (each of them a few call sites of ``fused_decode``), and the MoE
+#: branches v0.28.0's ``KimiMoE`` takes: MegaMoE (``--moe-backend deep_gemm_mega_moe``,
+#: EP, SM100) or FusedMoE (``LatentMoERunner``: every other deployment, the H200's).
+PATHS = ("moe_front", "moe_tail")
+BRANCHES = ("mega_moe", "fused_moe")
+#: Per capability, ``{path: {(branch, capture mode): source}}``: where each path was measured.
+MODES_BY_CAPABILITY: Mapping[Capability, Mapping] = MappingProxyType(
+    {(9, 0): MappingProxyType(_sm90_data.MEASURED_MODES)}
+)
+_refusals_logged: set[tuple[str, str, str]] = set()
+
+
+def capture_mode() -> str:
+    """``"breakable"`` where vLLM captures breakable CUDA graphs (v0.28.0's default for
+    Kimi-K3: ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, vLLM's own stream forks run on one
+    stream), else ``"full"`` (the opt-out, with vLLM's aux-stream forks)."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    return "breakable" if is_breakable_cudagraph_enabled() else "full"
+
+
+def path_enabled(path: str, branch: str) -> bool:
+    """Whether our ``path`` may run on the MoE ``branch`` in this process's capture mode:
+    the switch on and the mode among those this device's data says it was measured in
+    (:data:`MODES_BY_CAPABILITY`). A refusal with the switch on is logged once per
+    (path, branch, mode). Never raises for a device or mode; a ``path`` or ``branch``
+    not in :data:`PATHS` / :data:`BRANCHES` raises ``ValueError`` (a caller's typo)."""
+    if path not in PATHS or branch not in BRANCHES:
+        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
+    if not _enabled:
+        return False
+    measured = MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
+    mode = capture_mode()
+    if (branch, mode) in measured:
+        return True
+    if (path, branch, mode) not in _refusals_logged:
+        _refusals_logged.add((path, branch, mode))
+        logger.info(
+            "Kimi-K3 %s: v0.28.0's lines on the %s branch under %s capture, where it was "
+            "not measured (measured in: %s)", path, branch, mode, sorted(measured) or "none",
+        )  # fmt: skip
+    return False
+
+
 # ------------------------------------------------------------------ public entries
 
 
@@ -271,6 +322,25 @@ def try_rmsnorm_gemm(
         return None if out is None else (out, None)
     return _launch_routed(op, tuple(weight.shape), x, (x, residual, norm_weight, weight, add_to),
                           (x, residual, norm_weight, eps, weight, add_to))  # fmt: skip
+
+
+def rmsnorm_gemm_routes(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    add_to: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`try_rmsnorm_gemm` without ``residual`` would launch for operands
+    of these shapes and layouts, launching nothing: for a caller that must decide before
+    a step with side effects (an all-reduce whose output it would then pass). Never
+    raises."""
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2):
+        return False
+    if not _on_fast_device(x, norm_weight, weight, add_to):
+        return False
+    routed = _route("rmsnorm_gemm", tuple(weight.shape), _tokens(x))
+    return routed is not None and routed[0].operands_ok(routed[1], x, norm_weight, weight, add_to)
 
 
 def try_rms_norm(

@@ -4,16 +4,17 @@
 
 ``FUSED_SM90[op][shape] = (backend, config tuple or None, token counts)``: the backend
 (its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
-``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``) are
-keyed by the weight's ``(N, K)``; row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``,
-``mtp_input``) by ``(width,)``.
 ``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
 ``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
-weight's); row ops (``rmsnorm``, ``act_mul``) by ``(width,)``.
+weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``) by
+``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
 Source of every row: :data:`PROVENANCE`, and the row's own line below.
+
+:data:`MEASURED_MODES`: the deployment modes (MoE branch, capture mode) in which each
+model-level path of ours was measured, and so may run.
 """
 
 from __future__ import annotations
@@ -76,5 +77,37 @@ FUSED_SM90 = {
         # "ours" of the KDA layer at every M 1..16, 21.2 µs per op at M = 16
         # (decode_step_2026-12-02_kda_gate_stack.json).
         (5504, 7168): ("swap_ab_gate", (64, 128, 1, 4, 6, 42), DECODE),
+    },
+}
+
+# Where each of our model-level paths was measured on the H200, as the deployment mode
+# it ran in: (the MoE branch: "mega_moe" or "fused_moe", the capture mode: "breakable",
+# v0.28.0's default for Kimi-K3 with vLLM keeping its own forks on one stream, or "full",
+# VLLM_USE_BREAKABLE_CUDAGRAPH=0 with vLLM's aux-stream forks). A path runs only in a
+# mode listed here (low_latency_fused_dispatch.path_enabled); anywhere else the model
+# keeps v0.28.0's lines and says so once in the log.
+MEASURED_MODES = {
+    # KimiMoE's router gate + routed_expert_down_proj + shared gate_up as one GEMM
+    # (op gate_gemm, patches 0007 and 0008).
+    "moe_front": {
+        # the decode-step replay of 2026-12-02 ran the MegaMoE structure in one unbroken graph
+        ("mega_moe", "full"): "run decode_step 2026-12-02: decode_step_2026-12-02_kda_gate_stack.json",
+        # one stream (breakable capture): stock runs the gate, then routed_down, back to back
+        # on the current stream, which is what gate_stack_bench timed the stacked GEMM
+        # against: 20.9-21.1 us vs 25.1-25.3 (M = 1, 8, 16). On the FusedMoE branch the
+        # shared gate_up leaves the runner's aux stream for the stacked GEMM: not timed
+        # in the model yet (issue 27).
+        ("mega_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
+        ("fused_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
+    },
+    # LatentMoERunner's small-M tail at TP > 1: all-reduce of the latent, of the shared
+    # output, then one GEMM: latent norm in the prologue, up_proj, shared output added in
+    # the epilogue (op rmsnorm_gemm, patch 0009). Under breakable capture stock runs the
+    # up_proj GEMM, the shared all-reduce and the add on one stream; the GEMM row
+    # (7168, 3584) is the one measured for 0005's routed_output (15.46 us vs plain 14.17 at
+    # M = 16; plain swap-AB 1.31-1.34x cuBLAS). With aux streams ("full") stock hides the
+    # shared all-reduce behind its GEMM, which this path cannot: not measured, off.
+    "moe_tail": {
+        ("fused_moe", "breakable"): "prologue_sweep_2026-12-02.json; decode_gemm_sm90.json (7168, 3584)",
     },
 }

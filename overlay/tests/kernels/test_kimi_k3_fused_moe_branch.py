@@ -1,0 +1,343 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""CPU tests of our paths on the FusedMoE branch, the one an H200 takes (vllm-k3-overlay).
+
+* ``path_enabled``: a path runs only in a deployment mode (MoE branch, capture mode) its
+  device's data says it was measured in, and says once in the log where it does not;
+* the MoE front (patches 0007, 0008): the three input weights are stacked on the FusedMoE
+  branch under breakable capture only; the shared experts' ``gate_up`` left for the
+  runner's call is taken once, for exactly the input it was computed from; the patched
+  ``KimiMoE.forward`` / ``KimiMLP.forward``, run on stub ``self`` objects with a stand-in
+  of the runner, compute the shared experts from it and never run ``gate_up_proj``;
+* the MoE tail (patch 0009): ``latent_moe_tail`` all-reduces the latent and the shared
+  output and runs one ``rmsnorm_gemm`` with the shared output in its epilogue, or answers
+  None before any all-reduce; the patched ``_overlap_allreduce_tail`` returns its result,
+  or runs v0.28.0's lines (and only those) on None.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
+from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
+
+BF16 = torch.bfloat16
+SM90 = (9, 0)
+E, L, G, H = 384, 3584, 1536, 7168  # Kimi-K3 TP8: gate, routed_down, shared gate_up rows
+BREAKABLE, FULL = "1", "0"
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """Switch on, an SM90 device, CPU tensors let through, every fused backend built;
+    ``{op: [operands of each launch]}``, each launch answering ``"out"`` (``gate_gemm``:
+    empty logits and rest)."""
+    monkeypatch.setattr(fd, "_device_capability", lambda: SM90)
+    monkeypatch.setattr(fd, "_FAST_PATH_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(fd, "_enabled", True)
+    monkeypatch.setattr(fd, "_refusals_logged", set())
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    calls: dict[str, list] = {op: [] for op in fd.OPS}
+    for op in fd.OPS:
+        for backend in gemm_backends.backends_for(op).values():
+            def launch(_self, config, *operands, _op=op):
+                calls[_op].append(operands)
+                if _op == "gate_gemm":  # (x, stacked weight, gate rows) -> (logits, rest)
+                    x, w, n = operands
+                    return torch.empty(x.shape[0], n), bf16(x.shape[0], w.shape[0] - n)
+                return "out"
+
+            monkeypatch.setattr(type(backend), "launch", launch)
+            monkeypatch.setattr(type(backend), "is_available", lambda self: True)
+    return calls
+
+
+@pytest.fixture
+def logged(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    lines: list[str] = []
+    monkeypatch.setattr(fd.logger, "info", lambda msg, *args: lines.append(msg % args))
+    return lines
+
+
+def capture(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", mode)
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=BF16)
+
+
+# ------------------------------------------------------------------ the modes
+
+
+@pytest.mark.parametrize("path,branch,mode,expected", [
+    ("moe_front", "fused_moe", BREAKABLE, True),
+    ("moe_front", "fused_moe", FULL, False),
+    ("moe_front", "mega_moe", FULL, True),
+    ("moe_front", "mega_moe", BREAKABLE, True),
+    ("moe_tail", "fused_moe", BREAKABLE, True),
+    ("moe_tail", "fused_moe", FULL, False),
+    ("moe_tail", "mega_moe", BREAKABLE, False),
+])  # fmt: skip
+def test_a_path_runs_only_in_the_modes_it_was_measured_in(
+    launches, logged, monkeypatch, path, branch, mode, expected
+) -> None:
+    capture(monkeypatch, mode)
+    assert fd.path_enabled(path, branch) is expected
+    assert fd.path_enabled(path, branch) is expected
+    assert len(logged) == (0 if expected else 1), "a refusal is said once, and only a refusal"
+    if not expected:
+        assert path in logged[0] and branch in logged[0]
+
+
+def test_every_measured_mode_names_its_source() -> None:
+    for modes in fd.MODES_BY_CAPABILITY.values():
+        assert set(modes) <= set(fd.PATHS)
+        for (branch, mode), source in (kv for m in modes.values() for kv in m.items()):
+            assert branch in fd.BRANCHES and mode in ("breakable", "full")
+            assert ".json" in source
+
+
+def test_no_path_runs_off_the_switch_or_on_an_unmeasured_gpu(launches, logged, monkeypatch) -> None:
+    capture(monkeypatch, BREAKABLE)
+    monkeypatch.setattr(fd, "_device_capability", lambda: (10, 0))
+    assert not fd.path_enabled("moe_front", "fused_moe")
+    monkeypatch.setattr(fd, "_device_capability", lambda: SM90)
+    fd.disable_kimi_k3_fused_decode()
+    assert not fd.path_enabled("moe_front", "fused_moe")
+    assert len(logged) == 1, "the switch off is no refusal to report"
+    with pytest.raises(ValueError, match="moe_frnt"):
+        fd.path_enabled("moe_frnt", "fused_moe")
+
+
+# ------------------------------------------------------------------ the front
+
+
+class FakeMoE(nn.Module):
+    """Stands in for v0.28.0's ``KimiMoE``: only the attributes the stacking reads."""
+
+
+def _linear(rows: int):
+    return SimpleNamespace(quant_method=UnquantizedLinearMethod(), bias=None,
+                           weight=nn.Parameter(torch.empty(rows, H, dtype=BF16), requires_grad=False))  # fmt: skip
+
+
+def fused_moe_branch_moe() -> FakeMoE:
+    moe = FakeMoE()
+    moe.use_mega_moe = False
+    moe.gate = bare(GateLinear, weight=nn.Parameter(bf16(E, H), requires_grad=False), bias=None,
+                    out_dtype=torch.float32)  # fmt: skip
+    moe.routed_expert_down_proj = _linear(L)
+    moe.shared_experts = SimpleNamespace(shard_sequence_parallel=False, gate_up_proj=_linear(G))
+    return moe
+
+
+@pytest.mark.parametrize("mode,stacked", [(BREAKABLE, 1), (FULL, 0)], ids=["breakable", "full"])
+def test_the_fused_moe_branch_stacks_only_under_breakable_capture(launches, logged, monkeypatch, mode, stacked):
+    capture(monkeypatch, mode)
+    moe = fused_moe_branch_moe()
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == stacked
+    assert (fused_decode.moe_input_projections(moe, bf16(2, H)) is not None) == bool(stacked)
+    assert len(launches["gate_gemm"]) == stacked
+    assert any("moe_front" in line for line in logged) != bool(stacked)
+
+
+def test_the_gate_up_left_for_the_runner_is_taken_once_for_its_own_input() -> None:
+    mlp, x, gate_up = SimpleNamespace(), bf16(3, H), bf16(3, G)
+    assert fused_decode.take_shared_gate_up(mlp, x) is None  # nothing left (MegaMoE, stock)
+    fused_decode.hand_shared_gate_up(mlp, x, gate_up)
+    # the runner's custom op may hand over another Python object of the same tensor
+    assert fused_decode.take_shared_gate_up(mlp, x.view(3, H)) is gate_up
+    assert fused_decode.take_shared_gate_up(mlp, x) is None, "taken twice"
+    for other in (x[:2], bf16(3, H), x.t().contiguous().t()):
+        fused_decode.hand_shared_gate_up(mlp, x, gate_up)
+        assert fused_decode.take_shared_gate_up(mlp, other) is None
+        assert fused_decode.take_shared_gate_up(mlp, x) is None, "a refused one must not linger"
+    fused_decode.hand_shared_gate_up(mlp, x, gate_up)
+    fused_decode.hand_shared_gate_up(mlp, x, None)  # a later forward without the fused front
+    assert fused_decode.take_shared_gate_up(mlp, x) is None
+    fused_decode.hand_shared_gate_up(None, x, gate_up)  # no shared experts: nothing to do
+
+
+model = pytest.importorskip("vllm.models.kimi_k3.nvidia.model")
+needs_patch_0008 = pytest.mark.skipif(
+    not hasattr(model, "hand_shared_gate_up"), reason="model.py without patch 0008 here"
+)
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def linear(self, name: str, out):
+        return lambda x: self.log.append((name, x)) or (out, None)
+
+
+def _stub_mlp(calls: Calls, m: int) -> SimpleNamespace:
+    mlp = SimpleNamespace(shard_sequence_parallel=False, run_gemm_rs=False, act_fn=nn.Identity())
+    mlp.gate_up_proj = calls.linear("gate_up_proj", bf16(m, G))
+    mlp.down_proj = calls.linear("down_proj", "shared out")
+    return mlp
+
+
+def _stub_moe(calls: Calls, shared_gate_up, m: int) -> SimpleNamespace:
+    """What the patched KimiMoE.forward reads of ``self`` on the FusedMoE branch; its
+    ``experts`` calls the shared experts the way the runner does (one argument)."""
+    mlp = _stub_mlp(calls, m)
+    shared = lambda x: model.KimiMLP.forward(mlp, x)  # noqa: E731
+
+    def runner(hidden_states, router_logits, shared_experts_input):
+        calls.log.append(("runner", hidden_states, router_logits))
+        calls.log.append(("shared experts", shared(shared_experts_input)))
+        return torch.zeros(m, H)
+
+    moe = SimpleNamespace(use_mega_moe=False, experts=runner, shared_experts=mlp)
+    moe._maybe_overlap_router_and_down_proj = lambda h: ("latent", "logits", None, shared_gate_up)
+    return moe
+
+
+@needs_patch_0008
+def test_the_runner_s_shared_experts_take_the_stacked_gemm_s_gate_up(monkeypatch) -> None:
+    acted: list = []
+    monkeypatch.setattr(model, "act_and_mul", lambda act, gu: acted.append(gu) or "acted")
+    calls, m = Calls(), 2
+    gate_up = bf16(m, L + G)[:, L:]  # the row-strided view moe_input_projections hands out
+    moe = _stub_moe(calls, gate_up, m)
+    model.KimiMoE.forward(moe, bf16(m, H))
+    assert [c[0] for c in calls.log] == ["runner", "down_proj", "shared experts"]
+    assert acted == [gate_up] and acted[0] is gate_up
+    assert calls.log[0][1:] == ("latent", "logits")
+    # the stock front (no stacked GEMM): the shared experts run their own gate_up_proj
+    calls.log.clear()
+    model.KimiMoE.forward(_stub_moe(calls, None, m), bf16(m, H))
+    assert [c[0] for c in calls.log] == ["runner", "gate_up_proj", "down_proj", "shared experts"]
+
+
+@needs_patch_0008
+def test_a_stale_gate_up_from_an_earlier_forward_is_never_read(monkeypatch) -> None:
+    monkeypatch.setattr(model, "act_and_mul", lambda act, gu: "acted")
+    calls, m, x = Calls(), 2, bf16(2, H)
+    first = _stub_moe(calls, bf16(m, G), m)
+    first.experts = lambda **kw: torch.zeros(m, H)  # a runner that did not call its shared experts
+    model.KimiMoE.forward(first, x)
+    second = _stub_moe(calls, None, m)  # the same layer, a forward without the stacked GEMM
+    second.shared_experts = first.shared_experts
+    second.experts = lambda hidden_states, router_logits, shared_experts_input: torch.zeros(m, H) + 0 * (
+        calls.log.append(("shared", model.KimiMLP.forward(first.shared_experts, shared_experts_input))) or 0)
+    model.KimiMoE.forward(second, x)
+    assert [c[0] for c in calls.log] == ["gate_up_proj", "down_proj", "shared"]
+
+
+def test_patch_0008_hands_the_gate_up_over_and_kimi_mlp_takes_it() -> None:
+    tree = ast.parse(Path(fused_decode.__file__).with_name("model.py").read_text("utf-8"))
+    assert "hand_shared_gate_up" in _calls_in(tree, "KimiMoE", "forward")
+    assert "take_shared_gate_up" in _calls_in(tree, "KimiMLP", "forward")
+    assert "moe_input_projections" in _calls_in(tree, "KimiMoE", "_maybe_overlap_router_and_down_proj")
+
+
+def _calls_in(tree, cls: str, method: str) -> set[str]:
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
+    (fn,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == method]
+    return {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+
+
+# ------------------------------------------------------------------- the tail
+
+
+def bare(cls, **attrs) -> nn.Module:
+    """An instance of vLLM's ``cls`` with only ``attrs`` set (its constructor wants a vLLM
+    config; the code under test reads attributes only)."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    return module
+
+
+def _norm(width: int) -> RMSNorm:
+    return bare(RMSNorm, weight=nn.Parameter(bf16(width)), variance_epsilon=1e-6, has_weight=True,
+                variance_size_override=None)  # fmt: skip
+
+
+def _transform(norm=True, up_rows=H) -> SimpleNamespace:
+    up = SimpleNamespace(quant_method=UnquantizedLinearMethod(), bias=None,
+                         weight=torch.empty(up_rows, L, dtype=BF16))  # fmt: skip
+    return SimpleNamespace(norm=_norm(L) if norm else None, up_proj=up)
+
+
+@pytest.fixture
+def all_reduces(monkeypatch: pytest.MonkeyPatch) -> list:
+    import vllm.distributed as dist
+
+    done: list = []
+
+    def all_reduce(t):
+        done.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(dist, "tensor_model_parallel_all_reduce", all_reduce)
+    return done
+
+
+def test_the_tail_reduces_both_and_runs_one_gemm_with_the_shared_add(launches, all_reduces, monkeypatch):
+    capture(monkeypatch, BREAKABLE)
+    runner = SimpleNamespace(routed_output_transform=_transform())
+    latent, shared = bf16(4, L), bf16(4, H)
+    assert fused_decode.latent_moe_tail(runner, latent, shared) == "out"
+    assert [t is x for t, x in zip(all_reduces, (latent, shared))] == [True, True]
+    ((x, norm_weight, eps, weight, add_to),) = launches["rmsnorm_gemm"]
+    transform = runner.routed_output_transform
+    assert norm_weight is transform.norm.weight and eps == transform.norm.variance_epsilon
+    assert weight is transform.up_proj.weight
+    # the GEMM reads the reduced tensors, not the partial sums
+    assert x is not latent and x.shape == latent.shape and add_to is not shared
+
+
+@pytest.mark.parametrize("spoil", ["full capture", "no norm", "no row", "M > 16", "strided shared"])
+def test_the_tail_answers_none_before_any_all_reduce(launches, all_reduces, monkeypatch, spoil):
+    capture(monkeypatch, FULL if spoil == "full capture" else BREAKABLE)
+    runner = SimpleNamespace(routed_output_transform=_transform(norm=spoil != "no norm",
+                                                                up_rows=H + 8 if spoil == "no row" else H))  # fmt: skip
+    m = 17 if spoil == "M > 16" else 4
+    shared = bf16(m, 2 * H)[:, :H] if spoil == "strided shared" else bf16(m, H)
+    assert fused_decode.latent_moe_tail(runner, bf16(m, L), shared) is None
+    assert all_reduces == [] and launches["rmsnorm_gemm"] == []
+
+
+runner_module = pytest.importorskip("vllm.models.kimi_k3.nvidia.latent_moe_runner")
+needs_patch_0009 = pytest.mark.skipif(
+    not hasattr(runner_module, "latent_moe_tail"), reason="latent_moe_runner.py without patch 0009"
+)
+
+
+@needs_patch_0009
+def test_the_patched_tail_returns_ours_or_runs_the_stock_lines(monkeypatch) -> None:
+    log: list = []
+    runner = SimpleNamespace(
+        routed_output_transform=_transform(),
+        _maybe_reduce_final_output=lambda r, trunc, output_is_reduced: ("final", r, trunc, output_is_reduced),
+        allreduce_norm_latent_out=lambda x, norm: log.append("allreduce_norm") or x,
+        _shared_ar_events=(None, None),
+    )  # fmt: skip
+    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append(("ours", a)) or "fused")
+    tail = runner_module.LatentMoERunner._overlap_allreduce_tail
+    latent, shared = torch.zeros(2, L, dtype=BF16), torch.zeros(2, H, dtype=BF16)
+    assert tail(runner, latent, shared, 7) == ("final", "fused", 7, True)
+    assert log == [("ours", (runner, latent, shared))]
+    log.clear()
+    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append("ours") or None)
+    monkeypatch.setattr(runner_module, "tensor_model_parallel_all_reduce", lambda t: log.append("ar") or t)
+    monkeypatch.setattr(runner_module, "aux_stream", lambda: None)
+    final = tail(runner, latent, shared, 7)
+    assert log == ["ours", "allreduce_norm", "ar"], "v0.28.0's lines, and only those"
+    assert final[0] == "final" and final[1].shape == (2, H) and final[3] is True
