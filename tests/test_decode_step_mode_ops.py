@@ -183,3 +183,13 @@ def test_the_small_ops_are_the_modes_c_kernels_or_native_torch(mode) -> None:
         assert calls == ["native_rms_norm", "native_add_rms_norm", "native_add_rms_norm", "compiled_situ_and_mul"]
     else:
         assert calls == ["norm.rms_norm"] * 3 + ["situ_and_mul"]
+
+
+def test_the_figures_file_is_json_one_record_a_line() -> None:
+    import json
+
+    doc = {"mode": "h200-default", "steps": [{"M": 1, "stock_us": 1.5}, {"M": 2}], "per_op": [],
+           "ops": {"kda/stock": [["router_gate", "gate_linear.py:183", "ll_bf16"]]}, "stand_ins": [{"M": 1}]}  # fmt: skip
+    text = replay._compact(doc)
+    assert json.loads(text) == doc
+    assert '  {"M":1,"stock_us":1.5},\n  {"M":2}\n' in text

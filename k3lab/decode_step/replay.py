@@ -141,7 +141,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
     for m in ms:
         st0 = layers.inputs(layer, m, "cuda", gen)
         roof = mode_ops.roof_bytes(variants["stock"], m)
-        rec = {"layer": layer, "mode": mode, "M": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
+        rec = {"layer": layer, "M": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
         outs = {}
         for variant, ops in variants.items():
             st = {k: v.clone() for k, v in st0.items()}
@@ -149,11 +149,12 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
                 op.run(st, ws[0])
             torch.cuda.synchronize()
             st.get("_via", {}).clear()  # the record below is of the captured step, not this run
-            rec[f"{variant}_us"], rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps, breakable)
+            us, rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps, breakable)
+            rec[f"{variant}_us"] = round(us, 2)
             # the captured step's output (last weight copy; both variants replay the same copies)
             outs[variant] = done[_output_key(layer)].double()
-            if variant == "patched":
-                rec["patched_via"], rec["patched_enabled"] = dict(st.get("_via", {})), enabled
+            if variant == "patched":  # the call sites that took the stock path under capture
+                rec["patched_stock_sites"] = sorted(k for k, v in st.get("_via", {}).items() if v == "stock")
             if m not in per_op_ms:
                 continue
             for op in (o for o in ops if not mode_ops.is_break(o)):
@@ -168,9 +169,8 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
                 nbytes = sum(stock_leaves[n].nbytes(m) for n in mine if n in stock_leaves)
                 with _capture_mode(breakable):
                     us = timing.graph_replay_us(one, one, copies, reps)
-                per_op.append({"layer": layer, "mode": mode, "M": m, "variant": variant, "op": op.name,
-                               "us": round(us, 2), "roof_us": round(nbytes / bw * 1e6, 3), "runs": op.runs,
-                               "where": op.where, "covers": mine})  # fmt: skip
+                per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name, "us": round(us, 2),
+                               "roof_us": round(nbytes / bw * 1e6, 3), "covers": mine})  # fmt: skip
         for variant in variants:
             rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)
         if "patched" in variants:
@@ -181,16 +181,32 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
         steps.append(rec)
     ws.clear()  # free the copies before the next layer
     torch.cuda.empty_cache()
-    return steps, per_op
+    return steps, per_op, enabled
+
+
+def _compact(doc: dict) -> str:
+    """JSON with each step, per-op, stand-in and op-table record on one line."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) or (key == "ops" and isinstance(value, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            body = [(f"{json.dumps(k)}: " if isinstance(value, dict) else "") + json.dumps(v, separators=(",", ":"))
+                    for k, v in items]  # fmt: skip
+            open_, close = ("{", "}") if isinstance(value, dict) else ("[", "]")
+            lines.append(f"{json.dumps(key)}: {open_}\n  " + ",\n  ".join(body) + f"\n {close}")
+        else:
+            lines.append(f"{json.dumps(key)}: {json.dumps(value)}")
+    return "{\n " + ",\n ".join(lines) + "\n}\n"
 
 
 def op_table(kn, pk, mode: str) -> dict:
-    """Per layer and variant, the ops in order as the replay runs them (breaks and forks
-    spelled out): what the JSON and the CPU tests compare with the modes data."""
+    """Per ``layer/variant``, the ops in order as the replay runs them: [name, v0.28.0
+    file:line (stock), what runs]; a fork's arms and a graph break are spelled out in the
+    name: what the JSON and the CPU tests compare with the modes data."""
     out = {}
     for layer in layers.LAYERS:
         for variant, ops in mode_ops.lists(kn, pk, layer, mode).items():
-            out[f"{layer}/{variant}"] = [{"op": o.name, "where": o.where, "runs": o.runs} for o in ops]
+            out[f"{layer}/{variant}"] = [[o.name, o.where, o.runs] for o in ops]
     return out
 
 
@@ -250,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_step_{args.mode}_{doc['date']}{args.tag}.json"
     for name in names:
-        steps, per_op = run_layer(torch, kn, pk, name, args.mode, ms, per_op_ms, args.copies, args.reps, bw)
+        steps, per_op, doc["patched_enabled"] = run_layer(torch, kn, pk, name, args.mode, ms, per_op_ms,
+                                                          args.copies, args.reps, bw)  # fmt: skip
         doc["steps"] += steps
         doc["per_op"] += per_op
         doc["ops"] = op_table(kn, pk, args.mode)  # after enable: as the timed lists were built
-        path.write_text(json.dumps(doc, indent=1))
+        # one record a line: results/ holds at most 2 MB in all (tests/test_layout.py)
+        path.write_text(_compact(doc))
     print(f"wrote {path}")
     return 0
 
