@@ -193,3 +193,21 @@ def test_the_figures_file_is_json_one_record_a_line() -> None:
     text = replay._compact(doc)
     assert json.loads(text) == doc
     assert '  {"M":1,"stock_us":1.5},\n  {"M":2}\n' in text
+
+
+# stock op -> the stand-in row of standins.py that times it against the closest real kernel
+STAND_IN_ROW = {"input_layernorm": "rms_norm", "routed_expert_norm": "rms_norm",
+                "post_attention_layernorm": "add_rms_norm", "shared_head.norm": "add_rms_norm",
+                "situ_and_mul": "situ_and_mul"}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+def test_every_stand_in_is_named_and_timed_against_the_closest_kernel(mode) -> None:
+    from k3lab.decode_step import standins
+
+    rows = {r[0] for r in standins.rows(pytest.importorskip("torch"), _kn())}
+    for layer in modes.LAYERS:
+        for op in mode_ops.leaves(mode_ops.stock_ops(_kn(), layer, modes.branches(mode, layer))):
+            if "stand-in" in op.runs:
+                assert STAND_IN_ROW.get(op.name) in rows, (mode, layer, op.name, op.runs)
+            assert op.name != "gate_sigmoid_mul" or "torch.compile" in op.runs  # the real kernel runs

@@ -17,8 +17,12 @@ graph breaks, built from the branches :mod:`k3lab.decode_step.modes` reads:
   runs the norm, the all-reduce is left out like every collective), ``up_proj`` as a plain
   ``torch.mm`` and ``add_`` of the shared output (its all-reduce left out).
 
-Stand-ins, named in each op's ``runs``: the ``_C`` norms and SITU-and-mul (one Triton launch,
-no PDL: :mod:`k3lab.decode_step.stock`), flashinfer's all-reduce + RMSNorm (the norm alone).
+Stand-ins, named in each op's ``runs`` (``stand-in for ...``) and timed against the closest
+real kernel by :mod:`k3lab.decode_step.standins`: the ``_C`` norms and SITU-and-mul under
+breakable capture (one Triton launch, no PDL: :mod:`k3lab.decode_step.stock`), flashinfer's
+all-reduce + RMSNorm (the norm alone). Under full capture the norms and SITU-and-mul are
+what v0.28.0 runs there (eager PyTorch ops, one Inductor kernel), MLA's output gate in
+every mode its own ``torch.compile``'d expression: no stand-in.
 
 Patched, on the FusedMoE branch: patch 0007's stacked gate and 0005's ``routed_output`` do
 not fire there (``fused_decode._moe_input_params`` answers None off MegaMoE; the runner's
@@ -137,10 +141,16 @@ def _stock_moe(kn, src: str, br: dict) -> list[Op]:
     ]  # fmt: skip
 
 
-def _mla_stock(base: dict, br: dict, core_break: bool) -> list[Op]:
+def _mla_stock(kn, base: dict, br: dict, core_break: bool) -> list[Op]:
     front = [base["fused_qkv_a_proj"], base["fused_q_kv_rmsnorm"], base["q_b_proj"]]
     g = base["g_proj"]._replace(runs="cuBLAS")
-    back = [base["gate_sigmoid_mul"], base["o_proj"]]
+
+    def gsm(st, w):  # the real kernel runs here: no stand-in needed
+        st["a_gated"] = kn.stock.compiled_sigmoid_mul(st["attn_out"], st["gate_o"])
+
+    gate = base["gate_sigmoid_mul"]._replace(where="nvidia/mla.py:555 (mla.py:111-114)", run=gsm,
+                                             runs="v0.28.0's expression, torch.compile'd (Inductor)")  # fmt: skip
+    back = [gate, base["o_proj"]]
     if br["g_proj"] == "after_core":
         return [*front, *([graph_break("mla")] if core_break else []), g, *back]
     return [fork("attention front end || g_proj", "mla_aux", front, [g], "nvidia/mla.py:534-550"), *back]
@@ -180,9 +190,9 @@ def stock_ops(kn, layer: str, br: dict) -> list[Op]:
         attn = [base["attn_res (pre-attn)"], base["in_proj_qkvgfab"], base["f_b_proj"],
                 *([graph_break("kda")] if brk else []), base["o_proj"], base["attn_res (post-attn)"]]  # fmt: skip
     elif layer == "mla":
-        attn = [base["attn_res (pre-attn)"], *_mla_stock(base, br, brk), base["attn_res (post-attn)"]]
+        attn = [base["attn_res (pre-attn)"], *_mla_stock(kn, base, br, brk), base["attn_res (post-attn)"]]
     else:
-        attn = [base["fused_mtp_input"], base["eh_proj"], base["input_layernorm"], *_mla_stock(base, br, brk),
+        attn = [base["fused_mtp_input"], base["eh_proj"], base["input_layernorm"], *_mla_stock(kn, base, br, brk),
                 base["post_attention_layernorm"]]  # fmt: skip
     return [*attn, *_stock_moe(kn, "hn2", br), *([base["shared_head.norm"]] if layer == "mtp" else [])]
 

@@ -54,7 +54,8 @@ def rows(torch, kn) -> list[tuple[str, str, int, object, object, str]]:
         ("add_rms_norm", "_C fused_add_rms_norm", H, *add_norm(), "torch add_ + torch.nn.functional.rms_norm"),
         ("situ_and_mul", "_C situ_and_mul", 2 * SI, lambda gu: kn.stock.situ_and_mul(gu, SITU_BETA),
          compiled_situ, "the same math compiled by Inductor"),
-        ("sigmoid_mul", "MLA _gate_sigmoid_mul (torch.compile)", HV, kn.stock.sigmoid_mul, compiled_gate,
+        ("sigmoid_mul", "MLA _gate_sigmoid_mul (torch.compile): the 2026-12-02 replay's stand-in; the mode "
+         "replays run the real kernel", HV, kn.stock.sigmoid_mul, compiled_gate,
          "v0.28.0's expression compiled by Inductor (the real kernel)"),
     ]  # fmt: skip
 

@@ -104,3 +104,19 @@ def compiled_situ_and_mul(gate_up: torch.Tensor, beta: float) -> torch.Tensor:
     if _situ_compiled is None:
         _situ_compiled = torch.compile(_situ_native)
     return _situ_compiled(gate_up, beta)
+
+
+def _gate_native(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * gate.sigmoid()
+
+
+_gate_compiled = None
+
+
+def compiled_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """MLA's output gate as v0.28.0 runs it in every mode: the expression of
+    ``mla.py:111-114`` under ``torch.compile`` (Inductor on CUDA), compiled at first use."""
+    global _gate_compiled
+    if _gate_compiled is None:
+        _gate_compiled = torch.compile(_gate_native)
+    return _gate_compiled(x, gate)
