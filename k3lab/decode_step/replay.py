@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bw = timing.read_bandwidth_Bps(replays=12)
     doc = {**provenance.environment(), "mode": args.mode, "mode_record": rec, "tag": args.tag,
+           "tree": os.environ.get("K3_TREE", "unnamed: set K3_TREE to the commit the bundle and overlay are of"),
            "read_bw_TBps": round(bw / 1e12, 4), "copies": args.copies, "reps": args.reps,
            "method": "per variant: the layer over rotated weight copies, one CUDA graph per segment between "
                      "graph breaks (one graph under full capture), replayed in order, median of reps, µs per layer; "
