@@ -267,3 +267,42 @@ def test_enable_warms_up_every_routed_config() -> None:
     model = torch.nn.Linear(8, 8, bias=False, device="cuda", dtype=BF)
     distinct = {(op, shape, call) for op, shape, _, call in ROWS}
     assert fd.enable_kimi_k3_fused_decode(model, BF) == len(distinct)
+
+
+def _tail_rows():
+    return [m for op, shape, m, _ in ROWS if op == "rmsnorm_gemm" and shape == (7168, 3584)]
+
+
+@pytest.mark.parametrize("m", _tail_rows() or [pytest.param(0, marks=pytest.mark.skip(
+    reason="this GPU's table routes no routed_expert_up_proj row"))])  # fmt: skip
+def test_fused_moe_tail_of_patch_0009_matches_the_stock_sequence(monkeypatch, m) -> None:
+    """``fused_decode.latent_moe_tail`` (FusedMoE branch, breakable capture) at TP8 shapes,
+    the all-reduces stood in by copies (one GPU): v0.28.0's tail computes
+    ``up_proj(norm(AR(latent))) + AR(shared)``; ours must match float64 of that as closely
+    as the unfused bf16 sequence does."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    import vllm.distributed as dist
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.models.kimi_k3.nvidia import fused_decode
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    monkeypatch.setattr(dist, "tensor_model_parallel_all_reduce", lambda t: t.clone())
+    gen = torch.Generator(device="cuda").manual_seed(200 + m)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(BF)  # noqa: E731
+    norm = RMSNorm.__new__(RMSNorm)
+    nn.Module.__init__(norm)
+    norm.weight, norm.variance_epsilon = nn.Parameter(1 + 0.1 * rnd(3584)), EPS
+    norm.has_weight, norm.variance_size_override = True, None
+    up = SimpleNamespace(quant_method=UnquantizedLinearMethod(), bias=None, weight=rnd(7168, 3584) / 3584**0.5)
+    runner = SimpleNamespace(routed_output_transform=SimpleNamespace(norm=norm, up_proj=up))
+    latent, shared = rnd(m, 3584), rnd(m, 7168)
+    out = fused_decode.latent_moe_tail(runner, latent, shared)
+    assert out is not None, "a routed row answered None"
+    ref = _rms(latent, norm.weight) @ up.weight.to(D).t() + shared.to(D)
+    unfused = (_rms(latent, norm.weight).to(BF) @ up.weight.t()).add_(shared).to(D)
+    err, err_unfused = _rel(out, ref), _rel(unfused, ref)
+    assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)

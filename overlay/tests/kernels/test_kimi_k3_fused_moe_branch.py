@@ -12,12 +12,18 @@
 * the MoE tail (patch 0009): ``latent_moe_tail`` all-reduces the latent and the shared
   output and runs one ``rmsnorm_gemm`` with the shared output in its epilogue, or answers
   None before any all-reduce; the patched ``_overlap_allreduce_tail`` returns its result,
-  or runs v0.28.0's lines (and only those) on None.
+  or runs v0.28.0's lines (and only those) on None; and, through the dispatch and the real
+  kernel under Triton's interpreter, it computes ``up_proj(norm(latent)) + shared``.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -316,7 +322,8 @@ def test_the_tail_answers_none_before_any_all_reduce(launches, all_reduces, monk
 
 runner_module = pytest.importorskip("vllm.models.kimi_k3.nvidia.latent_moe_runner")
 needs_patch_0009 = pytest.mark.skipif(
-    not hasattr(runner_module, "latent_moe_tail"), reason="latent_moe_runner.py without patch 0009"
+    "latent_moe_tail" not in Path(runner_module.__file__).read_text("utf-8"),
+    reason="latent_moe_runner.py without patch 0009 here",
 )
 
 
@@ -329,15 +336,73 @@ def test_the_patched_tail_returns_ours_or_runs_the_stock_lines(monkeypatch) -> N
         allreduce_norm_latent_out=lambda x, norm: log.append("allreduce_norm") or x,
         _shared_ar_events=(None, None),
     )  # fmt: skip
-    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append(("ours", a)) or "fused")
+    # the patched method imports it from fused_decode when it runs
+    monkeypatch.setattr(fused_decode, "latent_moe_tail", lambda *a: log.append(("ours", a)) or "fused")
     tail = runner_module.LatentMoERunner._overlap_allreduce_tail
     latent, shared = torch.zeros(2, L, dtype=BF16), torch.zeros(2, H, dtype=BF16)
     assert tail(runner, latent, shared, 7) == ("final", "fused", 7, True)
     assert log == [("ours", (runner, latent, shared))]
     log.clear()
-    monkeypatch.setattr(runner_module, "latent_moe_tail", lambda *a: log.append("ours") or None)
+    monkeypatch.setattr(fused_decode, "latent_moe_tail", lambda *a: log.append("ours") or None)
     monkeypatch.setattr(runner_module, "tensor_model_parallel_all_reduce", lambda t: log.append("ar") or t)
     monkeypatch.setattr(runner_module, "aux_stream", lambda: None)
     final = tail(runner, latent, shared, 7)
     assert log == ["ours", "allreduce_norm", "ar"], "v0.28.0's lines, and only those"
     assert final[0] == "final" and final[1].shape == (2, H) and final[3] is True
+
+
+_TAIL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, types, torch
+    from torch import nn
+    import vllm.distributed as dist
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.models.kimi_k3.nvidia import fused_decode
+    from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
+    from vllm.models.kimi_k3.nvidia.gemm_backends import swap_ab_rmsnorm
+    D, HALF = torch.float64, torch.float16
+    # numpy has no bf16: the backend's dtype guard is pointed at fp16, all else is its own
+    swap_ab_rmsnorm.bf16_on = lambda device, *ts: all(
+        t is None or (t.dtype is HALF and t.device == device) for t in ts)
+    L, H = 128, 64  # small rows: the interpreter is slow
+    data = {"rmsnorm_gemm": {(H, L): ("swap_ab_rmsnorm", (16, 64, 2, 4, 2), (1, 5, 16))}}
+    fd.TABLES_BY_CAPABILITY = {(9, 0): fd.FusedTable("SM90", data, {})}
+    fd._device_capability = lambda: (9, 0)
+    fd._FAST_PATH_DEVICE_TYPE = "cpu"
+    fd._enabled = True
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    reduced = []
+    dist.tensor_model_parallel_all_reduce = lambda t: reduced.append(t) or t.clone()  # one rank
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm.__new__(RMSNorm); nn.Module.__init__(norm)
+    norm.weight = nn.Parameter((1 + 0.1 * torch.randn(L, generator=g)).half())
+    norm.variance_epsilon, norm.has_weight, norm.variance_size_override = 1e-6, True, None
+    up = types.SimpleNamespace(quant_method=UnquantizedLinearMethod(), bias=None,
+                               weight=(torch.randn(H, L, generator=g) / L**0.5).half())
+    runner = types.SimpleNamespace(routed_output_transform=types.SimpleNamespace(norm=norm, up_proj=up))
+    out = {}
+    for m in (1, 5, 16):
+        latent, shared = torch.randn(m, L, generator=g).half(), torch.randn(m, H, generator=g).half()
+        y = fused_decode.latent_moe_tail(runner, latent, shared)
+        t = latent.to(D)
+        ref = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.to(D)
+               @ up.weight.to(D).t() + shared.to(D))
+        out[f"tail_M{m}"] = float((y.to(D) - ref).norm() / ref.norm())
+    out["all_reduces"] = len(reduced)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_tail_computes_v0_28_0_s_sequence_on_the_real_kernel_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _TAIL_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("all_reduces") == 6, "two all-reduces per call: the latent and the shared output"
+    for what, rel in got.items():
+        # fp16 operands, fp32 math, one rounding: ~5e-4; a wrong norm, operand or addend is O(1).
+        assert rel < 3e-3, f"{what}: rel err {rel:.2e}"
