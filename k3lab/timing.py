@@ -95,6 +95,41 @@ def graph_replay_us(warm: Callable[[], object], body: Callable[[], object], per:
     return statistics.median(times)
 
 
+def segments_replay_us(warm: Callable[[], object], segments: list[Callable[[], object]], per: int,
+                       replays: int) -> float:
+    """As :func:`graph_replay_us`, but each of ``segments`` is captured as a CUDA graph of its
+    own and one replay launches them all in order, back to back: a piecewise capture (vLLM's
+    breakable CUDA graphs, whose eager cores sit between the graphs; no PDL crosses from one
+    graph to the next). One segment is :func:`graph_replay_us`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graphs = []
+    for seg in segments:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            seg()
+        graphs.append(graph)
+    for graph in graphs:  # the first replay uploads each graph
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for graph in graphs:
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / per)
+    del graphs
+    return statistics.median(times)
+
+
 def read_bandwidth_Bps(nbytes: int = 4 << 30, replays: int = 9) -> float:
     """HBM read bandwidth in bytes/s, from a bf16 sum over ``nbytes`` (median)."""
     t = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")

@@ -92,6 +92,9 @@ class Kernels(NamedTuple):
     # num_blocks, eps, out_eps) -> out (replay.py --attn-res)
     attn_res_ours: Callable[..., object] | None = None
     attn_res_ours_name: str = "v0.28.0's"
+    # v0.28.0's router gate on SM90 at M <= 16: GateLinear's tier 1, CuTe DSL ll_bf16_gemm
+    # (x, weight) -> fp32 logits (mode_ops.py; None where vLLM's tree is not importable)
+    gate_ll_bf16: Callable[..., object] | None = None
 
 
 def _moe_stock(kn, src: str) -> list[Op]:

@@ -1,11 +1,13 @@
 """Where the decode step's time goes: a PNG from a replay JSON (needs matplotlib; no GPU).
 
 ``python -m k3lab.decode_step.plot RUN.json OUT.png [--m 8]``: one row per layer; left,
-per op of ours at token count ``--m``: our µs, the stock µs of the stock ops it
-replaces (their per-op graphs summed) and the roof of those ops; right, the whole
-step against M = 1..16 (stock, ours, roof, and the patched model's call sites where the
-run timed them). Exit 2 for a file that is not a replay
-JSON or a token count it has no per-op records for.
+per op of the patched model (``ours`` in a run of the old replay that timed it) at token
+count ``--m``: its µs, the stock µs of the stock ops it covers (their per-op graphs summed;
+a stock op it shares with another, e.g. the shared experts' fork when the stacked front
+takes their ``gate_up``, counted by the share of its ops this one covers) and the roof of
+those ops; right, the whole layer against M = 1..16 (stock, patched, roof; ours where timed).
+The title names the deployment mode of a ``--mode`` run. Exit 2 for a file that is not a
+replay JSON or a token count it has no per-op records for.
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ import sys
 
 
 def per_op_rows(doc: dict, layer: str, m: int) -> list[tuple[str, float, float, float]]:
-    """(ours op, ours µs, stock µs of the ops it covers, roof µs) in the order ours runs them."""
+    """(op, µs, stock µs of the ops it covers, roof µs) in the order the patched model (or
+    ours, in an old run) runs them."""
     recs = [r for r in doc["per_op"] if r["layer"] == layer and r["M"] == m]
-    stock = {r["op"]: r["us"] for r in recs if r["variant"] == "stock"}
+    variant = "ours" if any(r["variant"] == "ours" for r in recs) else "patched"
+    stock = [r for r in recs if r["variant"] == "stock"]
     out = []
-    for r in (r for r in recs if r["variant"] == "ours"):
-        out.append((r["op"], r["us"], sum(stock.get(c, 0.0) for c in r["covers"]), r["roof_us"]))
+    for r in (r for r in recs if r["variant"] == variant):
+        mine = set(r["covers"] or [r["op"]])
+        us = 0.0
+        for s in stock:
+            theirs = set(s["covers"] or [s["op"]])
+            if theirs & mine:
+                us += s["us"] * len(theirs & mine) / len(theirs)
+        out.append((r["op"], r["us"], round(us, 2), r["roof_us"]))
     return out
 
 
@@ -52,33 +62,34 @@ def main(argv: list[str] | None = None) -> int:
                              gridspec_kw={"width_ratios": [3, 1]})  # fmt: skip
     for row, layer in zip(axes, layers):
         ops = per_op_rows(doc, layer, args.m)
+        mine = "ours" if any(r["variant"] == "ours" for r in doc["per_op"]) else "patched"
         ys = range(len(ops))
         h = 0.27
         row[0].barh([y - h for y in ys], [o[2] for o in ops], h, label="stock (ops replaced)",
                     color="#c44e52")
-        row[0].barh(list(ys), [o[1] for o in ops], h, label="ours", color="#4c72b0")
+        row[0].barh(list(ys), [o[1] for o in ops], h, label=mine, color="#4c72b0")
         row[0].barh([y + h for y in ys], [o[3] for o in ops], h, label="roof", color="#999999")
         row[0].set_yticks(list(ys), [o[0] for o in ops], fontsize=8)
         row[0].invert_yaxis()
         row[0].set_xlabel("µs")
         step = next(r for r in doc["steps"] if r["layer"] == layer and r["M"] == args.m)
-        patched = f", patched {step['patched_us']} µs" if "patched_us" in step else ""
-        row[0].set_title(f"{layer.upper()} at M={args.m}: stock {step['stock_us']} µs, "
-                         f"ours {step['ours_us']} µs{patched}, roof {step['roof_us']} µs "
-                         f"(whole step, one graph)", fontsize=10)  # fmt: skip
+        parts = [f"{k[:-3]} {step[k]:.1f} µs" for k in ("stock_us", "ours_us", "patched_us", "roof_us") if k in step]
+        graphs = step.get("graphs_per_step", 1)
+        row[0].set_title(f"{layer.upper()} at M={args.m}: {', '.join(parts)} (whole layer; "
+                         f"{'one graph' if graphs == 1 else 'one graph per segment'})", fontsize=10)  # fmt: skip
         row[0].legend(fontsize=8, loc="lower right")
         steps = sorted((r for r in doc["steps"] if r["layer"] == layer), key=lambda r: r["M"])
         ms = [r["M"] for r in steps]
-        lines = [("stock_us", "#c44e52"), ("ours_us", "#4c72b0"), ("roof_us", "#999999")]
-        if all("patched_us" in r for r in steps):  # the patched model's call sites (--patched)
-            lines.insert(1, ("patched_us", "#dd8452"))
+        lines = [(k, c) for k, c in (("stock_us", "#c44e52"), ("patched_us", "#dd8452"), ("ours_us", "#4c72b0"),
+                                     ("roof_us", "#999999")) if all(k in r for r in steps)]  # fmt: skip
         for key, color in lines:
             row[1].plot(ms, [r[key] for r in steps], marker="o", ms=3, color=color, label=key[:-3])
         row[1].set_ylim(bottom=0)
         row[1].set_xlabel("M (tokens)")
         row[1].set_ylabel("µs per step")
         row[1].legend(fontsize=8)
-    fig.suptitle(f"Kimi-K3 decode step, dense path, TP8 ({doc['gpu']}, {doc['date']}, torch {doc['torch']}, "
+    mode = f"mode {doc['mode']}, " if "mode" in doc else ""
+    fig.suptitle(f"Kimi-K3 decode step, dense path, TP8, {mode}({doc['gpu']}, {doc['date']}, torch {doc['torch']}, "
                  f"Triton {doc['triton']}, read roof {doc['read_bw_TBps']} TB/s)", fontsize=11)  # fmt: skip
     fig.tight_layout()
     buffer = io.BytesIO()

@@ -1,82 +1,48 @@
-"""Decode-step replay: the dense path of three Kimi-K3 layers, stock vs ours vs the roof (a benchmark).
+"""Decode-step replay of one deployment mode: three Kimi-K3 layers, stock vs patched vs the roof (a benchmark).
 
-``python -m k3lab.decode_step.replay --stock-dir DIR [--out DIR] [--m 1-16] [--per-op-m 1,8,16]
-[--patched]`` on a CUDA GPU (no vLLM needed: :mod:`k3lab.decode_step.imports`; ``--patched``
-adds a third variant, the patched model's call sites (:mod:`k3lab.decode_step.patched`),
-which needs the GPU bundle's vLLM tree with the overlay laid: ``k3lab/device/run.sh replay``).
-DIR holds v0.28.0's three Triton op files (``python -m k3lab.decode_step.imports extract DIR``). Writes
-``decode_step_<date>.json`` to ``--out`` (default ``$OUT``, else the current folder).
-Exit codes: 0 done, 2 bad usage / no GPU / missing stock files.
+``python -m k3lab.decode_step.replay --mode NAME --stock-dir DIR [--out DIR] [--m 1-16]
+[--per-op-m 1,8,16]`` on a CUDA GPU with the GPU bundle's vLLM tree (the overlay laid):
+``k3lab/device/run.sh replay DIR`` (``REPLAY_ARGS="--mode h200-nobreak"``). NAME is a mode
+of ``modes.json`` (``python -m k3lab.decode_step.modes`` lists them; default
+``h200-default``, what v0.28.0 runs on an H200 when the user sets nothing). DIR holds
+v0.28.0's three Triton op files (``python -m k3lab.decode_step.imports extract DIR``).
+Writes ``decode_step_<mode>_<date>[tag].json`` to ``--out`` (default ``$OUT``).
+Exit codes: 0 done, 2 bad usage / no GPU / no bundle, 3 an unknown mode, 4 a mode whose
+kernels do not run on the H200 (data only).
 
-What runs (TP8 local shapes, token counts M = 1..16; :mod:`k3lab.decode_step.layers`):
+What runs (TP8 local shapes, M = 1..16): (a) the MTP step, (b) one KDA decoder layer,
+(c) one MLA decoder layer, each op in the order the mode runs it, on the stream it runs
+on, with the mode's graph breaks (:mod:`k3lab.decode_step.mode_ops`: which op is which
+kernel, stand-ins named; the JSON's ``ops`` lists them per layer and variant). Left out,
+their outputs fixed random tensors: the MLA attention core, the KDA core, the routed
+experts (top-k, grouped GEMMs) and every collective (the latent and shared all-reduces,
+o_proj's). Two variants, same weights, same run: **stock** (v0.28.0) and **patched**
+(patches 0001-0007 and the overlay: each call site through its patched line's entry point,
+with its guards; ``patched_via`` says per M which took our path).
 
-(a) the MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, op by op in the
-order vLLM v0.28.0 runs them. Left out, with their place: the MLA attention core (after
-``g_proj``, before the output gate), the KDA core (after ``f_b_proj``, before
-``o_proj``; its gated ``o_norm`` is inside the fused decode kernel), the routed experts
-(after ``routed_down``, before the shared experts). Their outputs are fixed random
-tensors. The router gate and ``routed_down`` (and MLA's ``g_proj``) run on an aux
-stream in vLLM; here both variants run them in line.
-
-=========================  ================================  ====================================
-stock op                   v0.28.0 (vllm/models/kimi_k3/)    stock variant runs
-=========================  ================================  ====================================
-fused_mtp_input            common/mtp.py:62, nvidia/mtp.py:110  vLLM's Triton kernel
-eh_proj                    nvidia/mtp.py:109                 cuBLAS
-input_layernorm            nvidia/model.py:999               stand-in for _C rms_norm
-attn_res (pre-attn)        nvidia/model.py:1006 (ops/attn_res.py)  vLLM's Triton kernel (PDL)
-fused_qkv_a_proj           nvidia/mla.py:495                 cuBLAS
-fused_q_kv_rmsnorm         nvidia/mla.py:499                 vLLM's Triton kernel (PDL)
-q_b_proj                   nvidia/mla.py:506                 cuBLAS
-g_proj                     nvidia/mla.py:545                 cuBLAS
-in_proj_qkvgfab            nvidia/kda.py:495                 cuBLAS
-f_b_proj                   nvidia/kda.py:507                 cuBLAS (strided f_a view)
-gate_sigmoid_mul           nvidia/mla.py:555                 stand-in for Inductor's kernel
-o_proj                     nvidia/mla.py:564, kda.py:530     cuBLAS
-post_attention_layernorm   nvidia/model.py:1027              stand-in for _C fused_add_rms_norm
-attn_res (post-attn)       nvidia/model.py:1039              vLLM's Triton kernel (PDL)
-router_gate                nvidia/model.py:756               cuBLAS bf16->fp32 (for CuTe ll_bf16)
-routed_down                nvidia/model.py:779               cuBLAS
-shared_gate_up             nvidia/model.py:279               cuBLAS
-situ_and_mul               nvidia/model.py:280               stand-in for _C situ_and_mul
-shared_down                nvidia/model.py:289               cuBLAS
-routed_expert_norm         nvidia/model.py:319               stand-in for _C rms_norm
-routed_up+shared           nvidia/model.py:321               cuBLAS addmm_ (beta-add)
-shared_head.norm           nvidia/mtp.py:141                 stand-in for _C fused_add_rms_norm
-=========================  ================================  ====================================
-
-The stand-ins (:mod:`k3lab.decode_step.stock`; norms: our overlay norm kernel with
-``pdl=False``) are one Triton launch each without PDL, as vLLM's CUDA kernels; the
-router gate's CuTe DSL ``ll_bf16`` kernel is replaced by GateLinear's cuBLAS tier (the
-CuTe DSL wheel is not carried). Ours: our swap-AB kernel for every projection at the
-configs of ``configs.json``, the projections of one input as one stacked weight
-(``fused_qkv_a_proj``+``g_proj``; the router gate+``routed_down``+shared ``gate_up``
-through ``fused_gemm.gemm_split_dtype``: fp32 logits, bf16 rest), residual adds in
-GEMM epilogues, a norm in the prologue of the GEMM that is its only reader
-(``fused_gemm.py``), and the PDL-aware ``norm.py`` / ``pointwise.py`` kernels for the
-rest (``layers.py`` says which op covers which); attn_res is v0.28.0's, unless
-``--attn-res {last,row,spin}`` (with ``--attn-res-opts '{"chunk": 512}'``) puts a kernel of
-``k3lab/experiments/attn_res_split.py`` in ours (stock keeps v0.28.0's).
-
-Timing: each variant of a step is one CUDA graph over ``--copies`` rotated copies of
-the layer's weights (>= 4x the 60 MiB L2 in all), median of ``--reps`` replays, µs per
-step. Per op: a separate graph per op over the same copies (at ``--per-op-m``); an op
-whose copies together fit in L2 (the norms' weights, ``f_b``, ``q_b``) reads them
-partly from L2 there. Roof: the stock ops' fewest bytes (weights + activations in and
-out, ``layers.Op.nbytes``) over the read bandwidth of a bf16 reduction over 4 GiB,
-measured in the same run. ``rel_diff`` compares ours with stock on the layer's output.
+Timing: each variant is the layer over ``--copies`` rotated weight copies (>= 4x the
+60 MiB L2), captured as the mode captures it: under breakable capture one CUDA graph
+per segment between the cores (consecutive copies' segments joined as consecutive layers
+are), replayed back to back (no PDL across a break); under full capture one graph. Median
+of ``--reps`` replays, µs per layer. Per op: one graph per op over the copies (at
+``--per-op-m``). Roof: the stock ops' fewest bytes (weights + activations in and out,
+``layers.Op.nbytes``) over the read bandwidth of a bf16 reduction over 4 GiB measured in
+the same run. ``stand_ins``: each stand-in timed once against the closest real kernel
+(:mod:`k3lab.decode_step.standins`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import pathlib
 import sys
 
 from k3lab import provenance, timing
-from k3lab.decode_step import imports, layers, patched
+from k3lab.decode_step import imports, layers, mode_ops, modes, patched, standins
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -92,8 +58,10 @@ def parse_ms(text: str) -> list[int]:
     return out
 
 
-def kernels(stock_dir: pathlib.Path, attn_res: str = "v028", attn_res_opts: dict | None = None
-            ) -> layers.Kernels:  # fmt: skip
+def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
+    """Our overlay kernels, v0.28.0's Triton ops from ``stock_dir`` and its CuTe DSL router
+    gate (GateLinear's tier 1: needs vLLM's tree and cutlass, the GPU bundle; ImportError
+    without them, ValueError if the tree says the CuTe DSL is not available)."""
     from k3lab.decode_step import stock
 
     sab = imports.overlay("swap_ab_gemm")
@@ -104,102 +72,149 @@ def kernels(stock_dir: pathlib.Path, attn_res: str = "v028", attn_res_opts: dict
 
     ours = [imports.overlay(name) for name in ("fused_gemm", "norm", "pointwise")]
     v028 = [imports.stock(stock_dir, name) for name in ("attn_res", "fused_qk_rmsnorm", "common_mtp")]
-    kn = layers.Kernels(sab, *ours, *v028, stock, cfg)
-    if attn_res != "v028":  # ours' attn-res: a kernel of attn_res_split.py at the given options
-        from k3lab.experiments import attn_res_split
-
-        fn = attn_res_split.KINDS[attn_res]
-        opts = dict(attn_res_opts or {})
-
-        def mine(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps):
-            return fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts)
-
-        kn = kn._replace(attn_res_ours=mine, attn_res_ours_name=f"attn_res_split {attn_res} {opts}")
-    return kn
+    ll_bf16 = importlib.import_module("vllm.model_executor.kernels.linear.cute_dsl.ll_bf16")
+    if not ll_bf16.is_available():
+        raise ValueError("vLLM's ll_bf16.is_available() is False: cutlass.cute does not import")
+    return layers.Kernels(sab, *ours, *v028, stock, cfg, gate_ll_bf16=ll_bf16.ll_bf16_gemm)
 
 
 def _output_key(layer: str) -> str:
     return "logits_h" if layer == "mtp" else "moe_out"
 
 
-def run_layer(torch, kn, layer: str, ms: list[int], per_op_ms: list[int], copies: int, reps: int,
-              bw: float, pk=None) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    stock_ops, our_ops = layers.LAYERS[layer](kn)
-    variants = [("stock", stock_ops), ("ours", our_ops)]
-    if pk is not None:
-        variants.append(("patched", patched.LAYERS[layer](pk, kn)))
+@contextlib.contextmanager
+def _capture_mode(breakable: bool):
+    """While capturing a breakable mode, v0.28.0's ``BreakableCUDAGraphCapture.is_active()``
+    answers True, as in the model's capture, so the patched tree's own guards (the KDA
+    overlap's, the FusedMoE entries' switches) see the mode; a tree without it: no-op."""
+    try:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture as capture
+    except ImportError:
+        capture = None
+    if not breakable or capture is None:
+        yield
+        return
+    prev = getattr(capture._tls, "active", None)
+    capture._tls.active = object()
+    try:
+        yield
+    finally:
+        capture._tls.active = prev
+
+
+def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -> tuple[float, int, dict]:
+    """µs per layer of ``ops`` over the weight copies: one CUDA graph for a full capture,
+    one per segment between breaks for a breakable one (replayed in order). Returns (µs,
+    graphs, the state the replays left: the last copy's outputs, as the graphs computed them)."""
+    segs = mode_ops.segments(ops, len(ws))
+    shared = dict(st)  # one state for every segment: a later graph reads what an earlier one wrote
+
+    def seg_fn(seg):
+        def run():
+            for op, c in seg:
+                op.run(shared, ws[c])
+
+        return run
+
+    fns = [seg_fn(seg) for seg in segs]
+    with _capture_mode(breakable):
+        us = timing.segments_replay_us(lambda: [f() for f in fns], fns, len(ws), reps)
+    torch.cuda.synchronize()
+    return us, len(segs), shared
+
+
+def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: list[int], copies: int,
+              reps: int, bw: float) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    breakable = modes.branches(mode, layer)["capture"] == "breakable"
     gen = torch.Generator(device="cuda").manual_seed(21)
     ws = [layers.weights(layer, "cuda", gen) for _ in range(copies)]
-    enabled = None if pk is None else patched.enable(pk, ws)
+    enabled = None if pk is None else patched.enable(pk, ws)  # before the lists: the switches read it
+    variants = mode_ops.lists(kn, pk, layer, mode)
+    stock_leaves = {op.name: op for op in mode_ops.leaves(variants["stock"])}
     steps, per_op = [], []
-    first_cover = {}  # (variant, stock op) -> the variant's first op that covers it
-    for variant, ops in variants:
+    first_cover = {}  # (variant, stock op) -> the variant's first top-level op that covers it
+    for variant, ops in variants.items():
         for op in ops:
-            for name in op.covers or (op.name,):
-                first_cover.setdefault((variant, name), op.name)
+            for leaf in mode_ops.leaves([op]) or [op]:
+                for name in leaf.covers or (leaf.name,):
+                    first_cover.setdefault((variant, name), op.name)
     for m in ms:
         st0 = layers.inputs(layer, m, "cuda", gen)
-        roof_bytes = sum(op.nbytes(m) for op in stock_ops)
-        rec = {"layer": layer, "M": m, "roof_bytes": roof_bytes, "roof_us": round(roof_bytes / bw * 1e6, 2)}
+        roof = mode_ops.roof_bytes(variants["stock"], m)
+        rec = {"layer": layer, "M": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
         outs = {}
-        for variant, ops in variants:
+        for variant, ops in variants.items():
             st = {k: v.clone() for k, v in st0.items()}
-            for op in ops:  # eager once: compiles, fills the state for the per-op graphs
+            for op in ops:  # eager once: compiles, fills the state for the graphs
                 op.run(st, ws[0])
             torch.cuda.synchronize()
-            outs[variant] = st[_output_key(layer)].double()
             st.get("_via", {}).clear()  # the record below is of the captured step, not this run
+            us, rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps, breakable)
+            rec[f"{variant}_us"] = round(us, 2)
+            # the captured step's output (last weight copy; both variants replay the same copies)
+            outs[variant] = done[_output_key(layer)].double()
+            if variant == "patched":  # the call sites that took the stock path under capture
+                rec["patched_stock_sites"] = sorted(k for k, v in st.get("_via", {}).items() if v == "stock")
+            if m not in per_op_ms:
+                continue
+            for op in (o for o in ops if not mode_ops.is_break(o)):
 
-            def step(ops=ops, st=st):
-                s2 = dict(st)
-                for w in ws:
-                    for op in ops:
+                def one(op=op, st=st):
+                    s2 = dict(st)
+                    for w in ws:
                         op.run(s2, w)
 
-            rec[f"{variant}_us"] = round(timing.graph_replay_us(step, step, copies, reps), 2)
-            if variant == "patched":
-                # Which call sites took the patched path, as decided under capture (the
-                # step's copies of the state share one ``_via``; KDA's two streams only
-                # exist while capturing).
-                rec["patched_via"], rec["patched_enabled"] = dict(st.get("_via", {})), enabled
-            if m in per_op_ms:
-                for op in ops:
-
-                    def one(op=op, st=st):
-                        s2 = dict(st)
-                        for w in ws:
-                            op.run(s2, w)
-
-                    covers = op.covers or (op.name,)
-                    mine = [
-                        o
-                        for o in stock_ops
-                        if o.name in covers and first_cover.get((variant, o.name)) == op.name
-                    ]
-                    nbytes = sum(o.nbytes(m) for o in mine)
-                    per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name,
-                                   "us": round(timing.graph_replay_us(one, one, copies, reps), 2),
-                                   "roof_us": round(nbytes / bw * 1e6, 3), "runs": op.runs,
-                                   "where": op.where, "covers": list(op.covers)})  # fmt: skip
-        for variant, _ in variants:
+                mine = [n for leaf in mode_ops.leaves([op]) or [op] for n in (leaf.covers or (leaf.name,))
+                        if first_cover.get((variant, n)) == op.name]  # fmt: skip
+                nbytes = sum(stock_leaves[n].nbytes(m) for n in mine if n in stock_leaves)
+                with _capture_mode(breakable):
+                    us = timing.graph_replay_us(one, one, copies, reps)
+                per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name, "us": round(us, 2),
+                               "roof_us": round(nbytes / bw * 1e6, 3), "covers": mine})  # fmt: skip
+        for variant in variants:
             rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)
-            if variant != "stock":
-                diff = (outs[variant] - outs["stock"]).norm() / outs["stock"].norm()
-                rec[f"rel_diff_{variant}_vs_stock"] = float(diff)
-        rec["speedup"] = round(rec["stock_us"] / rec["ours_us"], 3)
-        if pk is not None:
+        if "patched" in variants:
+            diff = (outs["patched"] - outs["stock"]).norm() / outs["stock"].norm()
+            rec["rel_diff_patched_vs_stock"] = float(diff)
             rec["speedup_patched"] = round(rec["stock_us"] / rec["patched_us"], 3)
         print(json.dumps(rec), flush=True)
         steps.append(rec)
     ws.clear()  # free the copies before the next layer
     torch.cuda.empty_cache()
-    return steps, per_op
+    return steps, per_op, enabled
+
+
+def _compact(doc: dict) -> str:
+    """JSON with each step, per-op, stand-in and op-table record on one line."""
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, list) or (key == "ops" and isinstance(value, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            body = [(f"{json.dumps(k)}: " if isinstance(value, dict) else "") + json.dumps(v, separators=(",", ":"))
+                    for k, v in items]  # fmt: skip
+            open_, close = ("{", "}") if isinstance(value, dict) else ("[", "]")
+            lines.append(f"{json.dumps(key)}: {open_}\n  " + ",\n  ".join(body) + f"\n {close}")
+        else:
+            lines.append(f"{json.dumps(key)}: {json.dumps(value)}")
+    return "{\n " + ",\n ".join(lines) + "\n}\n"
+
+
+def op_table(kn, pk, mode: str) -> dict:
+    """Per ``layer/variant``, the ops in order as the replay runs them: [name, v0.28.0
+    file:line (stock), what runs]; a fork's arms and a graph break are spelled out in the
+    name: what the JSON and the CPU tests compare with the modes data."""
+    out = {}
+    for layer in layers.LAYERS:
+        for variant, ops in mode_ops.lists(kn, pk, layer, mode).items():
+            out[f"{layer}/{variant}"] = [[o.name, o.where, o.runs] for o in ops]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m k3lab.decode_step.replay", description=__doc__.split("\n")[0]
     )
+    ap.add_argument("--mode", default="h200-default", help="a mode of modes.json (python -m k3lab.decode_step.modes)")
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--layers", default="mtp,kda,mla")
@@ -208,15 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
-    ap.add_argument(
-        "--patched",
-        action="store_true",
-        help="also time the patched model's call sites (needs the GPU bundle's vLLM tree)",
-    )
-    ap.add_argument("--attn-res", default="v028", choices=("v028", "last", "row", "spin"),
-                    help="ours' attn-res: v0.28.0's kernel (default) or one of attn_res_split.py")
-    ap.add_argument("--attn-res-opts", default="{}", help="JSON options of that kernel (chunk, num_warps)")
     args = ap.parse_args(argv)
+    try:
+        rec = modes.mode(args.mode)
+    except modes.UnknownMode as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if not rec["replay"]:
+        print(f"error: mode {args.mode!r} ({rec['gpu']}) is data only: its kernels do not run on the H200",
+              file=sys.stderr)  # fmt: skip
+        return modes.NOT_REPLAYABLE
     try:
         ms, per_op_ms = parse_ms(args.m), parse_ms(args.per_op_m)
     except ValueError as e:
@@ -231,32 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
+    # The mode's capture, as vLLM's config sets it (the patched tree's switches read it).
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if rec["all"]["capture"] == "breakable" else "0"
     try:
-        kn = kernels(args.stock_dir, args.attn_res, json.loads(args.attn_res_opts))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        kn = kernels(args.stock_dir)
+        pk = patched.load()
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"error: the replay needs v0.28.0's ops and the patched vLLM tree (the GPU bundle): {e}",
+              file=sys.stderr)  # fmt: skip
         return 2
-    pk = None
-    if args.patched:
-        try:
-            pk = patched.load()
-        except ImportError as e:
-            print(f"error: --patched needs the patched vLLM tree importable: {e}", file=sys.stderr)
-            return 2
     bw = timing.read_bandwidth_Bps(replays=12)
-    doc = {**provenance.environment(), "tag": args.tag, "read_bw_TBps": round(bw / 1e12, 4),
-           "attn_res_ours": kn.attn_res_ours_name,
-           "copies": args.copies, "reps": args.reps,
-           "method": "one CUDA graph per variant over rotated weight copies, median of reps, µs per step; "
+    doc = {**provenance.environment(), "mode": args.mode, "mode_record": rec, "tag": args.tag,
+           "tree": os.environ.get("K3_TREE", "unnamed: set K3_TREE to the commit the bundle and overlay are of"),
+           "read_bw_TBps": round(bw / 1e12, 4), "copies": args.copies, "reps": args.reps,
+           "method": "per variant: the layer over rotated weight copies, one CUDA graph per segment between "
+                     "graph breaks (one graph under full capture), replayed in order, median of reps, µs per layer; "
                      "per-op: one graph per op; roof = stock ops' bytes / read bandwidth of this run",
-           "steps": [], "per_op": []}  # fmt: skip
+           "ops": {}, "stand_ins": standins.check(torch, kn, args.reps), "steps": [], "per_op": []}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode_step_{doc['date']}{args.tag}.json"
+    path = args.out / f"decode_step_{args.mode}_{doc['date']}{args.tag}.json"
     for name in names:
-        steps, per_op = run_layer(torch, kn, name, ms, per_op_ms, args.copies, args.reps, bw, pk)
+        steps, per_op, doc["patched_enabled"] = run_layer(torch, kn, pk, name, args.mode, ms, per_op_ms,
+                                                          args.copies, args.reps, bw)  # fmt: skip
         doc["steps"] += steps
         doc["per_op"] += per_op
-        path.write_text(json.dumps(doc, indent=1))
+        doc["ops"] = op_table(kn, pk, args.mode)  # after enable: as the timed lists were built
+        # one record a line: results/ holds at most 2 MB in all (tests/test_layout.py)
+        path.write_text(_compact(doc))
     print(f"wrote {path}")
     return 0
 

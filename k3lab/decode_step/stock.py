@@ -98,3 +98,59 @@ def mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     except TypeError:  # a torch without mm's out_dtype: bf16 GEMM then a cast (one more kernel)
         return torch.mm(x, w.t()).float()
+
+
+# Under full capture (VLLM_USE_BREAKABLE_CUDAGRAPH=0) vLLM compiles with Inductor, so its IR
+# ops take their "native" implementation (platforms/cuda.py:696-698) and custom ops are off
+# (config/vllm.py:1392-1398); Kimi-K3's model classes are not torch.compile'd, so RMSNorm's
+# native implementation (ir/ops/layernorm.py:10-61) runs as eager PyTorch ops, one kernel
+# each; SituAndMul is built with compile_native=True (model_executor/layers/activation.py:169),
+# one Inductor kernel. These are those computations, written out here (fp32 math).
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as eager PyTorch ops: upcast, square, mean, rsqrt, scale, cast, weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(weight.dtype) * weight).to(x.dtype)
+
+
+def native_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(rms_norm(x + residual), x + residual)`` as eager PyTorch ops (fp32 sum)."""
+    xf = x.float() + residual.float()
+    new_residual = xf.to(x.dtype)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(weight.dtype) * weight).to(x.dtype), new_residual
+
+
+def _situ_native(gate_up: torch.Tensor, beta: float) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up).to(gate_up.dtype)
+
+
+_situ_compiled = None
+
+
+def compiled_situ_and_mul(gate_up: torch.Tensor, beta: float) -> torch.Tensor:
+    """SITU-and-mul through ``torch.compile`` (Inductor: one fused Triton kernel), compiled at first use."""
+    global _situ_compiled
+    if _situ_compiled is None:
+        _situ_compiled = torch.compile(_situ_native)
+    return _situ_compiled(gate_up, beta)
+
+
+def _gate_native(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * gate.sigmoid()
+
+
+_gate_compiled = None
+
+
+def compiled_sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """MLA's output gate as v0.28.0 runs it in every mode: the expression of
+    ``mla.py:111-114`` under ``torch.compile`` (Inductor on CUDA), compiled at first use."""
+    global _gate_compiled
+    if _gate_compiled is None:
+        _gate_compiled = torch.compile(_gate_native)
+    return _gate_compiled(x, gate)

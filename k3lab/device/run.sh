@@ -7,8 +7,8 @@
 #   tune SECONDS         resume the tuner until SECONDS after this step started
 #   final                render the SM90 table, run the GPU tests, run the benchmark
 #   tests                every GPU test file of the overlay (TEST_S seconds at most; TESTS: a subset)
-#   replay STOCK_DIR     issue 21: the decode-step replay, stock vs ours vs the patched model's
-#                        call sites (k3lab.decode_step.replay --patched; REPLAY_ARGS: more flags)
+#   replay STOCK_DIR     issues 21, 27: the decode-step replay of one deployment mode, stock vs the
+#                        patched model (k3lab.decode_step.replay; REPLAY_ARGS: --mode NAME, more flags)
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 set -uo pipefail
@@ -44,7 +44,7 @@ replay)
   # the patched variant imports the installed tree with the overlay as committed now.
   envs; shim
   cp -r overlay/vllm/. $SITE/vllm/
-  lab k3lab.decode_step.replay --stock-dir "$1" --out "$OUT" --patched ${REPLAY_ARGS:-} 2>&1 \
+  lab k3lab.decode_step.replay --stock-dir "$1" --out "$OUT" ${REPLAY_ARGS:-} 2>&1 \
      | grep -v "^\[kernels\]" | tee "$OUT/replay.log" ;;
 install)
   bash "$HERE/install.sh" --target $SITE /root/stash "$1" > /tmp/env.sh || exit $?

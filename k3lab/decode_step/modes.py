@@ -1,0 +1,120 @@
+"""The deployment modes of vLLM v0.28.0 for Kimi-K3 at decode, as data (``modes.json``).
+
+A mode is what a user's flags make v0.28.0 run on one GPU kind at TP8: the capture
+(breakable CUDA graphs or one full graph), the MoE branch, the router gate's tier, where
+the shared experts run and on which stream, the latent tail, the token counts per rank.
+Each of a layer's sites is a field whose value names the branch taken; ``why`` in the
+data says, per ``field=value``, where v0.28.0 decides it (file:line).
+
+``python -m k3lab.decode_step.modes [NAME]`` prints the modes (or one mode's branches per
+layer). Exit codes: 0 done, 3 a mode the data does not name (:data:`UNKNOWN_MODE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+from functools import lru_cache
+
+DATA = pathlib.Path(__file__).resolve().parent / "modes.json"
+UNKNOWN_MODE = 3  # exit code: a mode name the data does not hold
+NOT_REPLAYABLE = 4  # exit code: a mode whose kernels do not run on the H200 (data only)
+LAYERS = ("kda", "mla", "mtp")
+# a file:line of v0.28.0 (or of our overlay): path.py:N, N-M or N,M lists
+WHERE = re.compile(r"[\w/]+\.py:\d+")
+
+
+class UnknownMode(ValueError):
+    """A mode name the data does not hold; ``exit_code`` is :data:`UNKNOWN_MODE`."""
+
+    exit_code = UNKNOWN_MODE
+
+
+@lru_cache(maxsize=None)
+def load(path: pathlib.Path = DATA) -> dict:
+    """The parsed data file (OSError / ValueError if it is unreadable or not JSON)."""
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def names(data: dict | None = None) -> list[str]:
+    """Every mode's name, in the data's order."""
+    return list((data or load())["modes"])
+
+
+def mode(name: str, data: dict | None = None) -> dict:
+    """One mode's record; :class:`UnknownMode` (one line, naming the known ones) otherwise."""
+    data = data or load()
+    if name not in data["modes"]:
+        raise UnknownMode(f"unknown mode {name!r}; known: {', '.join(names(data))}")
+    return data["modes"][name]
+
+
+def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:
+    """``{field: value}`` for each site of ``layer`` (one of :data:`LAYERS`) in mode ``name``:
+    the mode's ``all`` values, then the layer's own overrides, restricted to the layer's fields.
+    KeyError for a layer the data does not list."""
+    data = data or load()
+    rec = mode(name, data)
+    values = {**rec["all"], **rec.get("layers", {}).get(layer, {})}
+    return {f: values[f] for f in data["layer_fields"][layer] if f in values}
+
+
+def why(field: str, value: str, data: dict | None = None) -> str:
+    """Where v0.28.0 decides ``field=value`` (KeyError if the data does not say)."""
+    return (data or load())["why"][f"{field}={value}"]
+
+
+def problems(data: dict | None = None) -> list[str]:
+    """Every way the data is incomplete or inconsistent, one line each (empty: sound).
+
+    Checked: each mode gives every field of every layer a value the field allows, each
+    ``field=value`` in use has a why with a file:line, no why is unused, and each GPU kind
+    has exactly one default mode."""
+    data = data or load()
+    out, used, defaults = [], set(), {}
+    for name, rec in data["modes"].items():
+        if rec.get("default"):
+            defaults.setdefault(rec["arch"], []).append(name)
+        for layer in LAYERS:
+            got = branches(name, layer, data)
+            for field in data["layer_fields"][layer]:
+                value = got.get(field)
+                if value is None:
+                    out.append(f"{name}/{layer}: no value for {field}")
+                elif value not in data["fields"].get(field, ()):
+                    out.append(f"{name}/{layer}: {field}={value} is not one of {data['fields'].get(field)}")
+                elif not WHERE.search(data["why"].get(f"{field}={value}", "")):
+                    out.append(f"{name}/{layer}: {field}={value} has no why with a file:line")
+                used.add(f"{field}={value}")
+    out += [f"why[{k}] is used by no mode" for k in data["why"] if k not in used]
+    for arch in {rec["arch"] for rec in data["modes"].values()}:
+        if len(defaults.get(arch, [])) != 1:
+            out.append(f"{arch}: {len(defaults.get(arch, []))} default modes, want 1")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.modes", description=__doc__.split("\n")[0])
+    ap.add_argument("name", nargs="?")
+    args = ap.parse_args(argv)
+    if args.name is None:
+        for name in names():
+            rec = mode(name)
+            print(f"{name:32} {rec['gpu']:22} {'default' if rec['default'] else '':8} {rec['how']}")
+        return 0
+    try:
+        mode(args.name)
+    except UnknownMode as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    for layer in LAYERS:
+        for field, value in branches(args.name, layer).items():
+            print(f"{layer:4} {field:20} {value:24} {why(field, value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

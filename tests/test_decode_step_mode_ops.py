@@ -1,0 +1,213 @@
+"""The replay's op lists per deployment mode are what modes.json says (CPU; timing needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3lab.decode_step import layers, mode_ops, modes, replay
+
+REPLAYED = [n for n in modes.names() if modes.mode(n)["replay"]]
+
+
+class _Any:
+    """Stand-in for every kernel module and entry point: the op lists only take references."""
+
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *a, **k):
+        return self
+
+
+class _Pk:
+    """A patched tree without the FusedMoE branch's switch (today's main), or with one."""
+
+    def __init__(self, paths=()):
+        self.llg, self.kda = _Any(), _Any()
+        self.fused = _Any()
+        if paths is not None:
+            self.fused = type("F", (_Any,), {"path_enabled": lambda s, p, branch: p in paths})()
+        else:
+            self.fused = type("F", (_Any,), {"path_enabled": None})()
+
+
+def _kn(**kw):
+    return layers.Kernels(*([_Any()] * 9), **kw)
+
+
+def _shape(ops):
+    """Names, with a fork as (main names, aux names) and a break as 'BREAK'."""
+    out = []
+    for op in ops:
+        arms = getattr(op.run, "arms", None)
+        if isinstance(arms, tuple):
+            out.append(tuple(tuple(o.name for o in arm) for arm in arms))
+        else:
+            out.append("BREAK" if mode_ops.is_break(op) else op.name)
+    return out
+
+
+def _expected_stock(layer: str, br: dict) -> list:
+    """The stock op list derived from the data alone (independent of mode_ops)."""
+    brk = br["capture"] == "breakable"
+    front = ["fused_qkv_a_proj", "fused_q_kv_rmsnorm", "q_b_proj"]
+    if br.get("g_proj", "after_core") == "after_core":
+        mla = [*front, *(["BREAK"] if brk else []), "g_proj", "gate_sigmoid_mul", "o_proj"]
+    else:
+        mla = [(tuple(front), ("g_proj",)), "gate_sigmoid_mul", "o_proj"]
+    if layer == "kda":
+        attn = ["attn_res (pre-attn)", "in_proj_qkvgfab", "f_b_proj", *(["BREAK"] if brk else []), "o_proj",
+                "attn_res (post-attn)"]  # fmt: skip
+    elif layer == "mla":
+        attn = ["attn_res (pre-attn)", *mla, "attn_res (post-attn)"]
+    else:
+        attn = ["fused_mtp_input", "eh_proj", "input_layernorm", *mla, "post_attention_layernorm"]
+    gate = ["router_gate", "routed_down"] if br["gate_down"] == "in_line" else [(("router_gate",), ("routed_down",))]
+    assert br["shared_experts"] == "runner_aux" and br["latent_tail"] == "allreduce_overlap"
+    moe = [*gate, ((), ("shared_gate_up", "situ_and_mul", "shared_down")), "routed_expert_norm", "routed_up",
+           "shared_add"]  # fmt: skip
+    return [*attn, *moe, *(["shared_head.norm"] if layer == "mtp" else [])]
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+@pytest.mark.parametrize("layer", modes.LAYERS)
+def test_stock_ops_are_what_the_modes_data_says(mode, layer) -> None:
+    br = modes.branches(mode, layer)
+    ops = mode_ops.stock_ops(_kn(), layer, br)
+    assert _shape(ops) == _expected_stock(layer, br)
+    for op in mode_ops.leaves(ops):
+        assert ":" in op.where and op.nbytes(16) > op.nbytes(1) > 0, op
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+@pytest.mark.parametrize("layer", modes.LAYERS)
+@pytest.mark.parametrize("paths", [None, (), ("moe_front", "moe_tail")])
+def test_patched_covers_every_stock_op_once_in_stock_order(mode, layer, paths) -> None:
+    br = modes.branches(mode, layer)
+    stock = [op.name for op in mode_ops.leaves(mode_ops.stock_ops(_kn(), layer, br))]
+    ops = mode_ops.patched_ops(_Pk(paths), _kn(), layer, br)
+    covered = [c for op in mode_ops.leaves(ops) for c in (op.covers or (op.name,))]
+    assert covered == stock
+    # the same breaks and the same forks of the stream structure as stock
+    assert [mode_ops.is_break(o) for o in ops].count(True) == (br["capture"] == "breakable")
+    names = [o.name for o in ops]
+    assert ("attention front end || g_proj" in names) == (layer != "kda" and br["g_proj"] == "fork")
+    assert "shared experts (runner, aux stream)" in names
+    stacked = "router_gate+routed_down+shared_gate_up" in names
+    assert stacked == (paths is not None and "moe_front" in paths)
+    assert ("routed_expert_norm+routed_up+shared_add" in names) == (paths is not None and "moe_tail" in paths)
+    assert ("router_gate || routed_down" in names) == (not stacked and br["gate_down"] == "fork")
+
+
+def test_the_stock_router_gate_is_ll_bf16_tier_1() -> None:
+    calls = []
+    kn = _kn(gate_ll_bf16=lambda x, w: calls.append((x, w)) or "logits")
+    br = modes.branches("h200-default", "kda")
+    (gate,) = [op for op in mode_ops.stock_ops(kn, "kda", br) if op.name == "router_gate"]
+    st = {"hn2": "x"}
+    gate.run(st, {"gate": "w"})
+    assert calls == [("x", "w")] and st["logits"] == "logits" and "ll_bf16" in gate.runs
+
+
+@pytest.mark.parametrize("mode", [n for n in modes.names() if not modes.mode(n)["replay"]])
+def test_a_data_only_mode_is_refused_by_the_op_builder_and_the_replay(mode, capsys) -> None:
+    # SM100/SM103 modes: the tail fusion, MegaMoE or the SM103 table do not run on the H200
+    for layer in modes.LAYERS:
+        with pytest.raises(mode_ops.NotReplayable):
+            mode_ops.stock_ops(_kn(), layer, modes.branches(mode, layer))
+    assert replay.main(["--mode", mode, "--stock-dir", "."]) == modes.NOT_REPLAYABLE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data only" in err
+
+
+def test_an_unknown_mode_exits_with_its_own_code(capsys) -> None:
+    assert replay.main(["--mode", "h200-megamoe", "--stock-dir", "."]) == modes.UNKNOWN_MODE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown mode 'h200-megamoe'" in err
+
+
+@pytest.mark.parametrize("mode,graphs", [("h200-default", 3), ("h200-nobreak", 1)])
+def test_a_breakable_mode_cuts_the_step_into_one_graph_per_segment(mode, graphs) -> None:
+    ops = mode_ops.stock_ops(_kn(), "kda", modes.branches(mode, "kda"))
+    segs = mode_ops.segments(ops, copies=2)
+    assert len(segs) == graphs
+    flat = [(op.name, c) for seg in segs for op, c in seg]
+    assert flat == [(op.name, c) for c in range(2) for op in ops if not mode_ops.is_break(op)]
+    if graphs == 3:  # copy 0's tail and copy 1's head share a graph, as consecutive layers do
+        assert segs[1][0] == (ops[4], 0) and segs[1][-1] == (ops[2], 1)
+
+
+def test_the_plot_attributes_stock_time_to_the_patched_ops_that_cover_it() -> None:
+    from k3lab.decode_step import plot
+
+    def rec(variant, op, us, covers):
+        return {"layer": "kda", "M": 8, "variant": variant, "op": op, "us": us, "roof_us": 1.0, "covers": covers}
+
+    doc = {"per_op": [
+        rec("stock", "router_gate", 4.0, ["router_gate"]),
+        rec("stock", "shared experts", 18.0, ["shared_gate_up", "situ_and_mul", "shared_down"]),
+        rec("patched", "router_gate+routed_down+shared_gate_up", 20.0, ["router_gate", "routed_down", "shared_gate_up"]),
+        rec("patched", "shared experts", 9.0, ["situ_and_mul", "shared_down"]),
+    ]}  # fmt: skip
+    rows = plot.per_op_rows(doc, "kda", 8)
+    assert [r[0] for r in rows] == ["router_gate+routed_down+shared_gate_up", "shared experts"]
+    assert rows[0][2] == 4.0 + 6.0 and rows[1][2] == 12.0  # a third of the fork to the stack
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+def test_the_small_ops_are_the_modes_c_kernels_or_native_torch(mode) -> None:
+    # Breakable capture (compile mode NONE): vLLM's _C kernels (stand-ins); full capture
+    # (Inductor): the norms as eager PyTorch ops and SITU-and-mul torch.compile'd.
+    calls = []
+
+    class Stock:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append(name) or (_Any(), _Any())
+
+    class Norm(_Any):
+        def rms_norm(self, *a, **k):
+            calls.append("norm.rms_norm")
+            return _Any()
+
+        def add_rms_norm(self, *a, **k):
+            calls.append("norm.rms_norm")
+            return _Any(), _Any()
+
+    kn = layers.Kernels(*([_Any()] * 2), Norm(), *([_Any()] * 4), Stock(), _Any())
+    br = modes.branches(mode, "mtp")
+    by = {op.name: op for op in mode_ops.leaves(mode_ops.stock_ops(kn, "mtp", br))}
+    st = {k: _Any() for k in ("h0", "o_out", "moe_out", "r1", "gu")}
+    for name in ("input_layernorm", "post_attention_layernorm", "shared_head.norm", "situ_and_mul"):
+        by[name].run(st, {k: _Any() for k in ("in_norm", "post_norm", "head_norm")})
+    if br["small_ops"] == "native":
+        assert calls == ["native_rms_norm", "native_add_rms_norm", "native_add_rms_norm", "compiled_situ_and_mul"]
+    else:
+        assert calls == ["norm.rms_norm"] * 3 + ["situ_and_mul"]
+
+
+def test_the_figures_file_is_json_one_record_a_line() -> None:
+    import json
+
+    doc = {"mode": "h200-default", "steps": [{"M": 1, "stock_us": 1.5}, {"M": 2}], "per_op": [],
+           "ops": {"kda/stock": [["router_gate", "gate_linear.py:183", "ll_bf16"]]}, "stand_ins": [{"M": 1}]}  # fmt: skip
+    text = replay._compact(doc)
+    assert json.loads(text) == doc
+    assert '  {"M":1,"stock_us":1.5},\n  {"M":2}\n' in text
+
+
+# stock op -> the stand-in row of standins.py that times it against the closest real kernel
+STAND_IN_ROW = {"input_layernorm": "rms_norm", "routed_expert_norm": "rms_norm",
+                "post_attention_layernorm": "add_rms_norm", "shared_head.norm": "add_rms_norm",
+                "situ_and_mul": "situ_and_mul"}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+def test_every_stand_in_is_named_and_timed_against_the_closest_kernel(mode) -> None:
+    from k3lab.decode_step import standins
+
+    rows = {r[0] for r in standins.rows(pytest.importorskip("torch"), _kn())}
+    for layer in modes.LAYERS:
+        for op in mode_ops.leaves(mode_ops.stock_ops(_kn(), layer, modes.branches(mode, layer))):
+            if "stand-in" in op.runs:
+                assert STAND_IN_ROW.get(op.name) in rows, (mode, layer, op.name, op.runs)
+            assert op.name != "gate_sigmoid_mul" or "torch.compile" in op.runs  # the real kernel runs

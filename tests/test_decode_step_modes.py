@@ -1,0 +1,77 @@
+"""The deployment modes as data (k3lab/decode_step/modes.json), on the CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from k3lab.decode_step import modes
+
+
+def test_the_modes_data_is_complete_and_consistent() -> None:
+    assert modes.problems() == []
+
+
+def test_every_layer_of_every_mode_has_a_branch_and_a_file_line() -> None:
+    data = modes.load()
+    for name in modes.names():
+        for layer in modes.LAYERS:
+            got = modes.branches(name, layer)
+            assert set(got) == set(data["layer_fields"][layer]), (name, layer)
+            for field, value in got.items():
+                assert modes.WHERE.search(modes.why(field, value)), (name, layer, field)
+
+
+@pytest.mark.parametrize(
+    "breakage,want",
+    [
+        (lambda d: d["modes"]["h200-default"]["all"].pop("gate_tier"), "no value for gate_tier"),
+        (lambda d: d["modes"]["h200-default"]["all"].update(capture="unbroken"), "capture=unbroken is not one of"),
+        (lambda d: d["why"].update({"latent_tail=allreduce_overlap": "the runner, somewhere"}), "no why with a file:line"),
+        (lambda d: d["why"].update({"capture=eager": "x.py:1"}), "why[capture=eager] is used by no mode"),
+        (lambda d: d["modes"]["h200-nobreak"].update(default=True), "sm90: 2 default modes"),
+        (lambda d: d["modes"]["h200-default"].setdefault("layers", {}).update(kda={"g_proj": "fork"}), None),
+    ],
+)
+def test_problems_name_each_gap(breakage, want) -> None:
+    data = copy.deepcopy(modes.load())
+    breakage(data)
+    found = modes.problems(data)
+    if want is None:  # a field the layer does not have is ignored, not an error
+        assert found == []
+    else:
+        assert any(want in p for p in found), found
+
+
+def test_a_layers_override_wins_over_the_modes_values() -> None:
+    data = copy.deepcopy(modes.load())
+    data["modes"]["h200-default"]["layers"] = {"mtp": {"gate_down": "fork"}}
+    assert modes.branches("h200-default", "mtp", data)["gate_down"] == "fork"
+    assert modes.branches("h200-default", "kda", data)["gate_down"] == "in_line"
+
+
+def test_the_h200_default_is_the_breakable_fused_moe_branch() -> None:
+    # The configuration the issue is about: what v0.28.0 runs on an H200 when the user sets nothing.
+    (default,) = [n for n in modes.names() if modes.mode(n)["default"] and modes.mode(n)["arch"] == "sm90"]
+    kda = modes.branches(default, "kda")
+    assert kda["capture"] == "breakable" and kda["moe_branch"] == "fused_moe"
+    assert kda["gate_tier"] == "ll_bf16" and kda["kda_overlap_patched"] == "off"
+    assert modes.branches(default, "mla")["g_proj"] == "after_core"
+    assert all(not modes.mode(n)["replay"] for n in modes.names() if modes.mode(n)["arch"] != "sm90")
+
+
+def test_an_unknown_mode_is_one_line_with_its_own_exit_code(capsys) -> None:
+    assert modes.main(["h100-default"]) == modes.UNKNOWN_MODE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown mode 'h100-default'" in err and "h200-default" in err
+    assert modes.UNKNOWN_MODE not in (0, 1, 2)
+
+
+def test_the_cli_prints_every_mode_and_one_modes_branches(capsys) -> None:
+    assert modes.main([]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in modes.names())
+    assert modes.main(["h200-nobreak"]) == 0
+    out = capsys.readouterr().out
+    assert "gate_down" in out and "fork" in out and "multi_stream_utils.py" in out
