@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -86,7 +87,11 @@ def test_version_carries_the_local_label(built):
 def test_provenance_record_matches_the_repo(built, mirror_repo):
     wd, report, wheel, target = built
     project = Project()
-    printed = subprocess.run(PRINT_RECORD, shell=True, cwd=target, capture_output=True, text=True)
+    # The venv's own interpreter: a fresh Debian has no `python` on PATH (the docs' hint
+    # assumes an activated venv; ci/test.sh runs pytest without activating it).
+    command = PRINT_RECORD.replace("python ", f"{shlex.quote(sys.executable)} ", 1)
+    printed = subprocess.run(command, shell=True, cwd=target, capture_output=True, text=True)
+    assert printed.returncode == 0, printed.stderr
     record = json.loads(printed.stdout)
     assert record == json.loads((target / "vllm/k3_overlay.json").read_text())
     series = load_series(project.patches_dir)
