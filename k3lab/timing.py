@@ -71,28 +71,7 @@ def graph_replay_us(warm: Callable[[], object], body: Callable[[], object], per:
     """Median µs of one replay of ``body`` captured in a CUDA graph, divided by ``per`` (the
     calls ``body`` makes). ``warm`` runs first on a side stream (compiles, handles), and the
     first replay (which uploads the graph) is not timed. Raises whatever they raise."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()  # first replay uploads the graph
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / per)
-    del graph
-    return statistics.median(times)
+    return segments_replay_us(warm, [body], per, replays)
 
 
 def segments_replay_us(warm: Callable[[], object], segments: list[Callable[[], object]], per: int,

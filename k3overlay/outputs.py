@@ -30,16 +30,21 @@ def refuse_aliases(outputs: Named, inputs: Named) -> None:
         for source, source_option in inputs:
             if source is None:
                 continue
-            if same(real, source):
-                raise UsageError(f"{option} {path} is {source_option} {source}, which this run "
-                                 f"reads; refusing to write over it")
-            if inside(real, source):
-                raise UsageError(f"{option} {path} is inside {source_option} {source}, which this "
-                                 f"run reads; give a path outside it")
+            refuse_overlap(real, option, path, source, f"{source_option} {source}, which this run reads",
+                           "give a path outside it")
         first = seen.setdefault(real, (path, option))
         if first[1] != option:
             raise UsageError(f"{option} {path} is the path {first[1]} {first[0]} names; give each "
                              f"its own")
+
+
+def refuse_overlap(target: Path, option: str, path: Path, base: Path, name: str, advice: str) -> None:
+    """Raise UsageError (one line) if ``target`` (``path`` resolved, given for ``option``) is
+    ``base`` or lies inside it; ``name`` says what ``base`` is, ``advice`` what to do instead."""
+    if same(target, base):
+        raise UsageError(f"{option} {path} is {name}; refusing to write over it")
+    if inside(target, base):
+        raise UsageError(f"{option} {path} is inside {name}; {advice}")
 
 
 def _real(path: Path) -> Path:

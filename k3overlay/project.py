@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .files import read_regular
-from .outputs import inside, same
+from .outputs import inside, refuse_overlap, same
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,12 +93,7 @@ class Project:
         for data in self.data_paths:
             data = data.resolve()
             what = f"{data.name}/" if data.is_dir() else data.name
-            if same(target, data):
-                raise UsageError(f"{option} {path} is this repository's {what}; refusing to "
-                                 f"write over it")
-            if inside(target, data):
-                raise UsageError(f"{option} {path} is inside this repository's {what}; "
-                                 f"refusing to write there")
+            refuse_overlap(target, option, path, data, f"this repository's {what}", "refusing to write there")
         gitdirs = [p for p in (target, *target.parents) if p.name.casefold() == ".git"]
         if gitdirs:
             raise UsageError(f"{option} {path} is inside a .git folder ({gitdirs[-1]}); refusing "

@@ -70,9 +70,9 @@ esac
 '''
 
 
-def test_ci_test_sh_says_each_step_and_the_sizes_of_downloads(tmp_path):
-    """ci/test.sh on a stand-in venv: every step names itself and says how long it took,
-    pip's downloads show with their sizes, pip's noise does not, apply.py speaks."""
+def stand_in_project(tmp_path, release: bool):
+    """ci/test.sh beside a stand-in ``.venv/bin/python`` (FAKE_PYTHON) in ``tmp_path``; with
+    ``release``, a bare mirror holding a v1.0.0 release commit (its path is returned)."""
     (tmp_path / "ci").mkdir()
     shutil.copy2(ROOT / "ci" / "test.sh", tmp_path / "ci" / "test.sh")
     python = tmp_path / ".venv" / "bin" / "python"
@@ -80,11 +80,19 @@ def test_ci_test_sh_says_each_step_and_the_sizes_of_downloads(tmp_path):
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
     mirror, tree = tmp_path / "mirror.git", tmp_path / "release"
-    (tree / "requirements").mkdir(parents=True)
-    (tree / "requirements" / "common.txt").write_text("numpy\n")
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "v1.0.0"], ["tag", "v1.0.0"]):
-        subprocess.run(["git", *args], cwd=tree, check=True)
-    subprocess.run(["git", "clone", "-q", "--bare", str(tree), str(mirror)], check=True)
+    if release:
+        (tree / "requirements").mkdir(parents=True)
+        (tree / "requirements" / "common.txt").write_text("numpy\n")
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "v1.0.0"], ["tag", "v1.0.0"]):
+            subprocess.run(["git", *args], cwd=tree, check=True)
+        subprocess.run(["git", "clone", "-q", "--bare", str(tree), str(mirror)], check=True)
+    return mirror
+
+
+def test_ci_test_sh_says_each_step_and_the_sizes_of_downloads(tmp_path):
+    """ci/test.sh on a stand-in venv: every step names itself and says how long it took,
+    pip's downloads show with their sizes, pip's noise does not, apply.py speaks."""
+    mirror = stand_in_project(tmp_path, release=True)
     env = {**os.environ, "CALLS": str(tmp_path / "calls"), "MIRROR": str(mirror)}
     proc = subprocess.run(["ci/test.sh", "-q", "tests"], cwd=tmp_path, env=env, capture_output=True,
                           text=True)
@@ -141,12 +149,7 @@ def test_e2e_heartbeats_reach_a_pipe_while_the_test_runs(tmp_path):
 def test_ci_test_sh_shows_each_download_as_it_starts_when_piped(tmp_path):
     """ci/test.sh | tee: pip's "Downloading" line comes out when pip says it, not when pip ends
     (``cut`` in the filter held 33 lines for 160 s)."""
-    (tmp_path / "ci").mkdir()
-    shutil.copy2(ROOT / "ci" / "test.sh", tmp_path / "ci" / "test.sh")
-    python = tmp_path / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(FAKE_PYTHON)
-    python.chmod(0o755)
+    stand_in_project(tmp_path, release=False)
     env = {**os.environ, "CALLS": str(tmp_path / "calls"), "MIRROR": str(tmp_path / "none.git"), "SLOW_PIP": "3"}
     proc = subprocess.Popen(["ci/test.sh", "-q", "tests"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -165,18 +168,7 @@ def test_ci_test_sh_shows_each_download_as_it_starts_when_piped(tmp_path):
 
 def test_ci_test_sh_and_ci_run_name_the_failing_tests_in_the_summary(tmp_path):
     """-rs alone replaced pytest's default -rfE: the summary listed skips, then "1 failed"."""
-    (tmp_path / "ci").mkdir()
-    shutil.copy2(ROOT / "ci" / "test.sh", tmp_path / "ci" / "test.sh")
-    python = tmp_path / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(FAKE_PYTHON)
-    python.chmod(0o755)
-    tree, mirror = tmp_path / "release", tmp_path / "mirror.git"
-    (tree / "requirements").mkdir(parents=True)
-    (tree / "requirements" / "common.txt").write_text("numpy\n")
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "v1.0.0"], ["tag", "v1.0.0"]):
-        subprocess.run(["git", *args], cwd=tree, check=True)
-    subprocess.run(["git", "clone", "-q", "--bare", str(tree), str(mirror)], check=True)
+    mirror = stand_in_project(tmp_path, release=True)
     env = {**os.environ, "CALLS": str(tmp_path / "calls"), "MIRROR": str(mirror)}
     subprocess.run(["ci/test.sh"], cwd=tmp_path, env=env, capture_output=True, check=True)
     pytest_calls = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m pytest")]
