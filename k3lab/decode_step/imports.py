@@ -14,7 +14,9 @@ of module are needed:
   and ``vllm.platforms.current_platform`` (PDL from SM90 on; no SM100 family).
 
 ``python -m k3lab.decode_step.imports extract DEST [--mirror GIT_DIR | --tree VLLM_TREE]``
-writes the three v0.28.0 files to DEST; ``... stub DEST`` writes the stand-in package
+writes the three v0.28.0 files to DEST; ``... pristine DEST`` writes v0.28.0's own copy of
+every file the patch series modifies (DEST/vllm/..., for ``k3lab/device/run.sh model_check``);
+``... stub DEST`` writes the stand-in package
 (DEST/vllm) for tools such as pytest that import ``vllm.models.kimi_k3.nvidia.*``.
 Exit codes: 0 done, 2 bad usage or a source that lacks a file.
 """
@@ -112,13 +114,34 @@ def stock(folder: pathlib.Path, name: str) -> types.ModuleType:
 
 def extract_stock(dest: pathlib.Path, mirror: pathlib.Path | None, tree: pathlib.Path | None) -> None:
     """Write v0.28.0's three Triton op files to ``dest`` from a release mirror or a tree."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for out, src in STOCK_FILES.items():
+    _write_release_files(dest, STOCK_FILES, mirror, tree)
+
+
+def patched_paths(series: pathlib.Path = ROOT / "patches") -> list[str]:
+    """The vLLM files the patch series modifies (from its ``diff --git`` lines), sorted."""
+    paths = set()
+    for patch in series.glob("*.patch"):
+        for line in patch.read_text().splitlines():
+            if line.startswith("diff --git a/"):
+                paths.add(line.split()[2][2:])
+    return sorted(paths)
+
+
+def extract_pristine(dest: pathlib.Path, mirror: pathlib.Path | None, tree: pathlib.Path | None) -> None:
+    """Write v0.28.0's own copy of every file the series modifies under ``dest`` (their release
+    paths), to be laid over the GPU bundle's patched tree for the model check."""
+    _write_release_files(dest, {p: p for p in patched_paths()}, mirror, tree)
+
+
+def _write_release_files(dest: pathlib.Path, files: dict[str, str], mirror, tree) -> None:
+    """``files``: path under ``dest`` -> path in the v0.28.0 release (a tree, else the mirror)."""
+    for out, src in files.items():
         if tree is not None:
             text = (tree / src).read_text()
         else:
             text = subprocess.run(["git", f"--git-dir={mirror}", "show", f"{REF}:{src}"],
                                   check=True, capture_output=True, text=True).stdout  # fmt: skip
+        (dest / out).parent.mkdir(parents=True, exist_ok=True)
         (dest / out).write_text(text)
 
 
@@ -137,16 +160,19 @@ def write_stub(dest: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.imports")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("extract")
-    ex.add_argument("dest", type=pathlib.Path)
-    ex.add_argument("--mirror", type=pathlib.Path, default=DEFAULT_MIRROR)
-    ex.add_argument("--tree", type=pathlib.Path)
+    for cmd in ("extract", "pristine"):
+        ex = sub.add_parser(cmd)
+        ex.add_argument("dest", type=pathlib.Path)
+        ex.add_argument("--mirror", type=pathlib.Path, default=DEFAULT_MIRROR)
+        ex.add_argument("--tree", type=pathlib.Path)
     st = sub.add_parser("stub")
     st.add_argument("dest", type=pathlib.Path)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "extract":
             extract_stock(args.dest, args.mirror, args.tree)
+        elif args.cmd == "pristine":
+            extract_pristine(args.dest, args.mirror, args.tree)
         else:
             write_stub(args.dest)
     except (OSError, subprocess.CalledProcessError) as e:

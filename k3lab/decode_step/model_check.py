@@ -25,7 +25,8 @@ What stands in, and why (each named in the JSON's ``stand_ins``):
   with the latent norm as RMSNorm (flashinfer's fused all-reduce + RMSNorm at TP8).
 
 Needs the GPU bundle's tree with v0.28.0's own model files put back
-(``k3lab/device/model_check.sh``); never runs on a CPU (``--dry-cpu`` builds the layers on
+(``k3lab/device/run.sh model_check PRISTINE_DIR`` after ``install``; PRISTINE_DIR from
+``python -m k3lab.decode_step.imports pristine``); never runs on a CPU (``--dry-cpu`` builds the layers on
 the CPU to check the construction only, with the CPU platform's MoE oracle set to Triton).
 """
 

@@ -179,3 +179,25 @@ def test_the_benchmarks_json_header_names_gpu_date_and_versions(monkeypatch) -> 
     assert env["gpu"] == "NVIDIA H200" and env["triton"] == triton.__version__
     assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
     assert len(env["date"]) == 10 and env["date"][4] == "-"
+
+
+def test_pristine_holds_v028s_copy_of_every_file_the_series_modifies(tmp_path) -> None:
+    """The model check lays these over the bundle's patched tree: one left out would run
+    patched code as v0.28.0's."""
+    from k3lab.decode_step import imports
+
+    tree = tmp_path / "release"
+    wanted = imports.patched_paths()
+    assert "vllm/models/kimi_k3/nvidia/model.py" in wanted
+    for i, rel in enumerate(wanted):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(f"v0.28.0 copy {i}\n")
+    imports.extract_pristine(tmp_path / "out", None, tree)
+    written = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert written == wanted
+    assert (tmp_path / "out" / wanted[-1]).read_text() == f"v0.28.0 copy {len(wanted) - 1}\n"
+    series = (imports.ROOT / "patches" / "series").read_text().split()
+    touched = {line.split()[2][2:] for name in series
+               for line in (imports.ROOT / "patches" / name).read_text().splitlines()
+               if line.startswith("diff --git a/")}  # fmt: skip
+    assert touched == set(wanted)
