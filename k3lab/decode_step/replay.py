@@ -210,6 +210,20 @@ def op_table(kn, pk, mode: str) -> dict:
     return out
 
 
+def measure_paths_here(fused, paths: list[str], branch: str, capture: str) -> None:
+    """Let ``paths`` run on ``branch`` under ``capture`` in this process, as if
+    ``MEASURED_MODES`` listed them there (``fused``: the patched tree's
+    ``low_latency_fused_dispatch``): the replay that measures a path before it is listed.
+    ValueError for a path the tree does not know."""
+    unknown = sorted(set(paths) - set(fused.PATHS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not among {', '.join(fused.PATHS)}")
+    fused.MODES_BY_CAPABILITY = {
+        cap: {**by_path, **{p: {**by_path.get(p, {}), (branch, capture): "replay --measure-paths"}
+                            for p in paths}}
+        for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m k3lab.decode_step.replay", description=__doc__.split("\n")[0]
@@ -223,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--measure-paths", default="",
+                    help="comma list of our model-level paths (moe_front, moe_tail) to run in this mode although "
+                         "MEASURED_MODES does not list it: how a path is measured before it is listed")
     args = ap.parse_args(argv)
     try:
         rec = modes.mode(args.mode)
@@ -256,8 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the replay needs v0.28.0's ops and the patched vLLM tree (the GPU bundle): {e}",
               file=sys.stderr)  # fmt: skip
         return 2
+    trial = [p for p in args.measure_paths.split(",") if p]
+    if trial:
+        try:
+            measure_paths_here(pk.fused, trial, rec["all"]["moe_branch"], rec["all"]["capture"])
+        except ValueError as e:
+            print(f"error: --measure-paths: {e}", file=sys.stderr)
+            return 2
     bw = timing.read_bandwidth_Bps(replays=12)
     doc = {**provenance.environment(), "mode": args.mode, "mode_record": rec, "tag": args.tag,
+           "measure_paths": trial,
            "tree": os.environ.get("K3_TREE", "unnamed: set K3_TREE to the commit the bundle and overlay are of"),
            "read_bw_TBps": round(bw / 1e12, 4), "copies": args.copies, "reps": args.reps,
            "method": "per variant: the layer over rotated weight copies, one CUDA graph per segment between "

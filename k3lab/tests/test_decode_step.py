@@ -201,3 +201,20 @@ def test_pristine_holds_v028s_copy_of_every_file_the_series_modifies(tmp_path) -
                for line in (imports.ROOT / "patches" / name).read_text().splitlines()
                if line.startswith("diff --git a/")}  # fmt: skip
     assert touched == set(wanted)
+
+
+def test_measure_paths_lets_only_the_named_paths_run_in_this_mode() -> None:
+    from types import MappingProxyType, SimpleNamespace
+
+    from k3lab.decode_step import replay
+
+    measured = MappingProxyType({"moe_front": {("fused_moe", "breakable"): "run A"},
+                                 "moe_tail": {("fused_moe", "breakable"): "run B"}})
+    fused = SimpleNamespace(PATHS=("moe_front", "moe_tail"), MODES_BY_CAPABILITY={(9, 0): measured})
+    replay.measure_paths_here(fused, ["moe_tail"], "fused_moe", "full")
+    now = fused.MODES_BY_CAPABILITY[(9, 0)]
+    assert ("fused_moe", "full") in now["moe_tail"] and ("fused_moe", "breakable") in now["moe_tail"]
+    assert ("fused_moe", "full") not in now["moe_front"]
+    assert ("fused_moe", "full") not in measured["moe_tail"]  # the tree's data is left as it was
+    with pytest.raises(ValueError, match="moe_middle"):
+        replay.measure_paths_here(fused, ["moe_middle"], "fused_moe", "full")
