@@ -187,14 +187,16 @@ def upstream_release(ref: str, mirror: ReleaseMirror, option: str = "--vllm-ref"
 
 
 # A release version written the way pip, PyPI or a habit writes it: 0.29.0, V0.29.0, vllm-0.29.0,
-# vllm==0.29.0 (the tag is v0.29.0)
-_NEAR_TAG = re.compile(r"(?:vllm(?:-|==)|[vV])?(\d+\.\d+\.\d+)")
+# vllm==0.29.0, or without its patch number, v0.29 (the tag is v0.29.0)
+_NEAR_TAG = re.compile(r"(?:vllm(?:-|==)|[vV])?(\d+\.\d+)(\.\d+)?")
 
 
 def meant_tag(ref: str) -> str | None:
-    """The release tag ``ref`` most likely means (``0.29.0`` -> ``v0.29.0``), None if none."""
+    """The release tag ``ref`` most likely means (``0.29.0``, ``v0.29`` -> ``v0.29.0``), None
+    if none."""
     match = _NEAR_TAG.fullmatch(ref.strip())
-    return f"v{match.group(1)}" if match and ref != f"v{match.group(1)}" else None
+    tag = match and f"v{match.group(1)}{match.group(2) or '.0'}"
+    return tag if tag and ref != tag else None
 
 
 def unknown_ref_hint(ref: str) -> str:

@@ -177,12 +177,18 @@ def test_an_unknown_ref_gets_one_line_saying_what_works(released, project, monke
     assert "upstream's commit id of a release" in err and "python apply.py --list-releases" in err
 
 
-@pytest.mark.parametrize("typo", ["1.0.0", "V1.0.0", "vllm-1.0.0", "vllm==1.0.0"])
+@pytest.mark.parametrize("typo", ["1.0.0", "V1.0.0", "vllm-1.0.0", "vllm==1.0.0", "v1.0", "1.0"])
 def test_a_release_version_without_its_v_gets_did_you_mean(released, project, monkeypatch, capsys, typo):
     monkeypatch.setattr(cli, "Project", lambda: project)
     assert cli.main(["-q", "--vllm-ref", typo, "--check"]) == errors.USAGE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"ref {typo!r} is not in the release mirror; did you mean v1.0.0?" in err
+
+
+@pytest.mark.parametrize("ref, meant", [("v0.29", "v0.29.0"), ("0.33.0", "v0.33.0"), ("v0.29.0", None),
+                                        ("v0.29.0.1", None), ("main", None), ("v1", None)])
+def test_meant_tag(ref, meant):
+    assert releases.meant_tag(ref) == meant
 
 
 def test_list_releases_names_upstream_ids_and_mirror_shas(released, monkeypatch, capsys):
