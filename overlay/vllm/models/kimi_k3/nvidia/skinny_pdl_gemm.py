@@ -70,6 +70,15 @@ BLOCK_N_CHOICES = (1, 2, 4, 8, 16)
 MAX_BLOCK_K = 16384
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(a: int) -> int:
+    # Host arithmetic of our own: config checks run where vLLM's Triton is a placeholder.
+    return 1 << max(a - 1, 0).bit_length()
+
+
 class SkinnyPdlConfig(NamedTuple):
     """Compile-time tile of the skinny PDL kernel plus the run-time K split.
 
@@ -105,19 +114,59 @@ def config_error(config: SkinnyPdlConfig, n: int, k: int) -> str | None:
         return f"block_k={bk} is not a power of two in 64..{MAX_BLOCK_K}"
     if warps not in (1, 2, 4, 8) or not 1 <= stages <= 8:
         return f"num_warps={warps} / num_stages={stages} out of range"
-    chunks = triton.cdiv(k, bk)
+    chunks = _cdiv(k, bk)
     if not 1 <= split <= chunks:
         return f"split_k={split} outside 1..{chunks} (K chunks of {bk})"
-    if triton.cdiv(chunks, triton.cdiv(chunks, split)) != split:
+    if _cdiv(chunks, _cdiv(chunks, split)) != split:
         return f"split_k={split} leaves a split without K chunks"
     return None
 
 
 def grid_of(config: SkinnyPdlConfig, n: int, k: int) -> tuple[int, int, int]:
     """``(row blocks, splits, K elements per split)`` of one launch."""
-    chunks = triton.cdiv(k, config.block_k)
-    per_split = triton.cdiv(chunks, config.split_k)
-    return triton.cdiv(n, config.block_n), triton.cdiv(chunks, per_split), per_split * config.block_k
+    chunks = _cdiv(k, config.block_k)
+    per_split = _cdiv(chunks, config.split_k)
+    return _cdiv(n, config.block_n), _cdiv(chunks, per_split), per_split * config.block_k
+
+
+#: Bytes of weight one thread may hold per chunk (64 registers): the cap the sweep's
+#: grid keeps to, choosing 8 warps over 4 where a chunk needs it.
+SWEEP_BYTES_PER_THREAD = 256
+#: CTAs below which the sweep also tries split-K: two per SM of the H200's 132.
+SWEEP_MIN_CTAS = 264
+
+
+def sweep_configs(n: int, k: int) -> list[SkinnyPdlConfig]:
+    """The configs the H200 sweep times for an (N, K) weight (and the GPU tests check).
+
+    ``block_n`` 1, 2, 4, 8; ``block_k`` either the whole K (the next power of two: the
+    slice is loaded before the wait) or 2048-element chunks; 4 warps, or 8 where a chunk
+    would hold more than :data:`SWEEP_BYTES_PER_THREAD` bytes of W per thread at 4 (and
+    none where 8 would too); split-K added only where the rows alone give fewer than
+    :data:`SWEEP_MIN_CTAS` CTAs. Every N and K of the Kimi-K3 table is a multiple of 16,
+    so a config is one Triton build per power of two of M whatever the shape: the grid
+    is kept small because each build costs about a second of compile.
+    """
+    out: list[SkinnyPdlConfig] = []
+    whole = _next_pow2(k)
+    for bn in (1, 2, 4, 8):
+        for bk in sorted({min(whole, MAX_BLOCK_K), min(whole, 2048)}):
+            if bk < 64 or bk * _cdiv(k, bk) < k:
+                continue
+            warps = next((w for w in (4, 8) if bn * bk * 2 <= SWEEP_BYTES_PER_THREAD * 32 * w),
+                         None)  # fmt: skip
+            if warps is None:
+                continue
+            splits = [1]
+            chunks, blocks = _cdiv(k, bk), _cdiv(n, bn)
+            if blocks < SWEEP_MIN_CTAS and chunks > 1:
+                want = min(chunks, _cdiv(SWEEP_MIN_CTAS, blocks))
+                splits.append(_cdiv(chunks, _cdiv(chunks, want)))
+            for split in dict.fromkeys(splits):
+                cfg = SkinnyPdlConfig(bn, bk, split, warps, 1)
+                if config_error(cfg, n, k) is None:
+                    out.append(cfg)
+    return out
 
 
 @triton.jit
@@ -241,7 +290,7 @@ def _use_pdl(device_index: int) -> bool:
 
 def block_m_of(m: int) -> int:
     """The token loop's length for M = ``m``: the next power of two (one build per)."""
-    return triton.next_power_of_2(m)
+    return _next_pow2(m)
 
 
 def _launch(x, weight, y, residual, mnk, config: SkinnyPdlConfig, pdl, warmup: bool) -> None:
