@@ -183,7 +183,7 @@ def _fma_chunk(acc, w, x_ptr, offs_k, k_ok, M, K, BLOCK_M: tl.constexpr):
 
 
 # M and the split are run-time values: one build serves every M of one power of two.
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "chunks_per_split"])
 def _skinny_pdl_kernel(
     x_ptr,
     w_ptr,
@@ -194,7 +194,7 @@ def _skinny_pdl_kernel(
     M,
     N,
     K,
-    k_per_split,
+    chunks_per_split,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -210,12 +210,15 @@ def _skinny_pdl_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # clamped: the last block re-reads row N - 1
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # A product of BLOCK_K: Triton knows k_lo is a multiple of 8 (16-byte aligned rows).
+    k_lo = pid_k * chunks_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + chunks_per_split * BLOCK_K, K)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
-    # The first chunk of W before the wait: no kernel writes the weight.
+    # The first chunk of W before the wait: no kernel writes the weight. A split holds
+    # whole chunks, so only K itself bounds a chunk: a mask whose 8-element groups
+    # Triton can prove uniform (K is specialised as a multiple of 16), hence 16-byte loads.
     kk = k_lo + offs_k
-    k_ok = kk < k_hi
+    k_ok = kk < K
     w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
     if USE_PDL:
         # x, the residual and the workspace may be the previous kernel's output.
@@ -224,7 +227,7 @@ def _skinny_pdl_kernel(
     acc = _fma_chunk(acc, w, x_ptr, kk, k_ok, M, K, BLOCK_M)
     for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         kk = k + offs_k
-        k_ok = kk < k_hi
+        k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
         acc = _fma_chunk(acc, w, x_ptr, kk, k_ok, M, K, BLOCK_M)
 
@@ -305,7 +308,8 @@ def _launch(x, weight, y, residual, mnk, config: SkinnyPdlConfig, pdl, warmup: b
         counters = torch.zeros(blocks, dtype=torch.int32)
     if pdl is None:
         pdl = x.device.type == "cuda" and _use_pdl(x.device.index or 0)
-    args = (x, weight, y, x if residual is None else residual, sums, counters, m, n, k, per_split)
+    args = (x, weight, y, x if residual is None else residual, sums, counters, m, n, k,
+            per_split // config.block_k)
     kwargs = dict(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
