@@ -138,19 +138,53 @@ def _cfg_data(cfg):
     return None if cfg is None else repr(cfg)
 
 
-def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: float) -> dict:
-    """Build every skinny config (one per power of two of M) and the CuTe configs, before
-    any timing (a compile inside a graph capture would fail). Returns what was compiled."""
-    torch, sk = lab.torch, lab.sk
+def _compile_worker(jobs: list) -> int:
+    """Child process: build ``jobs`` (``(cfg, n, k, m)``) into Triton's on-disk cache."""
+    import torch
+
+    sk = importlib.import_module(SK_MODULE)
     dev = torch.device("cuda")
-    t0, done = time.time(), set()
+    for cfg, n, k, m in jobs:
+        sk.warmup(sk.SkinnyPdlConfig(*cfg), n, k, dev, num_tokens=m)
+    return len(jobs)
+
+
+def _builds(sk, shapes: list, ms: list) -> list:
+    """One ``(cfg, n, k, m)`` per distinct Triton build the rows need."""
+    seen: dict = {}
     for n, k in shapes:
         for m in ms:
             for cfg in sk.sweep_configs(n, k):
                 key = (tuple(cfg), sk.block_m_of(m), n % 16 == 0, k % 16 == 0, cfg.split_k > 1)
-                if key not in done:
-                    sk.warmup(cfg, n, k, dev, num_tokens=m)
-                    done.add(key)
+                seen.setdefault(key, (tuple(cfg), n, k, m))
+    return list(seen.values())
+
+
+def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: float,
+                workers: int) -> dict:
+    """Build every skinny config (one per power of two of M) and the CuTe configs, before
+    any timing (a compile inside a graph capture would fail). Returns what was compiled.
+
+    The Triton builds (about 90, a second or more each) are first made by ``workers``
+    child processes into Triton's on-disk cache, so that this process's own warm-up only
+    loads them; if the pool fails, this process compiles them itself."""
+    torch, sk = lab.torch, lab.sk
+    dev = torch.device("cuda")
+    t0, builds, pool_note = time.time(), _builds(sk, shapes, ms), None
+    if workers > 1 and len(builds) > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        parts = [builds[i::workers] for i in range(workers)]
+        try:
+            with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+                list(ex.map(_compile_worker, [p for p in parts if p]))
+        except Exception as exc:  # the serial warm-up below compiles what is missing
+            pool_note = f"pool failed: {type(exc).__name__}: {exc}"[:200]
+            print(f"[skinny] {pool_note}", flush=True)
+    pool_s = time.time() - t0
+    for cfg, n, k, m in builds:
+        sk.warmup(sk.SkinnyPdlConfig(*cfg), n, k, dev, num_tokens=m)
     skinny_s = time.time() - t0
     t1, cute_ok, cute_skipped = time.time(), set(), []
     order = sorted(((m, shp.weight_bytes(n, k), n, k) for n, k in shapes for m in ms))
@@ -167,7 +201,9 @@ def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: flo
         except Exception as exc:
             cute_skipped.append([n, k, m, f"{type(exc).__name__}: {exc}"[:120]])
     # The table's own picks compile in their first (un-captured) call of each row.
-    return {"skinny_builds": len(done), "skinny_s": round(skinny_s, 1),
+    return {"skinny_builds": len(builds), "skinny_s": round(skinny_s, 1),
+            "skinny_pool_s": round(pool_s, 1), "skinny_pool_workers": workers,
+            **({"skinny_pool_note": pool_note} if pool_note else {}),
             "cute_compiled": len(cute_ok), "cute_s": round(time.time() - t1, 1),
             "cute_skipped": cute_skipped, "cute_ok": cute_ok}
 
@@ -314,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="stop timing new shapes (alone) after this; the chain still runs")
     ap.add_argument("--cute-budget-s", type=float, default=45.0)
+    ap.add_argument("--compile-workers", type=int, default=min(12, os.cpu_count() or 1),
+                    help="child processes that build the Triton kernels first (1: none)")
     ap.add_argument("--chain-max-mb", type=float, default=100.0)
     ap.add_argument("--chain-passes", type=int, default=6)
     ap.add_argument("--run-id", default=os.environ.get("K3_RUN_ID", "skinny-pdl"))
@@ -328,7 +366,7 @@ def main(argv=None) -> int:
     figures = json.load(open(args.figures)) if args.figures else None
     cute = cute_configs(figures)
     read_bps = timing.read_bandwidth_Bps()
-    compiled = compile_all(lab, shapes, ms, cute, args.cute_budget_s)
+    compiled = compile_all(lab, shapes, ms, cute, args.cute_budget_s, args.compile_workers)
     cute_ok = compiled.pop("cute_ok")
     print(f"[skinny] read roof {read_bps / 1e12:.3f} TB/s; compiled {compiled} "
           f"in {time.time() - t0:.0f}s", flush=True)
