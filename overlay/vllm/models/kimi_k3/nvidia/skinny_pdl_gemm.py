@@ -41,6 +41,8 @@ meant to be both, so that the table decides on one measure:
   launch), adds the residual and stores bf16. That sum's order is the arrival order, so
   split-K results may differ in the last bits from run to run; ``split_k = 1`` is
   deterministic.
+* **two chunks in flight**: where K takes several chunks, each next chunk's loads are
+  issued before the current chunk's FMAs (a register double buffer).
 * **16-byte loads**: K is contiguous in W and x; Triton vectorises a chunk's loads to
   16 bytes where K is a multiple of 16 (it specialises on that) and the pointers are
   16-byte aligned (the backend checks). Rows past N are clamped onto row N - 1 (a
@@ -224,12 +226,14 @@ def _skinny_pdl_kernel(
         # x, the residual and the workspace may be the previous kernel's output.
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _fma_chunk(acc, w, x_ptr, kk, k_ok, M, K, BLOCK_M)
+    # Two chunks in flight: the next chunk's loads are issued before this one's FMAs and
+    # reductions, so its HBM latency hides behind them (registers, not shared memory).
     for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        kk = k + offs_k
-        k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+        kk_next = k + offs_k
+        w_next = tl.load(w_rows + kk_next[None, :], mask=(kk_next < K)[None, :], other=0.0)
         acc = _fma_chunk(acc, w, x_ptr, kk, k_ok, M, K, BLOCK_M)
+        w, kk, k_ok = w_next, kk_next, kk_next < K
+    acc = _fma_chunk(acc, w, x_ptr, kk, k_ok, M, K, BLOCK_M)
 
     offs_m = tl.arange(0, BLOCK_M)
     out = offs_m[:, None] * N + offs_n[None, :]
