@@ -128,7 +128,8 @@ def grid_of(config: SkinnyPdlConfig, n: int, k: int) -> tuple[int, int, int]:
     """``(row blocks, splits, K elements per split)`` of one launch."""
     chunks = _cdiv(k, config.block_k)
     per_split = _cdiv(chunks, config.split_k)
-    return _cdiv(n, config.block_n), _cdiv(chunks, per_split), per_split * config.block_k
+    splits = _cdiv(chunks, per_split)
+    return _cdiv(n, config.block_n), splits, per_split * config.block_k
 
 
 #: Bytes of weight one thread may hold per chunk (64 registers): the cap the sweep's
@@ -144,10 +145,12 @@ def sweep_configs(n: int, k: int) -> list[SkinnyPdlConfig]:
     ``block_n`` 1, 2, 4, 8; ``block_k`` either the whole K (the next power of two: the
     slice is loaded before the wait) or 2048-element chunks; 4 warps, or 8 where a chunk
     would hold more than :data:`SWEEP_BYTES_PER_THREAD` bytes of W per thread at 4 (and
-    none where 8 would too); split-K added only where the rows alone give fewer than
-    :data:`SWEEP_MIN_CTAS` CTAs. Every N and K of the Kimi-K3 table is a multiple of 16,
-    so a config is one Triton build per power of two of M whatever the shape: the grid
-    is kept small because each build costs about a second of compile.
+    none where 8 would too), plus one-row blocks of the whole slice at 8 warps, and for
+    K <= 512 fewer warps and 16-row blocks; split-K added only where the rows alone give
+    fewer than :data:`SWEEP_MIN_CTAS` CTAs. Every N and K of the Kimi-K3 table is a
+    multiple of 16, so a config is one Triton build per power of two of M whatever the
+    shape (126 builds at M 1..4): the grid is kept small because each build costs about
+    a second of compile.
     """
     out: list[SkinnyPdlConfig] = []
     whole = _next_pow2(k)
@@ -168,6 +171,19 @@ def sweep_configs(n: int, k: int) -> list[SkinnyPdlConfig]:
                 cfg = SkinnyPdlConfig(bn, bk, split, warps, 1)
                 if config_error(cfg, n, k) is None:
                     out.append(cfg)
+    # One row per CTA, the whole slice, twice the threads: half the bytes per thread in
+    # flight, for shapes with few rows per SM (144 or 768 rows on 132 SMs).
+    one_row = SkinnyPdlConfig(1, min(whole, MAX_BLOCK_K), 1, 8, 1)
+    if whole >= 1024 and one_row not in out and config_error(one_row, n, k) is None:
+        out.append(one_row)
+    # Short rows (K <= 512): as few warps as give every thread a 16-byte vector (4 warps
+    # would leave most idle), and 16-row blocks.
+    if whole <= 512:
+        for bn in (1, 2, 4, 8, 16):
+            warps = max(1, min(4, bn * whole // (8 * 32)))
+            cfg = SkinnyPdlConfig(bn, whole, 1, warps, 1)
+            if cfg not in out and config_error(cfg, n, k) is None:
+                out.append(cfg)
     return out
 
 
