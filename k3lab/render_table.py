@@ -40,12 +40,15 @@ def _backend_comment(table: dict) -> list[str]:
             "# (block_size, outputs_per_block, k_unroll, vector_width, static_k) and None for",
             "# dsv3_fused_a.",
         ]
-    return [
+    lines = [
         "# (N, K) -> {M: (backend, cfg)}. cfg per backend: cute (block_size,",
         "# outputs_per_block, k_unroll, vector_width, static_k); swap_ab (block_n, block_k,",
         "# split_k, num_warps, num_stages[, rows]); ll_bf16 (\"splitk\", split_k, num_stages) or",
         "# (\"dotprod\", block_size); tinygemm and dsv3_fused_a None.",
     ]
+    if "skinny_pdl" in used:  # only then: the modules rendered before it stay byte for byte
+        lines.append("# skinny_pdl (block_n, block_k, split_k, num_warps, num_stages).")
+    return lines
 
 
 def _item(key: str, value: str, indent: str, width: int = 100) -> list[str]:
@@ -102,8 +105,19 @@ def render(
         covered = {(r["N"], r["K"]) for r in run["rows"]}
         if only:
             covered &= set(only[0])
-        table = {shape: row for shape, row in table.items() if shape not in covered}
-        table.update({shape: row for shape, row in _routed(run).items() if shape in covered})
+        if run.get("covers") == "rows":
+            # A run of some M only (k3lab/bench/skinny_pdl_sweep.py): its (shape, M) replace
+            # the table's, whether routed or not; the shape's other M stay.
+            timed = {(r["N"], r["K"], r["M"]) for r in run["rows"]}
+            new = _routed(run)
+            for shape in covered:
+                row = {m: e for m, e in table.get(shape, {}).items() if (*shape, m) not in timed}
+                row.update(new.get(shape, {}))
+                table[shape] = row
+            table = {shape: row for shape, row in table.items() if row}
+        else:
+            table = {shape: row for shape, row in table.items() if shape not in covered}
+            table.update({shape: row for shape, row in _routed(run).items() if shape in covered})
         row_prov.update(dict.fromkeys(covered, _provenance(run, path)))
     row_prov = {shape: src for shape, src in row_prov.items() if shape in table}
     crit = results.get("criteria", {})

@@ -14,6 +14,8 @@
 #                        v0.28.0 model files put back (MODE_S seconds per mode, MS token counts)
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
+#   skinny SECONDS       issue 28: skinny_pdl on every SM90 shape at M 1..4 (SKINNY_M) against the
+#                        table, CuTe and cuBLAS, alone and in the chain (k3lab.bench.skinny_pdl_sweep)
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -128,5 +130,12 @@ decode)
      --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
      | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
   PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
+skinny)
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (skinny_pdl included)
+  # Stop timing new shapes alone 40 s before SECONDS: the chain and the JSON come after.
+  lab k3lab.bench.skinny_pdl_sweep --out "$OUT" --figures $R/decode_gemm_sm90.json \
+     --m ${SKINNY_M:-1,2,3,4} --budget-s $(( ${1:-240} - 40 )) 2>&1 \
+     | grep -v "^\[kernels\]\|^\[candidates\]" | tee "$OUT/skinny_pdl_sweep.log" ;;
 esac
 echo "[device_run] $step done in $(( $(date +%s) - START ))s"

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
-"""PDL order in the PTX of our fused GEMM and norm kernels, compiled for sm_90 on the CPU.
+"""PDL order in the PTX of our fused GEMM, skinny GEMM and norm kernels, built for sm_90 on a CPU.
 
 Triton compiles for a GPU target without a GPU. What PDL buys depends on where the
 instructions sit: the trigger (``griddepcontrol.launch_dependents``) early, and
 nothing a previous kernel may have written read before ``griddepcontrol.wait``. In
 the fused GEMM only the weight's L2 prefetch may come before the wait (every load
-comes after it); in the norm kernel the norm weight's load may, the row's may not.
+comes after it); in the norm kernel the norm weight's load may, the row's may not; in
+the skinny GEMM the first weight chunk's loads must (its point), x's must not.
 Skipped, with the reason, where this Triton cannot compile for sm_90.
 """
 
@@ -28,12 +29,14 @@ from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
 from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
-         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32"}  # fmt: skip
+         "chunks_per_split", "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32"}  # fmt: skip
 _FLOATS = {"eps", "beta", "lin_beta"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
-def _ptx(kernel, constexprs: dict, pointers: dict | None = None) -> str:
+def _ptx(kernel, constexprs: dict, pointers: dict | None = None, divisible: tuple = ()) -> str:
+    """sm_90 PTX of ``kernel``; ``divisible`` names the arguments to compile as multiples
+    of 16 (pointers: 16-byte aligned), as Triton specialises them at a launch."""
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -50,7 +53,8 @@ def _ptx(kernel, constexprs: dict, pointers: dict | None = None) -> str:
         else:
             sig[name] = {**_POINTERS, **(pointers or {})}.get(name, "*bf16")
     try:
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs),
+        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32))  # fmt: skip
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton
         pytest.skip(f"Triton cannot compile for sm_90 here: {type(e).__name__}: {str(e)[-300:]}")
@@ -117,3 +121,28 @@ def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexp
         assert before > 0 and after >= before, (before, after)
     else:
         assert before == 0, f"{before} loads before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("block_k,split", [(8192, False), (2048, False), (2048, True)],
+                         ids=["whole-slice", "chunked", "split-k"])  # fmt: skip
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_skinny_pdl_issues_its_weight_loads_before_the_wait(block_k, split, block_m) -> None:
+    """The skinny GEMM triggers first, loads its first weight chunk (the whole slice at
+    block_k >= K) before ``griddepcontrol.wait`` and x after it."""
+    from vllm.models.kimi_k3.nvidia import skinny_pdl_gemm as sk
+
+    lines = _lines(_ptx(sk._skinny_pdl_kernel, dict(
+        BLOCK_N=2, BLOCK_K=block_k, BLOCK_M=block_m, SPLIT=split, HAS_RESIDUAL=True,
+        USE_PDL=True), {"acc_ptr": "*fp32", "cnt_ptr": "*i32"},
+        divisible=("x_ptr", "w_ptr", "y_ptr", "r_ptr", "N", "K")))  # fmt: skip
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = [ln for ln in lines[:wait] if "ld.global" in ln]
+    after = [ln for ln in lines[wait:] if "ld.global" in ln]
+    assert before, "no weight load before griddepcontrol.wait"
+    # 16-byte loads of W: 2 rows x block_k bf16 over 128 threads, 8 per vector.
+    assert all(".v4.b32" in ln for ln in before), before[:3]
+    assert len(before) == 2 * block_k // (128 * 8), len(before)
+    assert after, "x and the residual must load after the wait"
+    assert not any(ln.startswith("griddepcontrol.wait") for ln in lines[wait + 1:])
