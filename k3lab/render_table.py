@@ -24,7 +24,7 @@ import os
 import sys
 
 DEFAULT_OUT = "overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py"
-PROV_KEYS = ("gpu", "source", "date", "torch", "cutlass_dsl", "run_id")
+PROV_KEYS = ("gpu", "source", "date", "torch", "cutlass_dsl", "run_id", "token_counts")
 
 
 def _cfg_text(cfg) -> str:
@@ -118,7 +118,11 @@ def render(
         else:
             table = {shape: row for shape, row in table.items() if shape not in covered}
             table.update({shape: row for shape, row in _routed(run).items() if shape in covered})
-        row_prov.update(dict.fromkeys(covered, _provenance(run, path)))
+        prov_run = _provenance(run, path)
+        if run.get("covers") == "rows":  # say which M it gave; the others are the main run's
+            ms = sorted({r["M"] for r in run["rows"]})
+            prov_run["token_counts"] = f"M {ms[0]}..{ms[-1]} (other M: {results_path})"
+        row_prov.update(dict.fromkeys(covered, prov_run))
     row_prov = {shape: src for shape, src in row_prov.items() if shape in table}
     crit = results.get("criteria", {})
     lines = [
@@ -135,14 +139,14 @@ def render(
         "",
         "PROVENANCE = {",
     ]
-    lines += [line for k in PROV_KEYS for line in _item(k, prov[k], "    ")]
+    lines += [line for k in PROV_KEYS if k in prov for line in _item(k, prov[k], "    ")]
     lines += ["}", ""]
     if row_prov:
         lines += ["# Shapes taken from another run: (N, K) -> the provenance of that run.",
                   "ROW_PROVENANCE = {"]
         for shape in sorted(row_prov):
             lines.append(f"    {shape}: {{")
-            lines += [line for k in PROV_KEYS for line in _item(k, row_prov[shape][k], "        ")]
+            lines += [line for k in PROV_KEYS if k in row_prov[shape] for line in _item(k, row_prov[shape][k], "        ")]
             lines.append("    },")
         lines += ["}", ""]
     lines += [

@@ -333,6 +333,9 @@ def check_layer(layer: str, mode: str, ms, cfg, vc, torch, tmp: str) -> dict:
     return out
 
 
+_CONFIG_CONTEXT: list = []
+
+
 def setup(mode: str, experts: int, dry_cpu: bool):
     """Import v0.28.0 under the mode's environment; the config, the distributed world of one."""
     os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if mode == "breakable" else "0"
@@ -367,8 +370,11 @@ def setup(mode: str, experts: int, dry_cpu: bool):
     cfg = kimi_config(KimiLinearConfig, experts)
     vc = vllm_config_for(mode)
     vc.model_config = model_config_stub(cfg, torch)
-    ctx = set_current_vllm_config(vc)
-    ctx.__enter__()
+    # Held for the process's life: set_current_vllm_config is a generator context, and once
+    # nothing refers to it its finally clears the current config (the H200 run of 2026-12-03
+    # 23:42 built no layer: "Current vLLM config is not set").
+    _CONFIG_CONTEXT.append(set_current_vllm_config(vc))
+    _CONFIG_CONTEXT[-1].__enter__()
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo" if dry_cpu else "nccl",
                                  distributed_init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}")
     ensure_model_parallel_initialized(1, 1)

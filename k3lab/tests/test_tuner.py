@@ -35,6 +35,10 @@ TUNER_RESULTS = ROOT / "results" / "sm90" / "tune_sm90.json"
 F_B_SHAPES = {(1536, 128), (3072, 128), (768, 128)}
 KDA_RESULTS = ROOT / "results" / "sm90" / "tune_sm90_kda.json"
 KDA_SHAPES = {(6144, 7168), (144, 7168)}
+# issue 28: the skinny_pdl sweep's rows (M 1..4) of the two shapes it was routed on: q_b_proj
+# and the 768-row shapes (not the f_b_proj shapes: their strided input is CuTe's alone).
+SKINNY_RESULTS = ROOT / "results" / "sm90" / "skinny_pdl_sweep_sm90.json"
+SKINNY_SHAPES = {(768, 7168), (1152, 1536)}
 # Every timing of those runs: the tuner's cache as git keeps it (one file per GPU), and the
 # KDA run's own cache, a small raw run kept as test data.
 TUNER_CACHE = ROOT / "results" / "tune_cache"
@@ -45,7 +49,8 @@ KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-k
 
 def _added() -> tuple:
     return ((json.loads(TUNER_RESULTS.read_text()), "results/sm90/tune_sm90.json", F_B_SHAPES),
-            (json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"))
+            (json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
+            (json.loads(SKINNY_RESULTS.read_text()), "results/sm90/skinny_pdl_sweep_sm90.json", SKINNY_SHAPES))
 
 
 def test_committed_sm90_table_is_rendered_from_the_committed_runs():
@@ -119,7 +124,9 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
     tuner_run = json.loads(TUNER_RESULTS.read_text())["provenance"]["run_id"]
     kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
-    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES, kda_run)}
+    skinny_run = json.loads(SKINNY_RESULTS.read_text())["provenance"]["run_id"]
+    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES, kda_run),
+                       **dict.fromkeys(SKINNY_SHAPES, skinny_run)}
     assert table["PROVENANCE"]["run_id"] == p["run_id"]
 
 

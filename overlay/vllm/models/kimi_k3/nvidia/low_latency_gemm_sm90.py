@@ -38,6 +38,30 @@ ROW_PROVENANCE = {
         "cutlass_dsl": "4.6.2",
         "run_id": "h200-20261130",
     },
+    (768, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261203"
+            " -> results/sm90/skinny_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-03",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261203",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (1152, 1536): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261203"
+            " -> results/sm90/skinny_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-03",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261203",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
     (1536, 128): {
         "gpu": "NVIDIA H200 (SM90)",
         "source": "k3lab/tune.py run h200-20261130 -> results/sm90/tune_sm90.json",
@@ -68,6 +92,7 @@ ROW_PROVENANCE = {
 # outputs_per_block, k_unroll, vector_width, static_k); swap_ab (block_n, block_k,
 # split_k, num_warps, num_stages[, rows]); ll_bf16 ("splitk", split_k, num_stages) or
 # ("dotprod", block_size); tinygemm and dsv3_fused_a None.
+# skinny_pdl (block_n, block_k, split_k, num_warps, num_stages).
 ROWS = {
     (144, 7168): {
         1: ("cute", (224, 1, 4, 8, None)),  # 3.73x / 3.21x
@@ -106,10 +131,10 @@ ROWS = {
         16: ("cute", (32, 2, 1, 4, None)),  # 1.15x / 1.30x
     },
     (768, 7168): {
-        1: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.31x
-        2: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.31x
-        3: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.32x
-        4: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.33x
+        1: ("skinny_pdl", (4, 8192, 1, 8, 1)),  # 1.38x / 1.35x
+        2: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.30x / 1.31x
+        3: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.33x
+        4: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.30x
         5: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.32x
         6: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.34x
         7: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.32x
@@ -124,10 +149,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.35x / 1.34x
     },
     (1152, 1536): {
-        1: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.33x / 1.32x
-        2: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.30x / 1.31x
-        3: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.27x / 1.28x
-        4: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.33x / 1.29x
+        1: ("skinny_pdl", (8, 2048, 1, 4, 1)),  # 2.71x / 2.55x
+        2: ("skinny_pdl", (4, 2048, 1, 4, 1)),  # 1.84x / 1.80x
+        3: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.32x / 1.30x
+        4: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.34x / 1.29x
         5: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.27x / 1.27x
         6: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.27x / 1.29x
         7: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.26x / 1.27x
