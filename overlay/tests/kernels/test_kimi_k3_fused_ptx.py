@@ -23,13 +23,15 @@ if not HAS_TRITON:  # vLLM's placeholders stand in for triton.jit: no kernel to 
     pytest.skip("vllm.triton_utils found no usable Triton (HAS_TRITON is False)",
                 allow_module_level=True)  # fmt: skip
 
+from vllm.models.kimi_k3.nvidia import attn_res as ar  # noqa: E402
 from vllm.models.kimi_k3.nvidia import fused_gemm as fg  # noqa: E402
 from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
 from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
-         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32"}  # fmt: skip
-_FLOATS = {"eps", "beta", "lin_beta"}
+         "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32",
+         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx"}  # fmt: skip
+_FLOATS = {"eps", "beta", "lin_beta", "out_eps"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
@@ -117,3 +119,27 @@ def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexp
         assert before > 0 and after >= before, (before, after)
     else:
         assert before == 0, f"{before} loads before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("nb,block_s,reload", [(8, 16, False), (8, 16, True), (15, 8, True), (0, 1, False)])
+@pytest.mark.parametrize("has_delta", [False, True])
+def test_attn_res_loads_only_the_weights_before_the_wait(nb, block_s, reload, has_delta) -> None:
+    """The trigger first; before the wait only the three weight vectors load (parameters
+    no kernel writes), ``prefix``, ``delta`` and ``blocks`` after it; and no store
+    (the prefix and block writes) before the wait either."""
+    ptx = _ptx(ar._attn_res_kernel, dict(
+        NB=nb, BLOCK_S=block_s, BLOCK_D=8192, HAS_DELTA=has_delta, WRITE_BLOCK=True, OUT_NORM=True,
+        RELOAD=reload, USE_PDL=True), {"out_ptr": "*bf16"})  # fmt: skip
+    lines = _lines(ptx)
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = sum("ld.global" in ln for ln in lines[:wait])
+    after = sum("ld.global" in ln for ln in lines[wait:])
+    stores_before = sum("st.global" in ln for ln in lines[:wait])
+    # 8192 bf16 over the CTA's threads per vector: norm_w and qk_w (NB > 0) and out_w
+    weights = 3 if nb else 1
+    assert before > 0 and stores_before == 0, (before, stores_before)
+    # after the wait: prefix (+ delta), and at least the NB block rows for NB > 0
+    rows_after = (1 + has_delta + nb) * before // weights
+    assert after >= rows_after, (before, after, rows_after)
