@@ -16,11 +16,13 @@
   nothing) off the table: switch off, CPU tensors, fp32, M > 16, no SM90 table, NB > 15,
   a write into a source slot, batch-invariant mode; and the routed entry runs the real
   kernel under the interpreter;
-* ``fused_decode.attn_res`` runs the stock function unless routed.
+* ``fused_decode.attn_res`` runs the stock function unless routed, and patch 0010 makes
+  the decoder layer's two attn-res sites call it with v0.28.0's ``attn_res``.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -324,3 +326,26 @@ def test_the_call_site_runs_the_stock_function_unless_routed(monkeypatch) -> Non
     assert fused_decode.attn_res(stock, *args[:6], **kw) == "ours"
     assert len(stock_calls) == 1
     assert seen[0][6:] == (2, -1, 1e-6, 1e-5)
+
+
+def _decoder_layer_calls(method: str) -> list:
+    from pathlib import Path
+
+    tree = ast.parse(Path(fused_decode.__file__).with_name("model.py").read_text("utf-8"))
+    layer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KimiDecoderLayer")
+    fn = next(n for n in layer.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+
+
+@pytest.mark.parametrize("method", ["_pre_attn_norm", "_post_attn_norm"])
+def test_patch_0010_routes_the_decoder_layers_attn_res_through_fused_decode(method) -> None:
+    """The tree's model.py (patched): each decoder-layer site calls ``fused_attn_res`` with
+    v0.28.0's ``attn_res`` as its stock function, and no bare ``attn_res`` call is left."""
+    calls = _decoder_layer_calls(method)
+    fused = [c for c in calls if c.func.id == "fused_attn_res"]
+    assert len(fused) == 1, method
+    assert isinstance(fused[0].args[0], ast.Name) and fused[0].args[0].id == "attn_res"
+    assert not [c for c in calls if c.func.id == "attn_res"], "a stock attn_res call is left"
+    kw = {k.arg for k in fused[0].keywords}
+    assert kw == {"num_blocks", "block_write_idx", "eps", "output_norm_eps"}
+
