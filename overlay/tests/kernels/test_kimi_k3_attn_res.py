@@ -129,8 +129,9 @@ def _cases():
             seed += 1
             cases.append([3, 96, nb, d, w, o, "float16", {}, seed, False])
     # M = 1 and 16, two tiles (block_s = 8) and the reloaded mix, other warps
-    for m, nb, meta in [(1, 2, {}), (16, 8, {"block_s": 8}), (16, 15, {"block_s": 8, "reload": True}),
-                        (1, 15, {"num_warps": 32}), (3, 8, {"reload": True, "num_warps": 8})]:  # fmt: skip
+    for m, nb, meta in [(1, 2, {}), (16, 8, {"block_s": 4}), (16, 15, {"block_s": 8, "reload": True}),
+                        (1, 15, {"num_warps": 32, "reload": False}), (3, 8, {"reload": True, "num_warps": 8}),
+                        (3, 5, {"block_s": 4, "reload": False})]:  # fmt: skip
         for d, w, o in [(True, True, True), (True, False, True), (False, False, False)]:
             seed += 1
             cases.append([m, 64, nb, d, w, o, "float16", meta, seed, False])
@@ -201,14 +202,15 @@ def test_the_launcher_raises_value_error_on_bad_operands(why, edit) -> None:
         ar.attn_res(*args, pdl=False)
 
 
-@pytest.mark.parametrize("nb,block_s", [(8, 4), (15, 4), (2, 3)])
-def test_block_s_must_hold_the_sources_in_two_power_of_two_tiles(nb, block_s) -> None:
+@pytest.mark.parametrize("nb,block_s", [(8, 2), (15, 4), (2, 3), (9, 4)])
+def test_block_s_must_hold_the_blocks_in_two_power_of_two_tiles(nb, block_s) -> None:
     with pytest.raises(ValueError):
         ar.block_s_for(nb, block_s)
 
 
 def test_block_s_default_is_one_tile() -> None:
-    assert [ar.block_s_for(nb) for nb in (0, 1, 2, 8, 15)] == [1, 2, 4, 16, 16]
+    assert [ar.block_s_for(nb) for nb in (0, 1, 2, 8, 15)] == [1, 1, 2, 8, 16]
+    assert ar.block_s_for(15, 8) == 8 and ar.block_s_for(8, 4) == 4
 
 
 # ---------------------------------------------------------------------- dispatch
@@ -302,7 +304,7 @@ def test_try_attn_res_answers_none_off_the_table(routed, monkeypatch, state) -> 
 
 
 @pytest.mark.parametrize("config,ok", [(None, True), ((16, 0, False), True), ((32, 8, True), True),
-                                       ((12, 0, False), False), ((16, 4, False), False),
+                                       ((8, 4, True), True), ((12, 0, False), False), ((16, 2, False), False),
                                        ((16, 0, 1), False), ((16, 0), False)])  # fmt: skip
 def test_backend_config_error(config, ok) -> None:
     (backend,) = gemm_backends.backends_for("attn_res").values()

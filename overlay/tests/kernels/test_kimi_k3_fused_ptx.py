@@ -121,7 +121,7 @@ def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexp
         assert before == 0, f"{before} loads before griddepcontrol.wait"
 
 
-@pytest.mark.parametrize("nb,block_s,reload", [(8, 16, False), (8, 16, True), (15, 8, True), (0, 1, False)])
+@pytest.mark.parametrize("nb,block_s,reload", [(8, 8, False), (8, 8, True), (15, 8, True), (0, 1, False)])
 @pytest.mark.parametrize("has_delta", [False, True])
 def test_attn_res_loads_only_the_weights_before_the_wait(nb, block_s, reload, has_delta) -> None:
     """The trigger first; before the wait only the three weight vectors load (parameters

@@ -17,11 +17,12 @@ Why a kernel of our own: v0.28.0's walks the sources in tiles of four with an on
 softmax (a chain of dependent loads and block reductions) and waits on the previous
 kernel before it loads anything; it costs 7.6-8.2 µs per call on the H200 at decode,
 twice per decoder layer, against well under a microsecond of bytes. This one is a single
-CTA per row that loads every source of the row in one round trip (one or two
-``[BLOCK_S, BLOCK_D]`` tiles, ``u`` put in the prefix's slot of the tile), reduces the
-sums of squares and the dots of all sources in one block reduction, mixes from the tiles
-still in registers (or, with ``reload=True``, from a second read that hits L1/L2: fewer
-live registers), then one more block reduction for the output norm.
+CTA per row that loads every source of the row in one round trip (the blocks as one or
+two ``[BLOCK_S, BLOCK_D]`` tiles, ``u`` from the prefix and delta beside them), reduces
+the sums of squares and the dots of all blocks in one two-operand block reduction (and
+u's in another, independent one), mixes from the tiles still in registers (or, with
+``reload=True``, from a second read that hits L1: fewer live registers), then one more
+block reduction for the output norm.
 
 PDL (SM90+, ``pdl`` defaults to on there): the kernel lets the next kernel launch at once
 (``griddepcontrol.launch_dependents``: the next kernel's own ``griddepcontrol.wait``
@@ -52,20 +53,25 @@ def _add_pair(a0, a1, b0, b1):
 
 
 @triton.jit
-def _source_tile(blocks_ptr, row, stride_bm, stride_br, s, d, d_ok, u, NB: tl.constexpr):
-    """``[BLOCK_S, BLOCK_D]`` fp32 tile of sources ``s``: blocks for s < NB, ``u`` at
-    s == NB, zeros past it (and past H)."""
+def _block_tile(blocks_ptr, row, stride_bm, stride_br, s, d, d_ok, NB: tl.constexpr,
+                AGAIN: tl.constexpr = False):  # fmt: skip
+    """``[BLOCK_S, BLOCK_D]`` fp32 tile of block sources ``s`` (zeros for s >= NB and past
+    H). ``AGAIN``: the re-read of the mix, spelled with an explicit ``.ca`` (cache at all
+    levels: it hits L1) so that the compiler does not merge it with the first read and
+    keep that tile live across the reductions instead."""
     ptrs = blocks_ptr + row * stride_bm + s[:, None].to(tl.int64) * stride_br + d[None, :]
-    vals = tl.load(ptrs, mask=(s[:, None] < NB) & d_ok[None, :], other=0.0).to(tl.float32)
-    return tl.where(s[:, None] == NB, u[None, :], vals)
+    mask = (s[:, None] < NB) & d_ok[None, :]
+    if AGAIN:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".ca").to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _tile_logits(vals, s, qk, inv_h, eps, NB: tl.constexpr):
-    """Logits of one tile (-inf past the last source): the sums of squares and the dots
+    """Logits of one tile (-inf past the last block): the sums of squares and the dots
     in one (two-operand) block reduction."""
     ss, dot = tl.reduce((vals * vals, vals * qk[None, :]), 1, _add_pair)
-    return tl.where(s <= NB, dot * tl.rsqrt(ss * inv_h + eps), -float("inf"))
+    return tl.where(s < NB, dot * tl.rsqrt(ss * inv_h + eps), -float("inf"))
 
 
 @triton.jit(do_not_specialize=["stride_p", "stride_d", "stride_bm", "stride_br", "write_idx"])
@@ -90,6 +96,13 @@ def _attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, ou
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
+    # The blocks' loads go out first, with the prefix's: one round trip for the row.
+    if NB > 0:
+        s0 = tl.arange(0, BLOCK_S)
+        t0 = _block_tile(blocks_ptr, row, stride_bm, stride_br, s0, d, d_ok, NB)
+        if NB > BLOCK_S:
+            s1 = BLOCK_S + tl.arange(0, BLOCK_S)
+            t1 = _block_tile(blocks_ptr, row, stride_bm, stride_br, s1, d, d_ok, NB)
     u = tl.load(prefix_ptr + row * stride_p + d, mask=d_ok, other=0.0)
     if HAS_DELTA:
         # The BF16 sum is the new prefix and the source, as the stock kernel rounds it.
@@ -103,29 +116,28 @@ def _attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, ou
     if NB == 0:
         mixed = u
     else:
-        # Both tiles' loads are issued before either reduction needs them (one round trip).
-        s0 = tl.arange(0, BLOCK_S)
-        t0 = _source_tile(blocks_ptr, row, stride_bm, stride_br, s0, d, d_ok, u, NB)
-        if NB + 1 > BLOCK_S:
-            s1 = BLOCK_S + tl.arange(0, BLOCK_S)
-            t1 = _source_tile(blocks_ptr, row, stride_bm, stride_br, s1, d, d_ok, u, NB)
+        # u (the last source) apart from the tiles: a tile of exactly the blocks (8 rows
+        # for NB = 8, not 16) keeps the registers for the blocks.
+        u_ss, u_dot = tl.reduce((u * u, u * qk), 0, _add_pair)
+        u_logit = u_dot * tl.rsqrt(u_ss * inv_h + eps)
         l0 = _tile_logits(t0, s0, qk, inv_h, eps, NB)
-        top = tl.max(l0, axis=0)
-        if NB + 1 > BLOCK_S:
+        top = tl.maximum(tl.max(l0, axis=0), u_logit)
+        if NB > BLOCK_S:
             l1 = _tile_logits(t1, s1, qk, inv_h, eps, NB)
             top = tl.maximum(top, tl.max(l1, axis=0))
         e0 = tl.exp(l0 - top)
-        denom = tl.sum(e0, axis=0)
-        if NB + 1 > BLOCK_S:
+        e_u = tl.exp(u_logit - top)
+        denom = tl.sum(e0, axis=0) + e_u
+        if NB > BLOCK_S:
             e1 = tl.exp(l1 - top)
             denom += tl.sum(e1, axis=0)
         if RELOAD:
-            t0 = _source_tile(blocks_ptr, row, stride_bm, stride_br, s0, d, d_ok, u, NB)
+            t0 = _block_tile(blocks_ptr, row, stride_bm, stride_br, s0, d, d_ok, NB, True)
         # Sources sit in each thread's registers along S: this sum needs no other thread.
-        mixed = tl.sum(e0[:, None] * t0, axis=0)
-        if NB + 1 > BLOCK_S:
+        mixed = tl.sum(e0[:, None] * t0, axis=0) + e_u * u
+        if NB > BLOCK_S:
             if RELOAD:
-                t1 = _source_tile(blocks_ptr, row, stride_bm, stride_br, s1, d, d_ok, u, NB)
+                t1 = _block_tile(blocks_ptr, row, stride_bm, stride_br, s1, d, d_ok, NB, True)
             mixed += tl.sum(e1[:, None] * t1, axis=0)
         mixed = mixed / denom
 
@@ -198,14 +210,13 @@ def _pow2_at_least(n: int) -> int:
 
 
 def block_s_for(num_blocks: int, block_s: int | None = None) -> int:
-    """Sources per tile: ``block_s`` if given (raises ``ValueError`` unless a power of
-    two with two tiles enough for ``num_blocks + 1``), else the smallest power of two
-    holding every source in one tile."""
-    sources = num_blocks + 1
+    """Blocks per tile (``u``, the last source, is kept apart): ``block_s`` if given
+    (raises ``ValueError`` unless a power of two with two tiles enough for
+    ``num_blocks``), else the smallest power of two holding every block in one tile."""
     if block_s is None:
-        return _pow2_at_least(sources)
-    if block_s < 1 or block_s & (block_s - 1) or 2 * block_s < sources:
-        raise ValueError(f"block_s={block_s}: a power of two with 2 * block_s >= {sources}")
+        return _pow2_at_least(max(num_blocks, 1))
+    if block_s < 1 or block_s & (block_s - 1) or 2 * block_s < num_blocks:
+        raise ValueError(f"block_s={block_s}: a power of two with 2 * block_s >= {num_blocks}")
     return block_s
 
 
@@ -245,10 +256,10 @@ def attn_res(
             sources: they are read while it is written).
         eps, output_norm_eps: the two norms' epsilons.
         num_warps: warps of the row's CTA (8, 16 or 32 are sensible).
-        block_s: sources per tile (power of two, two tiles at most); None: one tile.
+        block_s: blocks per tile (power of two, two tiles at most); None: one tile.
         reload: mix from a second read of the sources (hits L1/L2) instead of
             keeping the tiles live in registers (the default until the H200 bench says
-            otherwise: one fp32 tile of 16 x 8192 is 128 registers a thread at 32 warps).
+            otherwise: ptxas for sm_90a spills with the tile of NB = 8 kept live).
         pdl: launch with programmatic dependent launch; None: on for SM90+ CUDA.
 
     Returns:

@@ -11,7 +11,7 @@ row's sources in one round trip, PDL-aware (the three weight vectors load before
 (``python -m k3lab.decode_step.attn_res_bench``).
 
 Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's defaults:
-16 warps, all sources in one tile, the mix from a second, cached read) or ``(num_warps, block_s, reload)`` with ``block_s`` 0
+16 warps, all blocks in one tile, the mix from a second, cached read) or ``(num_warps, block_s, reload)`` with ``block_s`` 0
 for one tile. Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
 with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
 with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
@@ -39,7 +39,8 @@ class PdlAttnRes(PdlKernel):
     op: ClassVar[str] = "attn_res"
 
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """None, or ``(num_warps in 4/8/16/32, block_s 0 or a power of two 8..16, reload)``."""
+        """None, or ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``; a block_s
+        too small for a call's NB makes :meth:`operands_ok` refuse that call."""
         if config is None:
             return None
         if len(config) != 3:
@@ -47,9 +48,8 @@ class PdlAttnRes(PdlKernel):
         warps, block_s, reload = config
         if warps not in WARPS:
             return f"{self.name}: num_warps={warps} not in {WARPS}"
-        # two tiles of 8 hold the 16 sources of NB = 15: every supported NB fits
-        if block_s not in (0, 8, 16):
-            return f"{self.name}: block_s={block_s} not 0, 8 or 16"
+        if block_s not in (0, 4, 8, 16):
+            return f"{self.name}: block_s={block_s} not 0, 4, 8 or 16"
         if not isinstance(reload, bool):
             return f"{self.name}: reload={reload!r} not a bool"
         return None
