@@ -35,9 +35,9 @@ from k3lab.decode_step.layers import EPS, NB, H
 
 COPIES = 8
 GRID = {  # kind -> list of option dicts
-    # NB = 8: 9 sources, one tile of 16 (block_s None) or two of 8
+    # NB = 8 blocks (u apart): one tile of 8 (block_s None) or two of 4
     "ours": [dict(num_warps=w, block_s=b, reload=r)
-             for w, b, r in itertools.product((8, 16, 32), (None, 8), (False, True))],
+             for w, b, r in itertools.product((8, 16, 32), (None, 4), (False, True))],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
