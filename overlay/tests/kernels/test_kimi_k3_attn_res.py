@@ -11,7 +11,10 @@
   truncation (numpy has no bf16), so bit-equality of the prefix and block writes is
   checked on fp16 (the kernel is dtype-generic; the GPU file checks bf16 bit for bit);
   bf16 cases check the math within bf16 accuracy;
-* the launcher raises ``ValueError`` on bad shapes, dtypes, NB or write slot;
+* the ``loop`` variant (column chunks) likewise, for every flag combination, NB in
+  {0, 1, 8, 15}, M in {1, 3}, H not a multiple of the chunk, H = 7168 once;
+* the launcher raises ``ValueError`` on bad shapes, dtypes, NB or write slot, or bad
+  loop meta-parameters;
 * ``try_attn_res`` routes the SM90 table's row to the backend and answers None (launching
   nothing) off the table: switch off, CPU tensors, fp32, M > 16, no SM90 table, NB > 15,
   a write into a source slot, batch-invariant mode; and the routed entry runs the real
@@ -160,6 +163,55 @@ def test_interpreted_kernel_matches_float64_and_writes_exactly() -> None:
         assert got["others_kept"], f"{what}: a block slot other than the write slot changed"
 
 
+def _loop_cases():
+    cases = []
+    seed = 200
+    loop = {"variant": "loop", "chunk": 32, "num_stages": 3}
+    # every flag combination at NB 0, 1, 8, 15; H = 100: three full chunks of 32 and a
+    # masked one (fp16: bit-exact writes)
+    for nb in (0, 1, 8, 15):
+        for d, w, o in FLAGS:
+            seed += 1
+            cases.append([3, 100, nb, d, w, o, "float16", loop, seed, False])
+    # M = 1, one chunk wider than H, other warps and stages
+    for m, h, nb, meta in [(1, 100, 8, loop), (1, 40, 15, {**loop, "chunk": 64, "num_warps": 4}),
+                           (1, 48, 1, {**loop, "chunk": 16, "num_stages": 8, "num_warps": 8})]:  # fmt: skip
+        for d, w, o in [(True, True, True), (False, False, True), (True, False, False)]:
+            seed += 1
+            cases.append([m, h, nb, d, w, o, "float16", meta, seed, False])
+    # the model's width and chunk once; bf16 once
+    cases.append([1, 7168, 8, True, True, True, "float16", {**loop, "chunk": 1024}, 301, False])
+    cases.append([3, 160, 8, True, True, True, "bfloat16", {**loop, "chunk": 64}, 302, False])
+    return cases
+
+
+def test_interpreted_loop_variant_matches_float64_and_writes_exactly() -> None:
+    """The ``loop`` variant (column chunks, elementwise accumulators, the mix and the
+    output norm re-read): the same checks as the tile variant's."""
+    cases = _loop_cases()
+    results = _interpret(cases)
+    assert len(results) == len(cases)
+    for case, got in zip(cases, results):
+        m, h, nb, d, w, o, dtype = case[:7]
+        what = f"loop M={m} H={h} NB={nb} delta={d} write={w} out_norm={o} {dtype} {case[7]}"
+        assert got["finite"], f"{what}: NaN/Inf or an unwritten output element"
+        assert got["shape"] == [m, h], what
+        assert got["err"] < (2e-3 if dtype == "float16" else 1.6e-2), f"{what}: err {got['err']:.2e}"
+        if dtype == "float16":
+            assert got["prefix_exact"], f"{what}: prefix is not fp16(prefix + delta) bit for bit"
+        else:
+            assert got["prefix_ulp"] <= 2 ** -7, f"{what}: prefix off by {got['prefix_ulp']}"
+        assert got["block_exact"], f"{what}: block slot is not the new prefix bit for bit"
+        assert got["others_kept"], f"{what}: a block slot other than the write slot changed"
+
+
+@pytest.mark.parametrize("meta", [dict(variant="rows"), dict(variant="loop", chunk=1000),
+                                  dict(variant="loop", chunk=8), dict(variant="loop", num_stages=0)])  # fmt: skip
+def test_the_launcher_raises_value_error_on_bad_loop_meta(meta) -> None:
+    with pytest.raises(ValueError):
+        ar.attn_res(*_operands(), pdl=False, **meta)
+
+
 def test_the_routed_entry_runs_the_kernel_under_the_interpreter() -> None:
     (h,) = next(iter(sm90_data.FUSED_SM90["attn_res"]))
     cases = [[2, h, 8, True, True, True, "bfloat16", {}, 7, True],
@@ -305,10 +357,25 @@ def test_try_attn_res_answers_none_off_the_table(routed, monkeypatch, state) -> 
 
 @pytest.mark.parametrize("config,ok", [(None, True), ((16, 0, False), True), ((32, 8, True), True),
                                        ((8, 4, True), True), ((12, 0, False), False), ((16, 2, False), False),
-                                       ((16, 0, 1), False), ((16, 0), False)])  # fmt: skip
+                                       ((16, 0, 1), False), ((16, 0), False),
+                                       (("loop", 8, 1024, 4), True), (("loop", 16, 2048, 8), True),
+                                       (("loop", 4, 512, 1), True), (("loop", 32, 1024, 4), False),
+                                       (("loop", 8, 1000, 4), False), (("loop", 8, 1024, 0), False),
+                                       (("loop", 8, 1024, True), False), (("loop", 8, 1024), False)])  # fmt: skip
 def test_backend_config_error(config, ok) -> None:
     (backend,) = gemm_backends.backends_for("attn_res").values()
     assert (backend.config_error(7168, 7168, 1, config) is None) is ok
+
+
+def test_backend_loop_config_launches_the_loop_variant(monkeypatch) -> None:
+    (backend,) = gemm_backends.backends_for("attn_res").values()
+    seen = []
+    monkeypatch.setattr(ar, "attn_res", lambda *a, **k: seen.append(k) or "out")
+    args = _operands(h=64, nb=2)
+    assert backend.launch(("loop", 8, 1024, 4), *args) == "out"
+    assert backend.launch((16, 0, True), *args) == "out"
+    assert seen == [dict(variant="loop", num_warps=8, chunk=1024, num_stages=4),
+                    dict(num_warps=16, block_s=None, reload=True)]  # fmt: skip
 
 
 def test_the_call_site_runs_the_stock_function_unless_routed(monkeypatch) -> None:

@@ -46,6 +46,10 @@ from vllm.triton_utils import tl, triton
 #: kernel).
 MAX_SOURCES = 16
 
+#: ``"tile"``: :func:`_attn_res_kernel` (the row's sources in registers at once);
+#: ``"loop"``: :func:`_attn_res_loop_kernel` (the row in pipelined column chunks).
+VARIANTS = ("tile", "loop")
+
 
 @triton.jit
 def _add_pair(a0, a1, b0, b1):
@@ -147,6 +151,113 @@ def _attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, ou
     tl.store(out_ptr + row * H + d, mixed.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+# The strides ARE specialized (Triton's divisible-by-16 key, two builds at most): with
+# them unspecialized the row offsets have no known alignment and every load and store
+# is a scalar 16-bit one (seen in the sm_90 PTX), not 16-byte vectors.
+@triton.jit(do_not_specialize=["write_idx"])
+def _attn_res_loop_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, out_w_ptr, out_ptr,
+                          H, stride_p, stride_d, stride_bm, stride_br, write_idx, eps, out_eps,
+                          NB: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, STAGES: tl.constexpr,
+                          HAS_DELTA: tl.constexpr, WRITE_BLOCK: tl.constexpr,
+                          OUT_NORM: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """The ``loop`` variant: the row in ``NCH`` chunks of ``CH`` columns, small registers.
+
+    Pass 1 (a loop the software pipeliner stages: ``tl.range(num_stages=STAGES)``, which
+    Triton needs to pipeline loads that feed no dot; ``STAGES`` is the launcher's
+    ``num_stages``; the later passes likewise): u's chunk (the
+    prefix write and block write), the ``[BLOCK_S, CH]`` tile of blocks, into ELEMENTWISE
+    fp32 accumulators; the cross-thread reductions once after the loop. Pass 2 re-reads
+    the chunks (L1/L2 hits) and mixes; with the output norm it only accumulates
+    sum(mixed^2) and pass 3 recomputes the mix and stores it normed (one rounding)."""
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, CH)
+    inv_h = 1.0 / H
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # nothing loads before the wait: the weights come chunk by chunk with the rows
+        tl.extra.cuda.gdc_wait()
+    p_row = prefix_ptr + row * stride_p
+    o_row = out_ptr + row * H
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NB
+    b_rows = blocks_ptr + row * stride_bm + s[:, None].to(tl.int64) * stride_br
+
+    # ---- pass 1: u (written back), sums of squares and dots, elementwise
+    u_ss = tl.zeros([CH], tl.float32)
+    u_dot = tl.zeros([CH], tl.float32)
+    acc_ss = tl.zeros([BLOCK_S, CH], tl.float32)
+    acc_dot = tl.zeros([BLOCK_S, CH], tl.float32)
+    for c in tl.range(0, NCH, num_stages=STAGES):
+        d = c * CH + c0
+        d_ok = d < H
+        if NB > 0:
+            b = tl.load(b_rows + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            qk = tl.load(norm_w_ptr + d, mask=d_ok, other=0.0).to(tl.float32) * tl.load(
+                qk_w_ptr + d, mask=d_ok, other=0.0
+            ).to(tl.float32)
+        u = tl.load(p_row + d, mask=d_ok, other=0.0)
+        if HAS_DELTA:
+            delta = tl.load(delta_ptr + row * stride_d + d, mask=d_ok, other=0.0)
+            u = (u.to(tl.float32) + delta.to(tl.float32)).to(prefix_ptr.dtype.element_ty)
+            tl.store(p_row + d, u, mask=d_ok)
+        if WRITE_BLOCK:
+            tl.store(blocks_ptr + row * stride_bm + write_idx.to(tl.int64) * stride_br + d, u, mask=d_ok)
+        uf = u.to(tl.float32)
+        if NB > 0:
+            acc_ss += b * b
+            acc_dot += b * qk[None, :]
+            u_dot += uf * qk
+            u_ss += uf * uf
+        elif OUT_NORM:
+            u_ss += uf * uf  # NB = 0: mixed = u, its norm
+        else:
+            tl.store(o_row + d, u, mask=d_ok)  # NB = 0, no norm: out = u, done
+
+    if NB > 0:
+        ss = tl.sum(acc_ss, axis=1)
+        dot = tl.sum(acc_dot, axis=1)
+        logit = tl.where(s_ok, dot * tl.rsqrt(ss * inv_h + eps), -float("inf"))
+        u_logit = tl.sum(u_dot, axis=0) * tl.rsqrt(tl.sum(u_ss, axis=0) * inv_h + eps)
+        top = tl.maximum(tl.max(logit, axis=0), u_logit)
+        e = tl.exp(logit - top)
+        e_u = tl.exp(u_logit - top)
+        inv_den = 1.0 / (tl.sum(e, axis=0) + e_u)
+        p = e * inv_den
+        p_u = e_u * inv_den
+    if NB > 0 or OUT_NORM:
+        # pass 1's prefix stores, read back by other threads of the CTA below
+        tl.debug_barrier()
+    if NB > 0:
+        # ---- pass 2: the mix (stored, or its sum of squares for the norm)
+        m_ss = tl.zeros([CH], tl.float32)
+        for c in tl.range(0, NCH, num_stages=STAGES):
+            d = c * CH + c0
+            d_ok = d < H
+            b = tl.load(b_rows + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            u = tl.load(p_row + d, mask=d_ok, other=0.0).to(tl.float32)
+            mixed = tl.sum(p[:, None] * b, axis=0) + p_u * u
+            if OUT_NORM:
+                m_ss += mixed * mixed
+            else:
+                tl.store(o_row + d, mixed.to(out_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        m_ss = u_ss
+    if OUT_NORM:
+        r = tl.rsqrt(tl.sum(m_ss, axis=0) * inv_h + out_eps)
+        # ---- pass 3: the same mix again, normed, one rounding
+        for c in tl.range(0, NCH, num_stages=STAGES):
+            d = c * CH + c0
+            d_ok = d < H
+            u = tl.load(p_row + d, mask=d_ok, other=0.0).to(tl.float32)
+            if NB > 0:
+                b = tl.load(b_rows + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mixed = tl.sum(p[:, None] * b, axis=0) + p_u * u
+            else:
+                mixed = u
+            ow = tl.load(out_w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(o_row + d, (mixed * r * ow).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
 @functools.cache
 def _pdl_default(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -236,6 +347,9 @@ def attn_res(
     block_s: int | None = None,
     reload: bool = True,
     pdl: bool | None = None,
+    variant: str = "tile",
+    chunk: int = 1024,
+    num_stages: int = 4,
 ) -> torch.Tensor:
     """The attn-res mix of every row (module docstring), in one launch; v0.28.0's
     ``ops.attn_res`` contract (positional arguments), plus meta-parameters.
@@ -261,18 +375,30 @@ def attn_res(
             keeping the tiles live in registers (the default until the H200 bench says
             otherwise: ptxas for sm_90a spills with the tile of NB = 8 kept live).
         pdl: launch with programmatic dependent launch; None: on for SM90+ CUDA.
+        variant: ``"tile"`` (the whole row in registers, ``block_s``/``reload`` apply)
+            or ``"loop"`` (:func:`_attn_res_loop_kernel`: the row in chunks of ``chunk``
+            columns, a power of two, over ``num_stages`` pipelined loads; ``block_s`` and
+            ``reload`` do not apply: one tile of all blocks).
 
     Returns:
         A new packed (M, H) tensor of prefix's dtype.
 
     Raises:
         ValueError: a shape, stride, dtype or device that does not fit the above, NB
-            outside 0..15, a bad ``block_write_idx`` or ``block_s``.
+            outside 0..15, a bad ``block_write_idx`` or ``block_s``, ``variant``,
+            ``chunk`` or ``num_stages``.
     """
     check_operands(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                    num_blocks, block_write_idx)  # fmt: skip
     m, h = prefix.shape
-    bs = block_s_for(num_blocks, block_s)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+    if variant == "loop":
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"chunk={chunk}: a power of two >= 16")
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"num_stages={num_stages!r}: an int >= 1")
+    bs = block_s_for(num_blocks, block_s if variant == "tile" else None)
     out = torch.empty((m, h), dtype=prefix.dtype, device=prefix.device)
     if m == 0:
         return out
@@ -280,13 +406,18 @@ def attn_res(
         pdl = prefix.device.type == "cuda" and _pdl_default(prefix.device.index or 0)
     uses_blocks = num_blocks > 0 or block_write_idx >= 0
     stride_bm, stride_br = (blocks.stride(0), blocks.stride(1)) if uses_blocks else (0, 0)
-    kw = dict(NB=num_blocks, BLOCK_S=bs, BLOCK_D=_pow2_at_least(h),
-              HAS_DELTA=delta is not None, WRITE_BLOCK=block_write_idx >= 0,
-              OUT_NORM=output_norm_weight is not None, RELOAD=bool(reload), USE_PDL=bool(pdl),
-              num_warps=num_warps)  # fmt: skip
+    kw = dict(NB=num_blocks, BLOCK_S=bs, HAS_DELTA=delta is not None,
+              WRITE_BLOCK=block_write_idx >= 0, OUT_NORM=output_norm_weight is not None,
+              USE_PDL=bool(pdl), num_warps=num_warps)  # fmt: skip
+    if variant == "loop":
+        kern = _attn_res_loop_kernel
+        kw.update(CH=chunk, NCH=-(-h // chunk), STAGES=num_stages, num_stages=num_stages)
+    else:
+        kern = _attn_res_kernel
+        kw.update(BLOCK_D=_pow2_at_least(h), RELOAD=bool(reload))
     if pdl:
         kw["launch_pdl"] = True
-    _attn_res_kernel[(m,)](
+    kern[(m,)](
         prefix, prefix if delta is None else delta, blocks if uses_blocks else prefix,
         norm_weight, qk_weight, norm_weight if output_norm_weight is None else output_norm_weight,
         out, h, prefix.stride(0), 0 if delta is None else delta.stride(0), stride_bm, stride_br,

@@ -11,8 +11,10 @@ row's sources in one round trip, PDL-aware (the three weight vectors load before
 (``python -m k3lab.decode_step.attn_res_bench``).
 
 Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's defaults:
-16 warps, all blocks in one tile, the mix from a second, cached read) or ``(num_warps, block_s, reload)`` with ``block_s`` 0
-for one tile. Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
+16 warps, all blocks in one tile, the mix from a second, cached read), or
+``(num_warps, block_s, reload)`` (the ``tile`` variant) with ``block_s`` 0 for one tile,
+or ``("loop", num_warps, chunk, num_stages)`` (the ``loop`` variant: the row in
+pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8). Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
 with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
 with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
 sources; weights contiguous BF16 (H,); one device (the kernel's own ``check_operands``).
@@ -30,6 +32,8 @@ from .base import WarmupCall, bf16_on
 from .pdl_rmsnorm import PdlKernel, token_rows_ok
 
 WARPS = (4, 8, 16, 32)
+LOOP_CHUNKS = (512, 1024, 2048)
+LOOP_STAGES = range(1, 9)
 
 
 class PdlAttnRes(PdlKernel):
@@ -39,9 +43,19 @@ class PdlAttnRes(PdlKernel):
     op: ClassVar[str] = "attn_res"
 
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """None, or ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``; a block_s
-        too small for a call's NB makes :meth:`operands_ok` refuse that call."""
+        """None, ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``, or
+        ``("loop", num_warps in 4/8/16, chunk, num_stages)``; a block_s too small for a
+        call's NB makes :meth:`operands_ok` refuse that call."""
         if config is None:
+            return None
+        if len(config) == 4 and config[0] == "loop":
+            _, warps, chunk, stages = config
+            if warps not in WARPS[:3]:
+                return f"{self.name}: loop num_warps={warps} not in {WARPS[:3]}"
+            if chunk not in LOOP_CHUNKS:
+                return f"{self.name}: loop chunk={chunk} not in {LOOP_CHUNKS}"
+            if isinstance(stages, bool) or stages not in LOOP_STAGES:
+                return f"{self.name}: loop num_stages={stages!r} not in 1..8"
             return None
         if len(config) != 3:
             return f"{self.name}: config (num_warps, block_s, reload), got {config!r}"
@@ -58,6 +72,9 @@ class PdlAttnRes(PdlKernel):
     def _meta(config: Any) -> dict:
         if config is None:
             return {}
+        if config[0] == "loop":
+            _, warps, chunk, stages = config
+            return dict(variant="loop", num_warps=warps, chunk=chunk, num_stages=stages)
         warps, block_s, reload = config
         return dict(num_warps=warps, block_s=block_s or None, reload=reload)
 
