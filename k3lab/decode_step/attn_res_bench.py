@@ -2,11 +2,12 @@
 
 Kinds: ``ours``, the overlay's one-launch kernel (``overlay/.../nvidia/attn_res.py``, what
 patch 0010 routes to; options: its meta-parameters ``num_warps``, ``block_s``, ``reload``,
-``pdl``), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
+``pdl``), ``loop``, the same module's ``variant="loop"`` (options ``chunk``,
+``num_warps``, ``num_stages``), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
 ``row``, ``spin``), which lost.
 
 ``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
-[--kinds ours,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
+[--kinds ours,loop,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
 Writes ``attn_res_bench_<date><tag>.json`` to ``--out`` (default ``$OUT``) and prints the
 best config of each kind (lowest summed µs over the M asked for). Exit codes: 0 done,
 2 bad usage / no GPU / missing stock files.
@@ -38,6 +39,12 @@ GRID = {  # kind -> list of option dicts
     # NB = 8 blocks (u apart): one tile of 8 (block_s None) or two of 4
     "ours": [dict(num_warps=w, block_s=b, reload=r)
              for w, b, r in itertools.product((8, 16, 32), (None, 4), (False, True))],
+    # the loop variant (column chunks, pipelined): configs ptxas (sm_90a) compiles without
+    # spills; CH 2048 at 8 warps, 3-4 stages (8 stages would need 336 KB of shared memory)
+    "loop": [dict(variant="loop", chunk=c, num_warps=w, num_stages=st)
+             for c, w, st in itertools.product((1024,), (4, 8, 16), (4, 8))]
+            + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
+            + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     def ours_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
         return one_launch.attn_res(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
 
-    kind_fns = {**split.KINDS, "ours": ours_fn}
+    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn}
 
     def v028(prefix, delta, blocks, nw, qw, ow):
         return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,
