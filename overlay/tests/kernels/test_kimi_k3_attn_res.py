@@ -206,7 +206,8 @@ def test_interpreted_loop_variant_matches_float64_and_writes_exactly() -> None:
 
 
 @pytest.mark.parametrize("meta", [dict(variant="rows"), dict(variant="loop", chunk=1000),
-                                  dict(variant="loop", chunk=8), dict(variant="loop", num_stages=0)])  # fmt: skip
+                                  dict(variant="loop", chunk=8),
+                                  dict(variant="loop", num_stages=0)])  # fmt: skip
 def test_the_launcher_raises_value_error_on_bad_loop_meta(meta) -> None:
     with pytest.raises(ValueError):
         ar.attn_res(*_operands(), pdl=False, **meta)
@@ -361,7 +362,8 @@ def test_try_attn_res_answers_none_off_the_table(routed, monkeypatch, state) -> 
                                        (("loop", 8, 1024, 4), True), (("loop", 16, 2048, 8), True),
                                        (("loop", 4, 512, 1), True), (("loop", 32, 1024, 4), False),
                                        (("loop", 8, 1000, 4), False), (("loop", 8, 1024, 0), False),
-                                       (("loop", 8, 1024, True), False), (("loop", 8, 1024), False)])  # fmt: skip
+                                       (("loop", 8, 1024, True), False),
+                                       (("loop", 8, 1024), False)])  # fmt: skip
 def test_backend_config_error(config, ok) -> None:
     (backend,) = gemm_backends.backends_for("attn_res").values()
     assert (backend.config_error(7168, 7168, 1, config) is None) is ok

@@ -35,7 +35,10 @@ _FLOATS = {"eps", "beta", "lin_beta", "out_eps"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
-def _ptx(kernel, constexprs: dict, pointers: dict | None = None) -> str:
+def _ptx(kernel, constexprs: dict, pointers: dict | None = None, options: dict | None = None,
+         divisible: bool = False) -> str:
+    """PTX for sm_90; ``divisible``: every pointer and int argument marked divisible by 16
+    (Triton's launch-time specialization of aligned pointers and strides)."""
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -51,9 +54,11 @@ def _ptx(kernel, constexprs: dict, pointers: dict | None = None) -> str:
             sig[name] = "fp32"
         else:
             sig[name] = {**_POINTERS, **(pointers or {})}.get(name, "*bf16")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if divisible and sig[name] != "constexpr" and sig[name] != "fp32"}  # fmt: skip
     try:
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32))  # fmt: skip
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options or {})  # fmt: skip
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton
         pytest.skip(f"Triton cannot compile for sm_90 here: {type(e).__name__}: {str(e)[-300:]}")
     return compiled.asm["ptx"]
@@ -143,3 +148,29 @@ def test_attn_res_loads_only_the_weights_before_the_wait(nb, block_s, reload, ha
     # after the wait: prefix (+ delta), and at least the NB block rows for NB > 0
     rows_after = (1 + has_delta + nb) * before // weights
     assert after >= rows_after, (before, after, rows_after)
+
+
+@pytest.mark.parametrize("nb,has_delta,out_norm,stages",
+                         [(8, True, True, 4), (8, False, False, 1), (0, True, True, 4),
+                          (15, True, False, 8)])  # fmt: skip
+def test_attn_res_loop_variant_loads_nothing_before_the_wait(nb, has_delta, out_norm, stages) -> None:
+    """The loop variant: the trigger first, no load (``ld.global`` nor ``cp.async``) and
+    no store before ``griddepcontrol.wait``; with aligned operands (how the launcher's
+    strides and pointers specialize at H = 7168) the loads are 16-byte vectors, and
+    with ``num_stages`` > 1 pass 1 is software-pipelined (``cp.async``)."""
+    ptx = _ptx(ar._attn_res_loop_kernel, dict(
+        NB=nb, BLOCK_S=max(1, 1 << max(nb - 1, 0).bit_length()), CH=1024, NCH=7, STAGES=stages,
+        HAS_DELTA=has_delta, WRITE_BLOCK=True, OUT_NORM=out_norm, USE_PDL=True),
+        {"out_ptr": "*bf16"}, dict(num_warps=8, num_stages=stages), divisible=True)  # fmt: skip
+    lines = _lines(ptx)
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = [ln for ln in lines[:wait] if "ld.global" in ln or "cp.async" in ln or "st.global" in ln]
+    assert not before, before[:3]
+    after = lines[wait:]
+    assert not any("ld.global.b16" in ln for ln in after), "scalar 16-bit loads"
+    if stages > 1:
+        assert any(ln.startswith("cp.async") for ln in after), "pass 1 is not pipelined"
+    else:
+        assert any("ld.global.v4" in ln for ln in after), "no 16-byte vector loads"

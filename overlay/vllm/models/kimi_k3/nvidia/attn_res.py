@@ -157,7 +157,8 @@ def _attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, ou
 @triton.jit(do_not_specialize=["write_idx"])
 def _attn_res_loop_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, out_w_ptr, out_ptr,
                           H, stride_p, stride_d, stride_bm, stride_br, write_idx, eps, out_eps,
-                          NB: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, STAGES: tl.constexpr,
+                          NB: tl.constexpr, BLOCK_S: tl.constexpr,
+                          CH: tl.constexpr, NCH: tl.constexpr, STAGES: tl.constexpr,
                           HAS_DELTA: tl.constexpr, WRITE_BLOCK: tl.constexpr,
                           OUT_NORM: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """The ``loop`` variant: the row in ``NCH`` chunks of ``CH`` columns, small registers.

@@ -14,7 +14,8 @@ Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's de
 16 warps, all blocks in one tile, the mix from a second, cached read), or
 ``(num_warps, block_s, reload)`` (the ``tile`` variant) with ``block_s`` 0 for one tile,
 or ``("loop", num_warps, chunk, num_stages)`` (the ``loop`` variant: the row in
-pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8). Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
+pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8).
+Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
 with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
 with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
 sources; weights contiguous BF16 (H,); one device (the kernel's own ``check_operands``).
