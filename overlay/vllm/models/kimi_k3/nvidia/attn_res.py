@@ -78,7 +78,10 @@ def _tile_logits(vals, s, qk, inv_h, eps, NB: tl.constexpr):
     return tl.where(s < NB, dot * tl.rsqrt(ss * inv_h + eps), -float("inf"))
 
 
-@triton.jit(do_not_specialize=["stride_p", "stride_d", "stride_bm", "stride_br", "write_idx"])
+# Strides specialized (see _attn_res_loop_kernel): unspecialized, every access of the
+# row in the sm_90 PTX was a scalar 16-bit one (160 ld.global.b16 at NB = 8; only the
+# weights loaded as 16-byte vectors); specialized, 26 ld.global.v4 and no scalar one.
+@triton.jit(do_not_specialize=["write_idx"])
 def _attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, qk_w_ptr, out_w_ptr, out_ptr,
                      H, stride_p, stride_d, stride_bm, stride_br, write_idx, eps, out_eps,
                      NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
