@@ -1,7 +1,13 @@
-"""attn-res alone: v0.28.0's Triton kernel against ours (``attn_res_split.py``), a benchmark.
+"""attn-res alone: v0.28.0's Triton kernel against ours, a benchmark.
+
+Kinds: ``ours``, the overlay's one-launch kernel (``overlay/.../nvidia/attn_res.py``, what
+patch 0010 routes to; options: its meta-parameters ``num_warps``, ``block_s``, ``reload``,
+``pdl``), ``loop``, the same module's ``variant="loop"`` (options ``chunk``,
+``num_warps``, ``num_stages``), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
+``row``, ``spin``), which lost.
 
 ``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
-[--kinds last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
+[--kinds ours,loop,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
 Writes ``attn_res_bench_<date><tag>.json`` to ``--out`` (default ``$OUT``) and prints the
 best config of each kind (lowest summed µs over the M asked for). Exit codes: 0 done,
 2 bad usage / no GPU / missing stock files.
@@ -30,6 +36,15 @@ from k3lab.decode_step.layers import EPS, NB, H
 
 COPIES = 8
 GRID = {  # kind -> list of option dicts
+    # NB = 8 blocks (u apart): one tile of 8 (block_s None) or two of 4
+    "ours": [dict(num_warps=w, block_s=b, reload=r)
+             for w, b, r in itertools.product((8, 16, 32), (None, 4), (False, True))],
+    # the loop variant (column chunks, pipelined): configs ptxas (sm_90a) compiles without
+    # spills; CH 2048 at 8 warps, 3-4 stages (8 stages would need 336 KB of shared memory)
+    "loop": [dict(variant="loop", chunk=c, num_warps=w, num_stages=st)
+             for c, w, st in itertools.product((1024,), (4, 8, 16), (4, 8))]
+            + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
+            + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
@@ -52,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--m", default="1,2,4,8,16")
-    ap.add_argument("--kinds", default="last,row,spin")
+    ap.add_argument("--kinds", default="ours")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
     ap.add_argument("--grid", default="{}", help="JSON {kind: [options, ...]} replacing GRID[kind]")
@@ -74,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from k3lab.experiments import attn_res_split as ours
+    from k3lab.experiments import attn_res_split as split
+
+    one_launch = imports.overlay("attn_res")
+
+    def ours_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
+        return one_launch.attn_res(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
+
+    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn}
 
     def v028(prefix, delta, blocks, nw, qw, ow):
         return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,
@@ -84,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         for opts in grid[kind]:
 
-            def fn(prefix, delta, blocks, nw, qw, ow, f=ours.KINDS[kind], o=opts):
+            def fn(prefix, delta, blocks, nw, qw, ow, f=kind_fns[kind], o=opts):
                 return f(prefix, delta, blocks, nw, qw, ow, NB, EPS, EPS, **o)
 
             variants.append((kind, opts, fn))
@@ -110,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         p_stock = prefix0.clone()
         out_stock = v028(p_stock, delta, blocks, *wcopies[0]).double()
         for kind, opts, fn in variants:
-            if kind == "spin" and m * triton.cdiv(H, opts["chunk"]) > ours.MAX_SPIN_PROGRAMS:
+            if kind == "spin" and m * triton.cdiv(H, opts["chunk"]) > split.MAX_SPIN_PROGRAMS:
                 continue
             rec = {"M": m, "kind": kind, "opts": opts}
             try:

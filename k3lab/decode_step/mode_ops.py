@@ -281,11 +281,13 @@ def patched_ops(pk, kn, layer: str, br: dict) -> list[Op]:
     brk = br["capture"] == "breakable"
     if layer == "kda":
         by = {op.name: op for op in patched.kda_ops(pk, kn)}
-        attn = [stock["attn_res (pre-attn)"], by["in_proj_qkvgfab+f_b_proj"],
-                *([graph_break("kda")] if brk else []), by["o_proj"], stock["attn_res (post-attn)"]]  # fmt: skip
+        # patch 0010: the two attn-res sites through try_attn_res, this mode's stock op behind
+        attn = [patched.attn_res(pk, kn, "pre", stock), by["in_proj_qkvgfab+f_b_proj"],
+                *([graph_break("kda")] if brk else []), by["o_proj"],
+                patched.attn_res(pk, kn, "post", stock)]  # fmt: skip
     elif layer == "mla":
-        attn = [stock["attn_res (pre-attn)"], *_patched_mla(pk, kn, "hn", stock, br, brk),
-                stock["attn_res (post-attn)"]]  # fmt: skip
+        attn = [patched.attn_res(pk, kn, "pre", stock), *_patched_mla(pk, kn, "hn", stock, br, brk),
+                patched.attn_res(pk, kn, "post", stock)]  # fmt: skip
     else:
         by = {op.name: op for op in patched.mtp_ops(pk, kn)}
         # the norms' fallbacks: this mode's stock norms (c_kernels or native)

@@ -24,7 +24,8 @@ router_gate+routed_down+shared_gate_up
                            (the gate on cuBLAS fp32, the other two through the dispatch)
 situ_and_mul               ``try_act_mul`` (0005)
 routed_expert_norm+up      ``try_rmsnorm_gemm(..., add_to=shared)`` (0005)
-attn_res                   v0.28.0's (no patch touches it)
+attn_res (pre-, post-attn) ``try_attn_res`` (0010: our one-launch kernel where the fused
+                           table has an ``attn_res`` row)
 =========================  ===============================================================
 
 The MoE is its MegaMoE branch, as in the other two variants (patch 0007 stacks only
@@ -90,6 +91,30 @@ def _pointwise(pk, name: str, entry: str, inputs: tuple, wnames: tuple, dst: str
             st[dst] = out
 
     return Op(name, "", run, f"{entry}, else stock", covers=(name,))
+
+
+def attn_res(pk, kn, which: str, stock: dict) -> Op:
+    """``attn_res (pre-attn)`` / ``(post-attn)`` as patch 0010's line runs it:
+    ``fused.try_attn_res`` with v0.28.0's arguments (the replay's NB, no block write),
+    else the stock op; an overlay without that entry counts as the stock path."""
+    name = f"attn_res ({which}-attn)"
+    pre = which == "pre"
+    delta = "delta_in" if pre else "o_out"
+
+    def run(st, w):
+        fn = getattr(pk.fused, "try_attn_res", None)
+        out = None
+        if fn is not None:
+            out = fn(st["prefix"], st[delta], st["blocks"], w["sa_res_norm" if pre else "mlp_res_norm"],
+                     w["sa_res_proj" if pre else "mlp_res_proj"], w["in_norm" if pre else "post_norm"],
+                     layers.NB, -1, EPS, EPS)  # fmt: skip
+        _via(st, name, out is not None)
+        if out is None:
+            stock[name].run(st, w)
+        else:
+            st["hn" if pre else "hn2"] = out
+
+    return Op(name, "", run, "try_attn_res (patch 0010), else stock", covers=(name,))
 
 
 def _gemm(pk, st, name, x, w):
@@ -238,7 +263,7 @@ def kda_ops(pk, kn) -> list[Op]:
         st["g1"] = _gemm(pk, st, "f_b_proj(dispatch)", st["proj"][:, FA_AT : FA_AT + FA], w["f_b"])
 
     return [
-        stock["attn_res (pre-attn)"],
+        attn_res(pk, kn, "pre", stock),
         Op(
             "in_proj_qkvgfab+f_b_proj",
             "",
@@ -247,7 +272,7 @@ def kda_ops(pk, kn) -> list[Op]:
             covers=("in_proj_qkvgfab", "f_b_proj"),
         ),
         _proj(pk, "o_proj", "core_out", "o_out", "o"),
-        stock["attn_res (post-attn)"],
+        attn_res(pk, kn, "post", stock),
         *_moe(pk, kn, "hn2", stock),
     ]
 
@@ -255,9 +280,9 @@ def kda_ops(pk, kn) -> list[Op]:
 def mla_ops(pk, kn) -> list[Op]:
     stock = {op.name: op for op in layers.mla_ops(kn)[0]}
     return [
-        stock["attn_res (pre-attn)"],
+        attn_res(pk, kn, "pre", stock),
         *_mla(pk, kn, "hn", stock),
-        stock["attn_res (post-attn)"],
+        attn_res(pk, kn, "post", stock),
         *_moe(pk, kn, "hn2", stock),
     ]
 

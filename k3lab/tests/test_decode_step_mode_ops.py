@@ -211,3 +211,34 @@ def test_every_stand_in_is_named_and_timed_against_the_closest_kernel(mode) -> N
             if "stand-in" in op.runs:
                 assert STAND_IN_ROW.get(op.name) in rows, (mode, layer, op.name, op.runs)
             assert op.name != "gate_sigmoid_mul" or "torch.compile" in op.runs  # the real kernel runs
+
+
+@pytest.mark.parametrize("layer", ["kda", "mla"])
+@pytest.mark.parametrize("answer", ["ours", None])
+def test_patched_attn_res_sites_take_try_attn_res_or_the_modes_stock_op(layer, answer) -> None:
+    """Patch 0010: both attn-res sites call ``fused.try_attn_res`` with v0.28.0's arguments
+    (the replay's NB, no block write) and record ``_via``; None runs the stock op."""
+    seen = []
+
+    class Fused(_Any):
+        def try_attn_res(self, *args):
+            seen.append(args)
+            return answer
+
+    pk = _Pk()
+    pk.fused = Fused()
+    br = modes.branches(REPLAYED[0], layer)
+    ops = {op.name: op for op in mode_ops.leaves(mode_ops.patched_ops(pk, _kn(), layer, br))}
+    stock = {op.name: op for op in mode_ops.leaves(mode_ops.stock_ops(_kn(), layer, br))}
+    for which, out in (("pre", "hn"), ("post", "hn2")):
+        name = f"attn_res ({which}-attn)"
+        assert ops[name] is not stock[name] and ops[name].covers == (name,)
+        st = {"prefix": "P", "delta_in": "D", "o_out": "O", "blocks": "B"}
+        w = {k: k for k in ("sa_res_norm", "sa_res_proj", "in_norm", "mlp_res_norm", "mlp_res_proj",
+                            "post_norm")}  # fmt: skip
+        ops[name].run(st, w)
+        assert seen[-1][:3] == ("P", "D" if which == "pre" else "O", "B")
+        assert seen[-1][6:8] == (layers.NB, -1)
+        assert st["_via"][name] == ("patched" if answer else "stock")
+        # the stock op (its kernels stand-ins here) writes a stand-in, ours the answer
+        assert st[out] == "ours" if answer else isinstance(st[out], _Any)

@@ -24,19 +24,23 @@ if not HAS_TRITON:  # vLLM's placeholders stand in for triton.jit: no kernel to 
     pytest.skip("vllm.triton_utils found no usable Triton (HAS_TRITON is False)",
                 allow_module_level=True)  # fmt: skip
 
+from vllm.models.kimi_k3.nvidia import attn_res as ar  # noqa: E402
 from vllm.models.kimi_k3.nvidia import fused_gemm as fg  # noqa: E402
 from vllm.models.kimi_k3.nvidia import norm  # noqa: E402
 from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
-         "chunks_per_split", "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32"}  # fmt: skip
-_FLOATS = {"eps", "beta", "lin_beta"}
+         "chunks_per_split", "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32",
+         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx"}  # fmt: skip
+_FLOATS = {"eps", "beta", "lin_beta", "out_eps"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
 
 
-def _ptx(kernel, constexprs: dict, pointers: dict | None = None, divisible: tuple = ()) -> str:
-    """sm_90 PTX of ``kernel``; ``divisible`` names the arguments to compile as multiples
-    of 16 (pointers: 16-byte aligned), as Triton specialises them at a launch."""
+def _ptx(kernel, constexprs: dict, pointers: dict | None = None, options: dict | None = None,
+         divisible: bool | tuple = ()) -> str:
+    """PTX for sm_90; ``divisible``: the arguments to compile as multiples of 16 (pointers:
+    16-byte aligned), as Triton specialises them at a launch: a tuple of names, or True for
+    every pointer and int argument."""
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -52,10 +56,13 @@ def _ptx(kernel, constexprs: dict, pointers: dict | None = None, divisible: tupl
             sig[name] = "fp32"
         else:
             sig[name] = {**_POINTERS, **(pointers or {})}.get(name, "*bf16")
+    named = set(divisible) if isinstance(divisible, tuple) else None
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if (name in named if named is not None else divisible)
+             and sig[name] != "constexpr" and sig[name] != "fp32"}  # fmt: skip
     try:
-        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32))  # fmt: skip
+                                  target=GPUTarget("cuda", 90, 32), options=options or {})  # fmt: skip
     except Exception as e:  # no ptxas / no NVIDIA backend in this Triton
         pytest.skip(f"Triton cannot compile for sm_90 here: {type(e).__name__}: {str(e)[-300:]}")
     return compiled.asm["ptx"]
@@ -146,3 +153,53 @@ def test_skinny_pdl_issues_its_weight_loads_before_the_wait(block_k, split, bloc
     assert len(before) == 2 * block_k // (128 * 8), len(before)
     assert after, "x and the residual must load after the wait"
     assert not any(ln.startswith("griddepcontrol.wait") for ln in lines[wait + 1:])
+
+
+@pytest.mark.parametrize("nb,block_s,reload", [(8, 8, False), (8, 8, True), (15, 8, True), (0, 1, False)])
+@pytest.mark.parametrize("has_delta", [False, True])
+def test_attn_res_loads_only_the_weights_before_the_wait(nb, block_s, reload, has_delta) -> None:
+    """The trigger first; before the wait only the three weight vectors load (parameters
+    no kernel writes), ``prefix``, ``delta`` and ``blocks`` after it; and no store
+    (the prefix and block writes) before the wait either."""
+    ptx = _ptx(ar._attn_res_kernel, dict(
+        NB=nb, BLOCK_S=block_s, BLOCK_D=8192, HAS_DELTA=has_delta, WRITE_BLOCK=True, OUT_NORM=True,
+        RELOAD=reload, USE_PDL=True), {"out_ptr": "*bf16"})  # fmt: skip
+    lines = _lines(ptx)
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = sum("ld.global" in ln for ln in lines[:wait])
+    after = sum("ld.global" in ln for ln in lines[wait:])
+    stores_before = sum("st.global" in ln for ln in lines[:wait])
+    # 8192 bf16 over the CTA's threads per vector: norm_w and qk_w (NB > 0) and out_w
+    weights = 3 if nb else 1
+    assert before > 0 and stores_before == 0, (before, stores_before)
+    # after the wait: prefix (+ delta), and at least the NB block rows for NB > 0
+    rows_after = (1 + has_delta + nb) * before // weights
+    assert after >= rows_after, (before, after, rows_after)
+
+
+@pytest.mark.parametrize("nb,has_delta,out_norm,stages",
+                         [(8, True, True, 4), (8, False, False, 1), (0, True, True, 4),
+                          (15, True, False, 8)])  # fmt: skip
+def test_attn_res_loop_variant_loads_nothing_before_the_wait(nb, has_delta, out_norm, stages) -> None:
+    """The loop variant: the trigger first, no load (``ld.global`` nor ``cp.async``) and
+    no store before ``griddepcontrol.wait``; with aligned operands (how the launcher's
+    strides and pointers specialize at H = 7168) the loads are 16-byte vectors, and
+    with ``num_stages`` > 1 pass 1 is software-pipelined (``cp.async``)."""
+    ptx = _ptx(ar._attn_res_loop_kernel, dict(
+        NB=nb, BLOCK_S=max(1, 1 << max(nb - 1, 0).bit_length()), CH=1024, NCH=7, STAGES=stages,
+        HAS_DELTA=has_delta, WRITE_BLOCK=True, OUT_NORM=out_norm, USE_PDL=True),
+        {"out_ptr": "*bf16"}, dict(num_warps=8, num_stages=stages), divisible=True)  # fmt: skip
+    lines = _lines(ptx)
+    first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))
+    assert first_gdc.startswith("griddepcontrol.launch_dependents")
+    wait = next(i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait"))
+    before = [ln for ln in lines[:wait] if "ld.global" in ln or "cp.async" in ln or "st.global" in ln]
+    assert not before, before[:3]
+    after = lines[wait:]
+    assert not any("ld.global.b16" in ln for ln in after), "scalar 16-bit loads"
+    if stages > 1:
+        assert any(ln.startswith("cp.async") for ln in after), "pass 1 is not pipelined"
+    else:
+        assert any("ld.global.v4" in ln for ln in after), "no 16-byte vector loads"

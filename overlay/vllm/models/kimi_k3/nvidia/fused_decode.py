@@ -21,6 +21,9 @@ function                 stock line it wraps                           fused op
                                                                        ``rmsnorm``
 :func:`output_gate`      MLA: ``_gate_sigmoid_mul(attn_out, gate)``     ``sigmoid_mul``
 :func:`mtp_input`        MTP: ``fused_mtp_input(...)``                  ``mtp_input``
+:func:`attn_res`         ``KimiDecoderLayer``: ``attn_res(...)`` in      ``attn_res``
+                         ``_pre_attn_norm``, ``_post_attn_norm``
+                         (patch 0010)
 =======================  ============================================  ==================
 
 Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
@@ -58,6 +61,7 @@ from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     rmsnorm_gemm_routes,
     routes_any,
     try_act_mul,
+    try_attn_res,
     try_gate_gemm,
     try_mtp_input,
     try_rms_norm,
@@ -396,3 +400,29 @@ def latent_moe_tail(
     # Routed above, refused now: only a reduced tensor's layout could differ. v0.28.0's
     # sequence on the reduced operands.
     return torch.mm(norm(latent), weight.t()).add_(shared)
+
+
+def attn_res(
+    stock: Callable,
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    *,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> torch.Tensor:
+    """``stock(...)`` (v0.28.0's ``ops.attn_res``, same arguments) on our one-launch
+    kernel where the device's table has a row (``try_attn_res``); else ``stock`` itself.
+    Either updates ``prefix`` (and the written block) in place and returns a new tensor."""
+    out = try_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                       num_blocks, block_write_idx, eps, output_norm_eps)  # fmt: skip
+    if out is not None:
+        return out
+    return stock(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                 num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
+                 output_norm_eps=output_norm_eps)  # fmt: skip

@@ -16,6 +16,7 @@ op                  public entry
 ``sigmoid_mul``     :func:`try_sigmoid_mul`
 ``mtp_input``       :func:`try_mtp_input`
 ``gate_gemm``       :func:`try_gate_gemm`
+``attn_res``        :func:`try_attn_res`
 ==================  ===========================================================
 
 Which backend runs for an (op, shape, M) is table data per GPU architecture
@@ -53,9 +54,9 @@ from vllm.platforms import current_platform
 logger = init_logger(__name__)
 
 OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "sigmoid_mul", "mtp_input",
-       "gate_gemm")
+       "gate_gemm", "attn_res")
 # keyed by (width,), not (N, K)
-ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input"})
+ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input", "attn_res"})
 DECODE_TOKEN_COUNTS = range(1, 17)
 
 # Device type the fused paths run on: a module constant so that CPU tests can point it
@@ -461,3 +462,47 @@ def try_gate_gemm(
         return None
     operands = (x, stacked_weight, n_fp32)
     return _launch_routed("gate_gemm", tuple(stacked_weight.shape), x, operands, operands)
+
+
+def try_attn_res(
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> torch.Tensor | None:
+    """v0.28.0's ``ops.attn_res`` (same arguments) on our one-launch PDL-aware kernel, or None.
+
+    A row op, like the norms: valid in every capture mode and on either MoE branch, so
+    it is gated by the table alone (no :func:`path_enabled`).
+
+    Args:
+        prefix: (M, H) BF16 with unit column stride, CUDA; updated in place to
+            ``bf16(prefix + delta)`` when ``delta`` is given (and only when routed).
+        delta: None or (M, H) BF16 with unit column stride.
+        blocks: (M, R, H) BF16 with unit last stride: the sources ``[:, :num_blocks]``;
+            ``[:, block_write_idx]`` is written with the new prefix when >= 0.
+        norm_weight, qk_weight, output_norm_weight: contiguous (H,) BF16 (the last may
+            be None: no output norm).
+        num_blocks: 0..15; block_write_idx: -1 or a slot past the sources.
+        eps, output_norm_eps: the source and output norms' epsilons.
+
+    Returns:
+        A new packed BF16 (M, H), or None for the stock path (module docstring; also
+        NB > 15 or a block write into a source slot). Never raises for those.
+    """
+    operands = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in operands):
+        return None
+    if not isinstance(blocks, torch.Tensor) or not _on_fast_device(prefix, *operands[1:]):
+        return None
+    if not (isinstance(num_blocks, int) and isinstance(block_write_idx, int)):
+        return None
+    checked = (*operands, num_blocks, block_write_idx)
+    return _launch_routed("attn_res", (prefix.shape[1],), prefix, checked,
+                          (*checked, float(eps), float(output_norm_eps)))  # fmt: skip

@@ -6,8 +6,8 @@
 (its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
 ``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
 ``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
-weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``) by
-``(width,)``.
+weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``,
+``attn_res``) by ``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
@@ -77,6 +77,14 @@ FUSED_SM90 = {
         # "ours" of the KDA layer at every M 1..16, 21.2 µs per op at M = 16
         # (decode_step_2026-12-02_kda_gate_stack.json).
         (5504, 7168): ("swap_ab_gate", (64, 128, 1, 4, 6, 42), DECODE),
+    },
+    "attn_res": {
+        # the decoder layers' attn-res mix (H = 7168; pre- and post-attention, patch 0010):
+        # v0.28.0's kernel 7.6-8.2 us per call in the replay (decode_step_2026-12-02.json);
+        # ours (gemm_backends/pdl_attn_res.py, default config) PENDING the H200 run of
+        # 2026-12-03/04 (python -m k3lab.decode_step.attn_res_bench): the lead fills in the
+        # measured figure and config, or drops the row if it does not win.
+        (7168,): ("pdl_attn_res", None, DECODE),
     },
 }
 

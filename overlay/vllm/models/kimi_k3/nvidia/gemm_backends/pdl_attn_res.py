@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
+"""Backend ``"pdl_attn_res"`` of op ``"attn_res"``: our one-launch attn-res mix.
+
+:func:`vllm.models.kimi_k3.nvidia.attn_res.attn_res`: the decoder layer's attention
+residual (prefix update, optional block write, softmax mix of the row's sources, output
+RMSNorm), what v0.28.0's ``ops.attn_res`` computes, one CTA per row loading the whole
+row's sources in one round trip, PDL-aware (the three weight vectors load before
+``griddepcontrol.wait``). v0.28.0's kernel costs 7.6-8.2 µs per call on the H200
+(``docs/decode-step-2026-12-02.md``); the figure for ours is pending the H200 run
+(``python -m k3lab.decode_step.attn_res_bench``).
+
+Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's defaults:
+16 warps, all blocks in one tile, the mix from a second, cached read), or
+``(num_warps, block_s, reload)`` (the ``tile`` variant) with ``block_s`` 0 for one tile,
+or ``("loop", num_warps, chunk, num_stages)`` (the ``loop`` variant: the row in
+pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8).
+Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
+with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
+with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
+sources; weights contiguous BF16 (H,); one device (the kernel's own ``check_operands``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from vllm.models.kimi_k3.nvidia import attn_res as kernel
+
+from .base import WarmupCall, bf16_on
+from .pdl_rmsnorm import PdlKernel, token_rows_ok
+
+WARPS = (4, 8, 16, 32)
+LOOP_CHUNKS = (512, 1024, 2048)
+LOOP_STAGES = range(1, 9)
+
+
+class PdlAttnRes(PdlKernel):
+    """Our one-launch, PDL-aware attn-res mix."""
+
+    name = "pdl_attn_res"
+    op: ClassVar[str] = "attn_res"
+
+    def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
+        """None, ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``, or
+        ``("loop", num_warps in 4/8/16, chunk, num_stages)``; a block_s too small for a
+        call's NB makes :meth:`operands_ok` refuse that call."""
+        if config is None:
+            return None
+        if len(config) == 4 and config[0] == "loop":
+            _, warps, chunk, stages = config
+            if warps not in WARPS[:3]:
+                return f"{self.name}: loop num_warps={warps} not in {WARPS[:3]}"
+            if chunk not in LOOP_CHUNKS:
+                return f"{self.name}: loop chunk={chunk} not in {LOOP_CHUNKS}"
+            if isinstance(stages, bool) or stages not in LOOP_STAGES:
+                return f"{self.name}: loop num_stages={stages!r} not in 1..8"
+            return None
+        if len(config) != 3:
+            return f"{self.name}: config (num_warps, block_s, reload), got {config!r}"
+        warps, block_s, reload = config
+        if warps not in WARPS:
+            return f"{self.name}: num_warps={warps} not in {WARPS}"
+        if block_s not in (0, 4, 8, 16):
+            return f"{self.name}: block_s={block_s} not 0, 4, 8 or 16"
+        if not isinstance(reload, bool):
+            return f"{self.name}: reload={reload!r} not a bool"
+        return None
+
+    @staticmethod
+    def _meta(config: Any) -> dict:
+        if config is None:
+            return {}
+        if config[0] == "loop":
+            _, warps, chunk, stages = config
+            return dict(variant="loop", num_warps=warps, chunk=chunk, num_stages=stages)
+        warps, block_s, reload = config
+        return dict(num_warps=warps, block_s=block_s or None, reload=reload)
+
+    def operands_ok(self, config: Any, prefix, delta, blocks, norm_weight, qk_weight,
+                    output_norm_weight, num_blocks, block_write_idx) -> bool:  # fmt: skip
+        """Whether :meth:`launch` takes these operands (module docstring)."""
+        if not isinstance(prefix, torch.Tensor) or prefix.dim() != 2:
+            return False
+        if not token_rows_ok(prefix, prefix.shape[1]):
+            return False
+        if not bf16_on(prefix.device, prefix, delta, blocks, norm_weight, qk_weight,
+                       output_norm_weight):  # fmt: skip
+            return False
+        try:
+            kernel.check_operands(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                                  num_blocks, block_write_idx)  # fmt: skip
+            kernel.block_s_for(num_blocks, self._meta(config).get("block_s"))
+        except (ValueError, TypeError, AttributeError):
+            return False
+        return True
+
+    def launch(self, config: Any, prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+               num_blocks, block_write_idx, eps, output_norm_eps) -> torch.Tensor:  # fmt: skip
+        """A new packed BF16 (M, H); ``prefix`` (and ``blocks[:, block_write_idx]``) updated."""
+        return kernel.attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                               num_blocks, block_write_idx, eps, output_norm_eps,
+                               **self._meta(config))  # fmt: skip
+
+    def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
+        """Every NB 0..15 with and without ``delta`` and the block write, with the output
+        norm (the decoder layers' calls): NB is a compile-time constant, and the model's
+        NB per layer is not known here; 64 builds, none left for graph capture."""
+        m, h = call.num_tokens, call.k
+        x = torch.zeros(m, h, dtype=dtype, device=call.device)
+        w = x.new_ones(h)
+        for nb in range(kernel.MAX_SOURCES):
+            blocks = torch.zeros(m, nb + 1, h, dtype=dtype, device=call.device)
+            for delta in (None, x):
+                for write in (-1, nb):
+                    self.launch(call.config, x.clone(), delta, blocks, w, w, w, nb, write, 1e-6, 1e-6)
+
+
+BACKEND = PdlAttnRes()
