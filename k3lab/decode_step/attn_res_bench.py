@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import sys
 
 from k3lab import provenance, timing
@@ -62,6 +63,53 @@ def reference(torch, prefix, delta, blocks, nw, qw, ow):
     return mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + EPS) * ow.to(d), u
 
 
+TABLE = pathlib.Path(__file__).resolve().parents[2] / "overlay/vllm/models/kimi_k3/nvidia/low_latency_fused_sm90.py"
+ROW = re.compile(r'^(\s*)\(7168,\): \("pdl_attn_res", .*, DECODE\),$', re.M)
+
+
+def config_of(kind: str, opts: dict):
+    """The table's config tuple (gemm_backends/pdl_attn_res.py) of a bench row's options."""
+    if kind == "loop":
+        return ("loop", opts["num_warps"], opts["chunk"], opts["num_stages"])
+    return (opts["num_warps"], opts["block_s"] or 0, opts["reload"])
+
+
+def choose(rows: list[dict], ms: list[int]) -> dict | None:
+    """Ours (kinds ours, loop) fastest summed over ``ms`` among the configs that ran at every M,
+    matched float64 (rel_err < 1e-2) and v0.28.0's prefix write, and beat v0.28.0 at every M;
+    None if none did."""
+    stock = {r["M"]: r["us"] for r in rows if r["kind"] == "v028" and "us" in r}
+    runs: dict = {}
+    for r in rows:
+        if r["kind"] in ("ours", "loop") and "us" in r:
+            runs.setdefault((r["kind"], json.dumps(r["opts"], sort_keys=True)), {})[r["M"]] = r
+    good = {key: by_m for key, by_m in runs.items()
+            if set(by_m) == set(ms) and all(by_m[m]["us"] < stock.get(m, 0) and by_m[m]["rel_err"] < 1e-2
+                                            and by_m[m]["prefix_equal"] for m in ms)}  # fmt: skip
+    if not good:
+        return None
+    kind, opts = min(good, key=lambda key: sum(r["us"] for r in good[key].values()))
+    return {"kind": kind, "opts": json.loads(opts), "us": [good[(kind, opts)][m]["us"] for m in ms],
+            "v028_us": [stock[m] for m in ms]}
+
+
+def apply_best(rows: list[dict], ms: list[int], table: pathlib.Path = TABLE) -> dict:
+    """Write :func:`choose`'s config into the attn_res row of ``table``, or comment the row
+    out (v0.28.0's kernel then runs) when none of ours won. Returns what was done."""
+    won = choose(rows, ms)
+    text = table.read_text()
+    if ROW.search(text) is None:
+        raise ValueError(f"{table}: no attn_res row to set")
+    if won is None:
+        new = ROW.sub(lambda m: f"{m.group(1)}# {m.group(0).strip()}  (lost to v0.28.0: off)", text)
+    else:
+        cfg = config_of(won["kind"], won["opts"])
+        new = ROW.sub(lambda m: f'{m.group(1)}(7168,): ("pdl_attn_res", {cfg!r}, DECODE),', text)
+    table.write_text(new)
+    return {"table": str(table), "config": None if won is None else list(config_of(won["kind"], won["opts"])),
+            **(won or {"kind": None})}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3lab.decode_step.attn_res_bench")
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
@@ -71,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
     ap.add_argument("--grid", default="{}", help="JSON {kind: [options, ...]} replacing GRID[kind]")
+    ap.add_argument("--apply-best", action="store_true",
+                    help="write the fastest config of ours that beat v0.28.0 at every M into the SM90 "
+                         "fused table of this tree, or take our row out if none did (a device copy of the "
+                         "tree, so that a replay after it runs that choice)")
     args = ap.parse_args(argv)
     ms = [int(x) for x in args.m.split(",")]
     kinds = args.kinds.split(",")
@@ -168,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             key = min(full, key=lambda k: sum(full[k]))
             best[kind] = {"opts": json.loads(key), "us": full[key]}
     doc["best"] = best
+    if args.apply_best:
+        doc["applied"] = apply_best(doc["rows"], ms)
+        print(json.dumps({"applied": doc["applied"]}))
     path.write_text(json.dumps(doc, indent=1))
     print(json.dumps({"best": best}))
     print(f"wrote {path}")

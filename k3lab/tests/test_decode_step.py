@@ -218,3 +218,39 @@ def test_measure_paths_lets_only_the_named_paths_run_in_this_mode() -> None:
     assert ("fused_moe", "full") not in measured["moe_tail"]  # the tree's data is left as it was
     with pytest.raises(ValueError, match="moe_middle"):
         replay.measure_paths_here(fused, ["moe_middle"], "fused_moe", "full")
+
+
+def _bench_rows(us: dict) -> list[dict]:
+    """attn_res_bench rows: ``us[(kind, warps)] = [µs at M 1, 2]``."""
+    rows = []
+    for (kind, warps), times in us.items():
+        opts = {} if kind == "v028" else (
+            dict(variant="loop", chunk=1024, num_warps=warps, num_stages=4) if kind == "loop"
+            else dict(num_warps=warps, block_s=None, reload=True))  # fmt: skip
+        rows += [{"M": m, "kind": kind, "opts": opts, "us": t, "rel_err": 4e-3, "prefix_equal": True}
+                 for m, t in zip((1, 2), times)]  # fmt: skip
+    return rows
+
+
+def test_attn_res_apply_best_writes_the_fastest_winner_or_turns_ours_off(tmp_path) -> None:
+    from k3lab.decode_step import attn_res_bench as bench
+
+    table = tmp_path / "t.py"
+    row = '        (7168,): ("pdl_attn_res", None, DECODE),\n'
+    table.write_text('X = {\n    "attn_res": {\n' + row + "    },\n}\n")
+    rows = _bench_rows({("v028", 0): [7.6, 7.7], ("ours", 16): [3.0, 7.9], ("loop", 8): [3.5, 3.6],
+                        ("loop", 4): [2.9, 4.5]})
+    done = bench.apply_best(rows, [1, 2], table)
+    assert done["config"] == ["loop", 8, 1024, 4]  # ours 16 lost at M = 2; loop 8 sums below loop 4
+    assert '("pdl_attn_res", (\'loop\', 8, 1024, 4), DECODE)' in table.read_text()
+    rows = _bench_rows({("v028", 0): [3.0, 3.0], ("ours", 16): [3.1, 2.0]})
+    assert bench.apply_best(rows, [1, 2], table)["config"] is None
+    assert table.read_text().count("# (7168,)") == 1 and "lost to v0.28.0" in table.read_text()
+    with pytest.raises(ValueError, match="no attn_res row"):
+        bench.apply_best(rows, [1, 2], table)
+
+
+def test_attn_res_row_pattern_matches_the_shipped_table() -> None:
+    from k3lab.decode_step import attn_res_bench as bench
+
+    assert len(bench.ROW.findall(bench.TABLE.read_text())) == 1
