@@ -213,6 +213,21 @@ def test_the_launcher_raises_value_error_on_bad_loop_meta(meta) -> None:
         ar.attn_res(*_operands(), pdl=False, **meta)
 
 
+def test_a_loop_config_over_the_shared_memory_is_refused_not_launched() -> None:
+    """H200, 2026-12-04: chunk 1024 x 8 stages with 15 blocks (a 16-row tile) wanted 280 KB of
+    shared memory and Triton refused the launch; the launcher says so first, and the backend
+    leaves such a call to v0.28.0's kernel."""
+    args = _operands(m=1, h=2048, nb=15, r=16)
+    assert ar.loop_smem_bytes(ar.block_s_for(15), 1024, 8) > ar.MAX_SMEM_BYTES
+    with pytest.raises(ValueError, match="shared memory"):
+        ar.attn_res(*args, pdl=False, variant="loop", chunk=1024, num_stages=8)
+    (backend,) = gemm_backends.backends_for("attn_res").values()
+    assert not backend.operands_ok(("loop", 16, 1024, 8), *args[:8])
+    assert backend.operands_ok(("loop", 16, 1024, 4), *args[:8])  # 4 stages fit
+    small = _operands(m=1, h=2048, nb=8, r=9)  # an 8-row tile fits at 8 stages
+    assert backend.operands_ok(("loop", 16, 1024, 8), *small[:8])
+
+
 def test_the_routed_entry_runs_the_kernel_under_the_interpreter() -> None:
     (h,) = next(iter(sm90_data.FUSED_SM90["attn_res"]))
     cases = [[2, h, 8, True, True, True, "bfloat16", {}, 7, True],

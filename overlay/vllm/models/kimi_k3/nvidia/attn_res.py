@@ -335,6 +335,16 @@ def block_s_for(num_blocks: int, block_s: int | None = None) -> int:
     return block_s
 
 
+#: Shared memory one CTA may take on SM90 (227 KB, the opt-in maximum per block).
+MAX_SMEM_BYTES = 232448
+
+
+def loop_smem_bytes(block_s: int, chunk: int, num_stages: int) -> int:
+    """An upper bound of the ``loop`` variant's shared memory: ``num_stages`` pipelined copies
+    of a bf16 chunk of every source row plus the prefix's and delta's (bytes)."""
+    return num_stages * chunk * 2 * (block_s + 2)
+
+
 def attn_res(
     prefix: torch.Tensor,
     delta: torch.Tensor | None,
@@ -403,6 +413,12 @@ def attn_res(
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"num_stages={num_stages!r}: an int >= 1")
     bs = block_s_for(num_blocks, block_s if variant == "tile" else None)
+    if variant == "loop" and loop_smem_bytes(bs, chunk, num_stages) > MAX_SMEM_BYTES:
+        # The pipeliner stages every source's chunk: at 8 stages a 16-source tile of 1024
+        # columns wanted 280 KB on the H200 (2026-12-04) and Triton refused to launch.
+        raise ValueError(f"loop variant: {num_stages} stages of {bs} x {chunk} sources need about "
+                         f"{loop_smem_bytes(bs, chunk, num_stages)} bytes of shared memory, over "
+                         f"{MAX_SMEM_BYTES}")
     out = torch.empty((m, h), dtype=prefix.dtype, device=prefix.device)
     if m == 0:
         return out

@@ -92,10 +92,13 @@ class PdlAttnRes(PdlKernel):
         try:
             kernel.check_operands(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                                   num_blocks, block_write_idx)  # fmt: skip
-            kernel.block_s_for(num_blocks, self._meta(config).get("block_s"))
+            meta = self._meta(config)
+            bs = kernel.block_s_for(num_blocks, meta.get("block_s"))
         except (ValueError, TypeError, AttributeError):
             return False
-        return True
+        # the loop variant's pipelined chunks of every source must fit one CTA's shared memory
+        return meta.get("variant") != "loop" or (
+            kernel.loop_smem_bytes(bs, meta["chunk"], meta["num_stages"]) <= kernel.MAX_SMEM_BYTES)
 
     def launch(self, config: Any, prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                num_blocks, block_write_idx, eps, output_norm_eps) -> torch.Tensor:  # fmt: skip
