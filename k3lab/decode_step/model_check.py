@@ -69,6 +69,14 @@ def kimi_config(cls, experts: int):
     )  # fmt: skip
 
 
+def _situ_and_mul_out(out, x, beta: float, linear_beta: float) -> None:
+    """``_C.situ_and_mul``'s schema returns nothing (``-> ()``): torch refuses an impl that
+    returns the tensor (the H200 run of 2026-12-04 00:18, breakable mode, every layer)."""
+    from k3lab.decode_step import stock
+
+    stock.situ_and_mul(x, beta, out)
+
+
 def register_c_stand_ins(torch) -> list[str]:
     """``torch.ops._C`` ops the layers call, on the replay's Triton stand-ins."""
     from k3lab.decode_step import stock
@@ -79,7 +87,7 @@ def register_c_stand_ins(torch) -> list[str]:
         "fused_add_rms_norm": ("(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()",
                                stock.fused_add_rms_norm_),
         "situ_and_mul": ("(Tensor(a!) out, Tensor input, float beta, float linear_beta) -> ()",
-                         lambda out, x, beta, lb: stock.situ_and_mul(x, beta, out)),
+                         _situ_and_mul_out),
     }  # fmt: skip
     done = []
     for name, (schema, fn) in defs.items():

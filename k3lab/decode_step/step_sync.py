@@ -114,3 +114,59 @@ def explained(doc: dict, mode: str, layer: str) -> dict[tuple[str, str], str]:
         if layer in d["layers"]:
             out[(d["kind"], d["op"])] = d["why"]
     return out
+
+
+# ------------------------------------------------- the model check's run against the code read
+
+#: What the model check labels a kernel with (v0.28.0's submodule or function; ``mtp_block.``
+#: dropped) -> the op of the code-read list (``h200_modes_from_code.json``) it is.
+MEASURED_LABELS = {
+    "attn_res": "attn_res (pre-attn)", "attn_res#2": "attn_res (post-attn)",
+    "self_attn.in_proj_qkvgfab": "in_proj_qkvgfab", "self_attn.f_b_proj": "f_b_proj",
+    "self_attn.o_proj": "o_proj", "self_attn.fused_qkv_a_proj": "fused_qkv_a_proj",
+    "fused_q_kv_rmsnorm": "fused_q_kv_rmsnorm", "self_attn.q_b_proj": "q_b_proj",
+    "self_attn.g_proj": "g_proj", "_gate_sigmoid_mul": "gate_sigmoid_mul",
+    "fused_mtp_input": "fused_mtp_input", "eh_proj": "eh_proj", "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm", "shared_head.norm": "shared_head.norm",
+    "block_sparse_moe.gate": "router_gate", "block_sparse_moe.routed_expert_down_proj": "routed_down",
+    "block_sparse_moe.shared_experts.gate_up_proj": "shared_gate_up",
+    "block_sparse_moe.shared_experts.act_fn": "situ_and_mul",
+    "block_sparse_moe.shared_experts.down_proj": "shared_down",
+    "block_sparse_moe.routed_expert_norm": "latent all-reduce + routed_expert_norm (fused)",
+    "_overlap_allreduce_tail": "routed_up",
+}  # fmt: skip
+
+
+def _main_or_aux(stream: str) -> str:
+    return "main" if stream == "main" else "aux"
+
+
+def measured_ops(check: dict, layer: str, m: int) -> list[tuple[str, str]]:
+    """``(op, "main" | "aux")`` in launch order of one layer of a model-check run at ``m`` tokens;
+    a label with no op of the code read stays ``"?label"``."""
+    out = []
+    for op in check["layers"][layer]["per_m"][str(m)]["ops"]:
+        label = op["label"].removeprefix("mtp_block.")
+        out.append((MEASURED_LABELS.get(label, "?" + label), _main_or_aux(op["stream"])))
+    return out
+
+
+def measured_differences(code: dict, check: dict, mode: str, layer: str, m: int) -> set[tuple[str, str]]:
+    """``(kind, op)`` for every way v0.28.0's own layer, run and profiled on the GPU (``check``,
+    :mod:`k3lab.decode_step.model_check`), parts from the code read of ``mode`` (``code``):
+    ``unlabelled`` (a kernel the run launched under no op of the code read), ``missing`` (an op
+    of the code read that launches kernels on one GPU and did not run), ``order``, ``stream``."""
+    wanted = set(MEASURED_LABELS.values())
+    read = [(op["op"], _main_or_aux(op["stream"])) for op in code["modes"][mode]["layers"][layer]
+            if op["op"] in wanted]  # fmt: skip
+    ran = measured_ops(check, layer, m)
+    diff = {("unlabelled", op[1:]) for op, _ in ran if op.startswith("?")}
+    ran = [r for r in ran if not r[0].startswith("?")]
+    ran_names = [op for op, _ in ran]
+    diff |= {("missing", op) for op, _ in read if op not in ran_names}
+    common = [op for op, _ in read if op in ran_names]
+    in_order = _lcs(common, [op for op in ran_names if op in common])
+    diff |= {("order", op) for op in common if op not in in_order}
+    streams = dict(ran)
+    diff |= {("stream", op) for op, stream in read if op in streams and streams[op] != stream}
+    return diff

@@ -254,3 +254,14 @@ def test_attn_res_row_pattern_matches_the_shipped_table() -> None:
     from k3lab.decode_step import attn_res_bench as bench
 
     assert len(bench.ROW.findall(bench.TABLE.read_text())) == 1
+
+
+def test_the_model_checks_c_stand_ins_return_nothing_as_their_schemas_say(monkeypatch) -> None:
+    """A ``-> ()`` op whose impl returns a tensor fails at call time in torch (the breakable
+    mode's model check on the H200, 2026-12-04)."""
+    from k3lab.decode_step import model_check, stock
+
+    seen = []
+    monkeypatch.setattr(stock, "situ_and_mul", lambda x, beta, out=None: seen.append((x, beta, out)) or out)
+    assert model_check._situ_and_mul_out("out", "x", 1.0, 0.5) is None
+    assert seen == [("x", 1.0, "out")]

@@ -79,12 +79,14 @@ FUSED_SM90 = {
         (5504, 7168): ("swap_ab_gate", (64, 128, 1, 4, 6, 42), DECODE),
     },
     "attn_res": {
-        # the decoder layers' attn-res mix (H = 7168; pre- and post-attention, patch 0010):
-        # v0.28.0's kernel 7.6-8.2 us per call in the replay (decode_step_2026-12-02.json);
-        # ours (gemm_backends/pdl_attn_res.py, default config) PENDING the H200 run of
-        # 2026-12-03/04 (python -m k3lab.decode_step.attn_res_bench): the lead fills in the
-        # measured figure and config, or drops the row if it does not win.
-        (7168,): ("pdl_attn_res", None, DECODE),
+        # the decoder layers' attn-res mix (H = 7168; pre- and post-attention, patch 0010),
+        # 8 earlier blocks: ours (one CTA a row, the row's blocks in one tile, 8 warps, the mix
+        # from a second, cached read) 5.56 / 5.75 / 5.86 / 5.92 / 6.05 us against v0.28.0's
+        # kernel 7.72 / 7.74 / 7.79 / 8.06 / 8.15 at M = 1 / 2 / 4 / 8 / 16, best of 12 tile and
+        # 10 loop configs (H200, 2026-12-04, python -m k3lab.decode_step.attn_res_bench
+        # --apply-best, code of commit 2e96de7: results/decode_step/attn_res_bench_2026-12-04.json);
+        # in the replay of both H200 modes the same run (decode_step_h200-*_2026-12-04.json).
+        (7168,): ("pdl_attn_res", (8, 0, True), DECODE),
     },
 }
 
