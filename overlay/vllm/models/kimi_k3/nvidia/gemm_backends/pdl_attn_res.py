@@ -7,8 +7,10 @@ residual (prefix update, optional block write, softmax mix of the row's sources,
 RMSNorm), what v0.28.0's ``ops.attn_res`` computes, one CTA per row loading the whole
 row's sources in one round trip, PDL-aware (the three weight vectors load before
 ``griddepcontrol.wait``). v0.28.0's kernel costs 7.6-8.2 µs per call on the H200
-(``docs/decode-step-2026-12-02.md``); the figure for ours is pending the H200 run
-(``python -m k3lab.decode_step.attn_res_bench``).
+(``docs/decode-step-2026-12-02.md``); ours 5.56-6.05 µs at M = 1..16 against its 7.72-8.15
+in the same run, at config ``(8, 0, True)``, NB = 8 (H200, 2026-12-04,
+``python -m k3lab.decode_step.attn_res_bench``: ``results/decode_step/attn_res_bench_2026-12-04.json``;
+the ``loop`` variant's best, 9.07 µs, lost).
 
 Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's defaults:
 16 warps, all blocks in one tile, the mix from a second, cached read), or

@@ -9,7 +9,8 @@ design: dot products without tensor cores for M <= 4, the weight stream issued b
 :class:`~vllm.models.kimi_k3.nvidia.skinny_pdl_gemm.SkinnyPdlConfig`, checked when the
 table is built (``skinny_pdl_gemm.config_error``), so a bad row fails at import.
 
-No table routes it yet: it waits for the H200 sweep (``k3lab/bench/skinny_pdl_sweep.py``).
+The SM90 table routes it on three rows where the H200 sweep found it fastest alone
+(``k3lab/bench/skinny_pdl_sweep.py``, run h200-20261203: 1152x1536 at M = 1, 2; 768x7168 at M = 1).
 Operands: packed ``x`` and 16-byte aligned pointers (the base rule). The kernel has a
 residual epilogue, but the tables' residual rows belong to the one backend that fuses it
 (``cute``), so :attr:`fuses_residual` stays False here. Triton compiles on first launch,
