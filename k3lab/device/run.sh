@@ -11,7 +11,8 @@
 #                        patched model (k3lab.decode_step.replay; REPLAY_ARGS: --mode NAME, more flags)
 #   model_check PRISTINE issue 27: v0.28.0's own layers under the profiler, both capture modes
 #                        (k3lab.decode_step.model_check), on a copy of the site with PRISTINE's
-#                        v0.28.0 model files put back (MODE_S seconds per mode, MS token counts)
+#                        v0.28.0 model files put back (MODE_S seconds per mode, MS token counts,
+#                        MODES the capture modes, default "breakable full")
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 #   skinny SECONDS       issue 28: skinny_pdl on every SM90 shape at M 1..4 (SKINNY_M) against the
@@ -56,12 +57,12 @@ model_check)
   envs; shim; rm -rf /tmp/site_v028 && cp -a $SITE /tmp/site_v028 && cp -r "$1/vllm/." /tmp/site_v028/vllm/
   export PYTHONPATH=${PYTHONPATH//$SITE/\/tmp\/site_v028}:$ROOT K3_VLLM_ROOT=/tmp/site_v028
   python3 -c "import importlib.util as u; print('vllm from', u.find_spec('vllm').origin)"
-  for mode in breakable full; do  # one process per mode (v0.28.0 reads the capture mode at import)
+  for mode in ${MODES:-breakable full}; do  # one process per mode (v0.28.0 reads the capture mode at import)
     timeout ${MODE_S:-240} python3 -m k3lab.decode_step.model_check --mode $mode --m ${MS:-1,16} --out "$OUT" \
       > "$OUT/model_check_$mode.log" 2>&1 &
   done
   wait
-  for mode in breakable full; do
+  for mode in ${MODES:-breakable full}; do
     echo "== $mode"; grep -v "^\(INFO\|DEBUG\|WARNING\)" "$OUT/model_check_$mode.log" | tail -n 25
   done
   tar -czf "$OUT/traces.tgz" -C /tmp/k3_model_check . 2>/dev/null; ls -la "$OUT" | grep model_check ;;
