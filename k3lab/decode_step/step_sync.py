@@ -144,18 +144,28 @@ def _main_or_aux(stream: str) -> str:
 def measured_ops(check: dict, layer: str, m: int) -> list[tuple[str, str]]:
     """``(op, "main" | "aux")`` in launch order of one layer of a model-check run at ``m`` tokens;
     a label with no op of the code read stays ``"?label"``."""
+    return [(op, stream) for op, stream, _ in _measured(check, layer, m)]
+
+
+def _measured(check: dict, layer: str, m: int) -> list[tuple[str, str, object]]:
     out = []
     for op in check["layers"][layer]["per_m"][str(m)]["ops"]:
         label = op["label"].removeprefix("mtp_block.")
-        out.append((MEASURED_LABELS.get(label, "?" + label), _main_or_aux(op["stream"])))
+        out.append((MEASURED_LABELS.get(label, "?" + label), _main_or_aux(op["stream"]), op["segment"]))
     return out
+
+
+def _breaks(ops: list[tuple[str, object]]) -> set[str]:
+    """The ops a new graph segment starts at (after the first op)."""
+    return {op for (op, seg), (_, before) in zip(ops[1:], ops) if seg != before}
 
 
 def measured_differences(code: dict, check: dict, mode: str, layer: str, m: int) -> set[tuple[str, str]]:
     """``(kind, op)`` for every way v0.28.0's own layer, run and profiled on the GPU (``check``,
     :mod:`k3lab.decode_step.model_check`), parts from the code read of ``mode`` (``code``):
     ``unlabelled`` (a kernel the run launched under no op of the code read), ``missing`` (an op
-    of the code read that launches kernels on one GPU and did not run), ``order``, ``stream``."""
+    of the code read that launches kernels on one GPU and did not run), ``order``, ``stream``,
+    ``break`` (a graph segment starts before the op in one and not in the other)."""
     wanted = set(MEASURED_LABELS.values())
     read = [(op["op"], _main_or_aux(op["stream"])) for op in code["modes"][mode]["layers"][layer]
             if op["op"] in wanted]  # fmt: skip
@@ -169,4 +179,9 @@ def measured_differences(code: dict, check: dict, mode: str, layer: str, m: int)
     diff |= {("order", op) for op in common if op not in in_order}
     streams = dict(ran)
     diff |= {("stream", op) for op, stream in read if op in streams and streams[op] != stream}
+    # graph breaks: where each list starts a new segment, over the ops both have
+    read_seg = [(op["op"], op["segment"]) for op in code["modes"][mode]["layers"][layer]
+                if op["op"] in common and op["segment"] != "eager"]  # fmt: skip
+    ran_seg = [(op, seg) for op, _, seg in _measured(check, layer, m) if op in common]
+    diff |= {("break", op) for op in _breaks(read_seg) ^ _breaks(ran_seg)}
     return diff
