@@ -90,80 +90,13 @@ def _clone(args):
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-@pytest.mark.parametrize("flags", FLAGS, ids=["pre-write", "pre", "post-nodelta", "write-nodelta", "no-outnorm"])
-@pytest.mark.parametrize("nb", NBS)
-@pytest.mark.parametrize("shape,m", ROWS, ids=[f"H{s[0]}-M{m}" for s, m in ROWS])
-def test_every_routed_row_in_a_cuda_graph_matches_float64_and_v0_28(shape, m, nb, flags) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(31 * m + nb)
-    b = _inputs(shape[0], m, nb, flags, gen)
-    assert fd.try_attn_res(*_args(b)) is not None, "a routed row answered None"
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fd.try_attn_res(*_args(b))
-    for _ in range(2):  # fresh data each replay: the graph must compute, not remember
-        for t in (b["prefix"], b["delta"], b["buf"], b["nw"], b["qw"], b["ow"]):
-            if t is not None:
-                t.copy_(torch.randn(t.shape, generator=gen, device="cuda") * (0.1 if t.dim() == 1 else 1)
-                        + (1 if t is b["nw"] or t is b["ow"] else 0))  # fmt: skip
-        before = _clone(_args(b))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref, want_prefix = _reference(*before)
-        stock_args = _clone(before)
-        stock_out = _stock(stock_args)
-        assert torch.isfinite(out).all(), "NaN/Inf or unwritten output"
-        err, err_stock = _rel(out, ref), _rel(stock_out, ref)
-        assert err < 1e-2 and err <= 1.5 * err_stock + 1e-3, (err, err_stock)
-        assert _rel(out, stock_out.to(D)) < 1e-2
-        assert torch.equal(b["prefix"], want_prefix if flags[0] else before[0]), "prefix write"
-        assert torch.equal(b["prefix"], stock_args[0]), "prefix differs from v0.28.0's"
-        blocks = b["buf"][:, 1:]
-        if flags[1]:
-            assert torch.equal(blocks[:, nb + 1], b["prefix"]), "block write is not the new prefix"
-        kept = [s for s in range(blocks.shape[1]) if not (flags[1] and s == nb + 1)]
-        assert torch.equal(blocks[:, kept], before[2][:, kept]), "another block slot changed"
-
-
-@pytest.mark.parametrize("meta", [dict(num_warps=8), dict(num_warps=16), dict(num_warps=32),
-                                  dict(block_s=8), dict(block_s=8, reload=True),
-                                  dict(reload=True, num_warps=32), dict(pdl=False)])  # fmt: skip
-@pytest.mark.parametrize("nb", (8, 15))
-def test_every_meta_variant_matches_float64(meta, nb) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(nb)
-    b = _inputs(7168, 16, nb, (True, True, True), gen)
-    before = _clone(_args(b))
-    out = ar.attn_res(*_args(b), **meta)
-    ref, want_prefix = _reference(*before)
-    assert _rel(out, ref) < 1e-2
-    assert torch.equal(b["prefix"], want_prefix)
-
-
 FLAG_IDS = ["pre-write", "pre", "post-nodelta", "write-nodelta", "no-outnorm"]
-LOOP_METAS = [dict(chunk=1024, num_warps=8, num_stages=4), dict(chunk=1024, num_warps=16, num_stages=8),
-              dict(chunk=2048, num_warps=8, num_stages=3),
-              dict(chunk=512, num_warps=4, num_stages=8)]  # fmt: skip
 
 
-@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
-@pytest.mark.parametrize("nb", (0, 1, 8, 15))
-@pytest.mark.parametrize("m", (1, 16))
-@pytest.mark.parametrize("meta", LOOP_METAS, ids=lambda d: "ch{chunk}-w{num_warps}-s{num_stages}".format(**d))
-def test_loop_variant_in_a_cuda_graph_matches_float64_and_v0_28(meta, m, nb, flags) -> None:
-    """``variant="loop"`` at H = 7168 (PDL on, SM90+): as the routed test, fresh data per
-    replay, output vs float64 and v0.28.0's kernel, the prefix and block writes bit for bit."""
-    gen = torch.Generator(device="cuda").manual_seed(7 * m + nb)
-    b = _inputs(7168, m, nb, flags, gen)
-    if ar.loop_smem_bytes(ar.block_s_for(nb), meta["chunk"], meta["num_stages"]) > ar.MAX_SMEM_BYTES:
-        with pytest.raises(ValueError, match="shared memory"):  # refused, not a launch failure
-            ar.attn_res(*_args(b), variant="loop", **meta)
-        return
-    ar.attn_res(*_args(b), variant="loop", **meta)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ar.attn_res(*_args(b), variant="loop", **meta)
+def _replay_fresh_and_check(graph, out, b, nb, flags, gen) -> None:
+    """Replay ``graph`` (which wrote ``out``) twice on fresh data (the graph must compute, not
+    remember): output vs float64 and v0.28.0's kernel, the prefix and block writes bit for bit,
+    every other block slot kept."""
     for _ in range(2):
         for t in (b["prefix"], b["delta"], b["buf"], b["nw"], b["qw"], b["ow"]):
             if t is not None:
@@ -187,6 +120,60 @@ def test_loop_variant_in_a_cuda_graph_matches_float64_and_v0_28(meta, m, nb, fla
             assert torch.equal(blocks[:, nb + 1], b["prefix"]), "block write is not the new prefix"
         kept = [s for s in range(blocks.shape[1]) if not (flags[1] and s == nb + 1)]
         assert torch.equal(blocks[:, kept], before[2][:, kept]), "another block slot changed"
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("nb", NBS)
+@pytest.mark.parametrize("shape,m", ROWS, ids=[f"H{s[0]}-M{m}" for s, m in ROWS])
+def test_every_routed_row_in_a_cuda_graph_matches_float64_and_v0_28(shape, m, nb, flags) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(31 * m + nb)
+    b = _inputs(shape[0], m, nb, flags, gen)
+    assert fd.try_attn_res(*_args(b)) is not None, "a routed row answered None"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fd.try_attn_res(*_args(b))
+    _replay_fresh_and_check(graph, out, b, nb, flags, gen)
+
+
+@pytest.mark.parametrize("meta", [dict(num_warps=8), dict(num_warps=16), dict(num_warps=32),
+                                  dict(block_s=8), dict(block_s=8, reload=True),
+                                  dict(reload=True, num_warps=32), dict(pdl=False)])  # fmt: skip
+@pytest.mark.parametrize("nb", (8, 15))
+def test_every_meta_variant_matches_float64(meta, nb) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(nb)
+    b = _inputs(7168, 16, nb, (True, True, True), gen)
+    before = _clone(_args(b))
+    out = ar.attn_res(*_args(b), **meta)
+    ref, want_prefix = _reference(*before)
+    assert _rel(out, ref) < 1e-2
+    assert torch.equal(b["prefix"], want_prefix)
+
+
+LOOP_METAS = [dict(chunk=1024, num_warps=8, num_stages=4), dict(chunk=1024, num_warps=16, num_stages=8),
+              dict(chunk=2048, num_warps=8, num_stages=3),
+              dict(chunk=512, num_warps=4, num_stages=8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("nb", (0, 1, 8, 15))
+@pytest.mark.parametrize("m", (1, 16))
+@pytest.mark.parametrize("meta", LOOP_METAS, ids=lambda d: "ch{chunk}-w{num_warps}-s{num_stages}".format(**d))
+def test_loop_variant_in_a_cuda_graph_matches_float64_and_v0_28(meta, m, nb, flags) -> None:
+    """``variant="loop"`` at H = 7168 (PDL on, SM90+): as the routed test, fresh data per
+    replay, output vs float64 and v0.28.0's kernel, the prefix and block writes bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(7 * m + nb)
+    b = _inputs(7168, m, nb, flags, gen)
+    if ar.loop_smem_bytes(ar.block_s_for(nb), meta["chunk"], meta["num_stages"]) > ar.MAX_SMEM_BYTES:
+        with pytest.raises(ValueError, match="shared memory"):  # refused, not a launch failure
+            ar.attn_res(*_args(b), variant="loop", **meta)
+        return
+    ar.attn_res(*_args(b), variant="loop", **meta)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ar.attn_res(*_args(b), variant="loop", **meta)
+    _replay_fresh_and_check(graph, out, b, nb, flags, gen)
 
 
 def test_unrouted_calls_answer_none_on_the_gpu() -> None:
