@@ -3,11 +3,13 @@
 Kinds: ``ours``, the overlay's one-launch kernel (``overlay/.../nvidia/attn_res.py``, what
 patch 0010 routes to; options: its meta-parameters ``num_warps``, ``block_s``, ``reload``,
 ``pdl``), ``loop``, the same module's ``variant="loop"`` (options ``chunk``,
-``num_warps``, ``num_stages``), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
+``num_warps``, ``num_stages``), ``cluster``, the same module's ``variant="cluster"``
+(``overlay/.../nvidia/attn_res_cluster.py``, CuTe DSL: the row over a thread-block cluster;
+option ``cluster``, its size), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
 ``row``, ``spin``), which lost.
 
 ``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
-[--kinds ours,loop,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
+[--kinds ours,loop,cluster,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
 Writes ``attn_res_bench_<date><tag>.json`` to ``--out`` (default ``$OUT``) and prints the
 best config of each kind (lowest summed µs over the M asked for). Exit codes: 0 done,
 2 bad usage / no GPU / missing stock files.
@@ -36,6 +38,8 @@ from k3lab.decode_step import imports
 from k3lab.decode_step.layers import EPS, NB, H
 
 COPIES = 8
+#: The kinds of the overlay's launcher (``--apply-best`` chooses among them).
+OURS = ("ours", "loop", "cluster")
 GRID = {  # kind -> list of option dicts
     # NB = 8 blocks (u apart): one tile of 8 (block_s None) or two of 4
     "ours": [dict(num_warps=w, block_s=b, reload=r)
@@ -46,6 +50,8 @@ GRID = {  # kind -> list of option dicts
              for c, w, st in itertools.product((1024,), (4, 8, 16), (4, 8))]
             + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
             + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
+    # the row over a cluster of 2, 4 or 8 CTAs (the portable sizes)
+    "cluster": [dict(variant="cluster", cluster=c) for c in (2, 4, 8)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
@@ -71,17 +77,19 @@ def config_of(kind: str, opts: dict):
     """The table's config tuple (gemm_backends/pdl_attn_res.py) of a bench row's options."""
     if kind == "loop":
         return ("loop", opts["num_warps"], opts["chunk"], opts["num_stages"])
+    if kind == "cluster":
+        return ("cluster", opts["cluster"])
     return (opts["num_warps"], opts["block_s"] or 0, opts["reload"])
 
 
 def choose(rows: list[dict], ms: list[int]) -> dict | None:
-    """Ours (kinds ours, loop) fastest summed over ``ms`` among the configs that ran at every M,
+    """Ours (kinds ours, loop, cluster) fastest summed over ``ms`` among the configs that ran at every M,
     matched float64 (rel_err < 1e-2) and v0.28.0's prefix write, and beat v0.28.0 at every M;
     None if none did."""
     stock = {r["M"]: r["us"] for r in rows if r["kind"] == "v028" and "us" in r}
     runs: dict = {}
     for r in rows:
-        if r["kind"] in ("ours", "loop") and "us" in r:
+        if r["kind"] in OURS and "us" in r:
             runs.setdefault((r["kind"], json.dumps(r["opts"], sort_keys=True)), {})[r["M"]] = r
     good = {key: by_m for key, by_m in runs.items()
             if set(by_m) == set(ms) and all(by_m[m]["us"] < stock.get(m, 0) and by_m[m]["rel_err"] < 1e-2
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     def ours_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
         return one_launch.attn_res(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
 
-    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn}
+    kind_fns = {**split.KINDS, **{kind: ours_fn for kind in OURS}}
 
     def v028(prefix, delta, blocks, nw, qw, ow):
         return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,

@@ -13,6 +13,8 @@
 #                        (k3lab.decode_step.model_check), on a copy of the site with PRISTINE's
 #                        v0.28.0 model files put back (MODE_S seconds per mode, MS token counts,
 #                        MODES the capture modes, default "breakable full")
+#   attn_res STOCK_DIR  issue 28: attn-res alone, v0.28.0's kernel against ours (k3lab.decode_step.attn_res_bench;
+#                        AR_ARGS: --kinds, --m, --apply-best ...), on the overlay as committed now
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 #   skinny SECONDS       issue 28: skinny_pdl on every SM90 shape at M 1..4 (SKINNY_M) against the
@@ -52,6 +54,11 @@ replay)
   cp -r overlay/vllm/. $SITE/vllm/
   lab k3lab.decode_step.replay --stock-dir "$1" --out "$OUT" ${REPLAY_ARGS:-} 2>&1 \
      | grep -v "^\[kernels\]" | tee "$OUT/replay.log" ;;
+attn_res)
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/
+  lab k3lab.decode_step.attn_res_bench --stock-dir "$1" --out "$OUT" ${AR_ARGS:-} 2>&1 \
+     | grep -v "^\[kernels\]" | tee "$OUT/attn_res_bench.log" | grep -v '^{"M"' ;;
 model_check)
   # A copy of the site, so the patched tree stays for the steps after this one.
   envs; shim; rm -rf /tmp/site_v028 && cp -a $SITE /tmp/site_v028 && cp -r "$1/vllm/." /tmp/site_v028/vllm/

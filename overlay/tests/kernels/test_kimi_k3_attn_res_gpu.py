@@ -184,3 +184,46 @@ def test_unrouted_calls_answer_none_on_the_gpu() -> None:
     args = list(_args(b))
     args[0] = args[0].float()
     assert fd.try_attn_res(*args) is None  # fp32
+
+
+def _cluster_or_skip():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster variant needs SM90+ (thread-block clusters)")
+    pytest.importorskip("cutlass.cute", reason="the cluster variant needs nvidia-cutlass-dsl")
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
+@pytest.mark.parametrize("nb", (0, 1, 8, 15))
+@pytest.mark.parametrize("m", (1, 6, 16))
+@pytest.mark.parametrize("cluster", (2, 4, 8))
+def test_cluster_variant_in_a_cuda_graph_matches_float64_and_v0_28(cluster, m, nb, flags) -> None:
+    """``variant="cluster"`` (CuTe DSL, PDL on) at H = 7168: as the routed test."""
+    _cluster_or_skip()
+    gen = torch.Generator(device="cuda").manual_seed(11 * m + nb + cluster)
+    b = _inputs(7168, m, nb, flags, gen)
+    ar.attn_res(*_args(b), variant="cluster", cluster=cluster)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ar.attn_res(*_args(b), variant="cluster", cluster=cluster)
+    _replay_fresh_and_check(graph, out, b, nb, flags, gen)
+
+
+def test_cluster_config_falls_back_to_the_tile_kernel_for_a_build_first_seen_in_a_capture() -> None:
+    """A cluster build is compiled on the host at first use; inside a capture the backend
+    takes the tile kernel instead (compiled by warm-up), and the numerics hold."""
+    _cluster_or_skip()
+    from vllm.models.kimi_k3.nvidia import attn_res_cluster as arc
+    from vllm.models.kimi_k3.nvidia.gemm_backends.pdl_attn_res import BACKEND
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b = _inputs(7168, 3, 13, (True, False, True), gen)
+    build = arc._build_of(b["prefix"], b["delta"], b["ow"], 13, -1, 8, True)
+    arc._COMPILED.pop(build, None)
+    BACKEND.launch(None, *_clone(_args(b)))  # the tile build, as compile_for makes it
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = BACKEND.launch(("cluster", 8), *_args(b))
+    assert build not in arc._COMPILED, "compiled inside a capture"
+    _replay_fresh_and_check(graph, out, b, 13, (True, False, True), gen)

@@ -16,7 +16,12 @@ Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's de
 16 warps, all blocks in one tile, the mix from a second, cached read), or
 ``(num_warps, block_s, reload)`` (the ``tile`` variant) with ``block_s`` 0 for one tile,
 or ``("loop", num_warps, chunk, num_stages)`` (the ``loop`` variant: the row in
-pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8).
+pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8), or
+``("cluster", C)`` (the CuTe DSL variant, :mod:`attn_res_cluster`: the row over a
+cluster of C = 2/4/8 CTAs). A call the cluster variant does not take (no CuTe DSL, not
+SM90+, a misaligned row, or a build not yet compiled while the stream captures a CUDA
+graph: see ``attn_res_cluster.operands_error``) runs the launcher's default tile
+config instead, whose builds :meth:`PdlAttnRes.compile_for` made.
 Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
 with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
 with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
@@ -30,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm.models.kimi_k3.nvidia import attn_res as kernel
+from vllm.models.kimi_k3.nvidia import attn_res_cluster as cluster_kernel
 
 from .base import WarmupCall, bf16_on
 from .pdl_rmsnorm import PdlKernel, token_rows_ok
@@ -46,11 +52,14 @@ class PdlAttnRes(PdlKernel):
     op: ClassVar[str] = "attn_res"
 
     def config_error(self, n: int, k: int, num_tokens: int, config: Any) -> str | None:
-        """None, ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``, or
-        ``("loop", num_warps in 4/8/16, chunk, num_stages)``; a block_s too small for a
-        call's NB makes :meth:`operands_ok` refuse that call."""
+        """None, ``(num_warps in 4/8/16/32, block_s 0 or 4/8/16, reload)``,
+        ``("loop", num_warps in 4/8/16, chunk, num_stages)`` or ``("cluster", C)``; a
+        block_s too small for a call's NB makes :meth:`operands_ok` refuse that call."""
         if config is None:
             return None
+        if len(config) == 2 and config[0] == "cluster":
+            why = cluster_kernel.shape_error(k, config[1])
+            return f"{self.name}: {why}" if why else None
         if len(config) == 4 and config[0] == "loop":
             _, warps, chunk, stages = config
             if warps not in WARPS[:3]:
@@ -78,6 +87,8 @@ class PdlAttnRes(PdlKernel):
         if config[0] == "loop":
             _, warps, chunk, stages = config
             return dict(variant="loop", num_warps=warps, chunk=chunk, num_stages=stages)
+        if config[0] == "cluster":
+            return dict(variant="cluster", cluster=config[1])
         warps, block_s, reload = config
         return dict(num_warps=warps, block_s=block_s or None, reload=reload)
 
@@ -105,22 +116,29 @@ class PdlAttnRes(PdlKernel):
     def launch(self, config: Any, prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                num_blocks, block_write_idx, eps, output_norm_eps) -> torch.Tensor:  # fmt: skip
         """A new packed BF16 (M, H); ``prefix`` (and ``blocks[:, block_write_idx]``) updated."""
+        meta = self._meta(config)
+        if meta.get("variant") == "cluster" and cluster_kernel.operands_error(
+                prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks,
+                block_write_idx, meta["cluster"], True):  # fmt: skip
+            meta = {}  # the tile kernel, compiled by compile_for
         return kernel.attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                               num_blocks, block_write_idx, eps, output_norm_eps,
-                               **self._meta(config))  # fmt: skip
+                               num_blocks, block_write_idx, eps, output_norm_eps, **meta)  # fmt: skip
 
     def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
         """Every NB 0..15 with and without ``delta`` and the block write, with the output
         norm (the decoder layers' calls): NB is a compile-time constant, and the model's
-        NB per layer is not known here; 64 builds, none left for graph capture."""
+        NB per layer is not known here; 64 builds, none left for graph capture. A cluster
+        config warms the tile kernel it falls back to: its own builds (1-4 s each on the
+        host) compile at a layer's first eager call, which vLLM makes before capture."""
         m, h = call.num_tokens, call.k
         x = torch.zeros(m, h, dtype=dtype, device=call.device)
         w = x.new_ones(h)
+        config = None if self._meta(call.config).get("variant") == "cluster" else call.config
         for nb in range(kernel.MAX_SOURCES):
             blocks = torch.zeros(m, nb + 1, h, dtype=dtype, device=call.device)
             for delta in (None, x):
                 for write in (-1, nb):
-                    self.launch(call.config, x.clone(), delta, blocks, w, w, w, nb, write, 1e-6, 1e-6)
+                    self.launch(config, x.clone(), delta, blocks, w, w, w, nb, write, 1e-6, 1e-6)
 
 
 BACKEND = PdlAttnRes()
