@@ -9,6 +9,8 @@ each output first checked against float64 (relative error <= 1e-2). CuTe configs
 compiled before the lock is taken, so worker processes compile in parallel and only the
 timings are serialised. Rows are handed out one at a time and come back as they finish
 (``measure``'s ``on_row``), so a stage stopped at its deadline keeps every row timed.
+The deadline is the parent's alone: it closes a gate the workers pass to begin a row, so
+whether a row began is recorded, never guessed from how long a worker took to start.
 Ours' swap_ab rows run our Triton kernel (``k3lab/candidates.py``, compiled
 first with its ``warmup``, which launches nothing); its ll_bf16 and tinygemm rows run
 through our module's own ``_launch`` (compiled first with one call on zeros, outside the
@@ -26,6 +28,7 @@ import fcntl
 import math
 import multiprocessing as mp
 import os
+import queue
 import random
 import stat
 import time
@@ -203,30 +206,68 @@ def winner(upstream: dict, ours: dict) -> str:
 
 
 _STATE: dict = {}  # per worker process: its GPU lock and rotating weights, made once
+_GATE = None  # per worker process: measure's gate (see _begin), set by _init_worker
+
+POLL_S = 1.0  # how long measure waits for a row before it looks at its clock again
 
 
-def _row_task(args: tuple) -> tuple[int, dict]:
-    """One row in a pool worker: ``(index, result)``; a row begun after the deadline, or
-    whose inputs or cuBLAS fail, comes back with a ``status`` saying so."""
+def _new_gate(rows: int, ctx):
+    """One flag per row (1: a worker began it) and a last one (1: the gate is closed)."""
+    return ctx.Array("b", rows + 1)
+
+
+def _init_worker(gate) -> None:
+    global _GATE
+    _GATE = gate
+
+
+def _begin(index: int) -> bool:
+    """In a worker: whether row ``index`` may begin; if so it is marked begun. The check and
+    the mark are one step under the gate's lock, so a row is begun before the gate closes
+    or not at all."""
+    with _GATE.get_lock():
+        flags = _GATE.get_obj()
+        if flags[len(flags) - 1]:
+            return False
+        flags[index] = 1
+        return True
+
+
+def _close(gate) -> list[bool]:
+    """In the parent, at the deadline: no row begins after this; which rows had begun."""
+    with gate.get_lock():
+        flags = gate.get_obj()
+        flags[len(flags) - 1] = 1
+        return [bool(f) for f in flags[:len(flags) - 1]]
+
+
+def _gpu_row(row: dict, lock_path: str, biggest: int, replays: int) -> dict:
+    """Time one row on this worker's GPU, setting the worker up on its first row."""
     import torch
 
     from k3lab import timing
 
-    index, row, lock_path, biggest, replays, deadline = args
-    status = "not run: deadline" if time.time() > deadline else None
-    if status is None:
-        try:
-            if not _STATE:
-                if os.environ.get(prefer_overlay.ENV):  # before anything imports the package
-                    prefer_overlay.install(os.environ[prefer_overlay.ENV])
-                torch.cuda.init()
-                _STATE["lock"] = GpuLock(lock_path)
-                with _STATE["lock"]:
-                    _STATE["rot"] = timing.RotatingWeights(biggest, seed=os.getpid())
-            return index, _time_row(row, _STATE["rot"], _STATE["lock"], replays)
-        except Exception as exc:  # cuBLAS or the inputs failed: the row, not the run
-            status = f"error: {type(exc).__name__}: {exc}"[:300]
-    return index, not_run(row, status)
+    if not _STATE:
+        if os.environ.get(prefer_overlay.ENV):  # before anything imports the package
+            prefer_overlay.install(os.environ[prefer_overlay.ENV])
+        torch.cuda.init()
+        _STATE["lock"] = GpuLock(lock_path)
+        with _STATE["lock"]:
+            _STATE["rot"] = timing.RotatingWeights(biggest, seed=os.getpid())
+    return _time_row(row, _STATE["rot"], _STATE["lock"], replays)
+
+
+def _row_task(args: tuple) -> tuple[int, dict]:
+    """One row in a pool worker: ``(index, result)``; a row handed out but not begun before
+    the gate closed, or whose set-up, inputs or cuBLAS fail, comes back with a ``status``
+    saying so. The deadline is checked before anything is imported or initialised."""
+    index, row, lock_path, biggest, replays, run_row = args
+    if not _begin(index):
+        return index, not_run(row, "not run: deadline")
+    try:
+        return index, run_row(row, lock_path, biggest, replays)
+    except Exception as exc:  # cuBLAS or the inputs failed: the row, not the run
+        return index, not_run(row, f"error: {type(exc).__name__}: {exc}"[:300])
 
 
 def not_run(row: dict, status: str) -> dict:
@@ -236,38 +277,82 @@ def not_run(row: dict, status: str) -> dict:
 
 
 def measure(rows: list[dict], *, lock_path: str, workers: int, replays: int,
-            deadline_s: float, grace_s: float = 20.0, on_row=None) -> list[dict]:
+            deadline_s: float, grace_s: float = 20.0, on_row=None,
+            clock=time.monotonic, run_row=_gpu_row) -> list[dict]:
     """Time every row (see the module docstring) with ``workers`` processes; row order kept.
 
-    Rows go to whichever worker is free, one at a time, in a fixed shuffled order. A row
-    not begun by ``deadline_s`` (seconds from now) is ``not run: deadline``; one still
-    running ``grace_s`` later is abandoned (the pool is terminated) as ``not run:
-    deadline (still running)``.
+    Rows go to whichever worker is free, one at a time, in a fixed shuffled order. At
+    ``deadline_s`` (seconds from now, by ``clock``; only this process reads it) a gate
+    closes: a row not begun by then is ``not run: deadline`` at once, whether or not a
+    worker was about to reach it (a worker marks a row begun, under the gate's lock,
+    before it imports or initialises anything; once the gate is closed it begins none).
+    A row begun and still running ``grace_s`` after the deadline is abandoned (the pool
+    is terminated) as ``not run: deadline (still running)``: how long workers take to
+    start decides neither reason.
     ``on_row(done)``, if given, is called after each row with the finished rows so far
-    (row order), so a caller can save them as they come.
+    (row order), so a caller can save them as they come; rows abandoned at the end are
+    only in the returned list.
+    ``clock`` and ``run_row`` (a module-level function, run in the workers: ``(row,
+    lock_path, biggest, replays) -> result``) are there for the tests.
     """
     if not rows:
         return []
-    deadline = time.time() + deadline_s
+    deadline = clock() + deadline_s
+    give_up = deadline + grace_s
     biggest = max(2 * r["N"] * r["K"] for r in rows)
     # A fixed shuffle: rows a deadline leaves untimed are a random sample, not the last shapes.
     order = list(range(len(rows)))
     random.Random(0).shuffle(order)
-    tasks = [(i, rows[i], lock_path, biggest, replays, deadline) for i in order]
-    done: dict[int, dict] = {}
     ctx = mp.get_context("spawn")
-    with ctx.Pool(max(1, min(workers, len(rows)))) as pool:
-        results = pool.imap_unordered(_row_task, tasks)
+    gate = _new_gate(len(rows), ctx)
+    arrived: queue.Queue = queue.Queue()  # (index, result), from the pool's result thread
+    done: dict[int, dict] = {}
+    begun: list[bool] | None = None  # which rows had begun, once the gate is closed
+    pool = None
+
+    def finish(index: int, result: dict) -> None:
+        if index in done:  # a worker's late "not run" for a row already marked so here
+            return
+        done[index] = result
+        if on_row is not None:
+            on_row([done[i] for i in sorted(done)])
+
+    def failed(index: int):  # _row_task catches what a row raises; this is the pool's own
+        return lambda exc: arrived.put(
+            (index, not_run(rows[index], f"error: {type(exc).__name__}: {exc}"[:300])))
+
+    try:
         while len(done) < len(rows):
-            try:
-                index, result = results.next(timeout=max(1.0, deadline + grace_s - time.time()))
-            except mp.TimeoutError:
+            now = clock()
+            if begun is None and now >= deadline:
+                begun = _close(gate)
+                for index in order:  # not begun, handed out or not: settled now
+                    if not begun[index]:
+                        finish(index, not_run(rows[index], "not run: deadline"))
+            while True:  # what has come back, before any giving up
+                try:
+                    finish(*arrived.get_nowait())
+                except queue.Empty:
+                    break
+            if len(done) == len(rows) or now >= give_up:
                 break
-            done[index] = result
-            if on_row is not None:
-                on_row([done[i] for i in sorted(done)])
-        pool.terminate()
-    return [done.get(i) or not_run(row, "not run: deadline (still running)")
+            if pool is None:  # every row handed out, in order, before the deadline
+                pool = ctx.Pool(max(1, min(workers, len(rows))), initializer=_init_worker,
+                                initargs=(gate,))
+                for index in order:
+                    pool.apply_async(_row_task,
+                                     ((index, rows[index], lock_path, biggest, replays, run_row),),
+                                     callback=arrived.put, error_callback=failed(index))
+            wait = (deadline if begun is None else give_up) - now
+            try:
+                finish(*arrived.get(timeout=min(POLL_S, max(0.0, wait))))
+            except queue.Empty:
+                pass
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return [done.get(i) or not_run(row, "not run: deadline (still running)" if begun and begun[i]
+                                   else "not run: deadline")
             for i, row in enumerate(rows)]
 
 

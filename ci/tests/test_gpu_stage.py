@@ -170,11 +170,30 @@ def test_a_killed_pytest_leaves_no_partial_line_in_the_counts(tmp_path):
     assert (counts["passed"], counts["ran"], counts["collected"]) == (1, 1, 3)
 
 
+AB_ROWS = [{"N": 64, "K": 128, "M": m, "residual": False, "upstream": None,
+            "ours": {"backend": "cute", "config": {}}} for m in (1, 2, 3)]
+
+
+def fake_clock(moves_on):
+    """A clock for ``ab.measure`` that stands at 0 until ``moves_on()``, then jumps past any
+    deadline and grace: what happens by the deadline is the test's choice, not the
+    machine's speed. After 600 real seconds it jumps anyway, a guard against a hang only
+    (a worker that never got there leaves its row not run, and the test fails)."""
+    guard = time.monotonic() + 600
+    return lambda: 1e9 if moves_on() or time.monotonic() > guard else 0.0
+
+
+def began_then_hangs(row, lock_path, biggest, replays):
+    """``ab.measure``'s ``run_row``, in a worker: says it began, then runs until killed."""
+    Path(f"{lock_path}.began.{row['M']}").touch()
+    time.sleep(3600)
+
+
 def test_ab_rows_past_the_deadline_are_reported_not_run_and_streamed_in_order(tmp_path):
-    rows = [{"N": 64, "K": 128, "M": m, "residual": False, "upstream": None,
-             "ours": {"backend": "cute", "config": {}}} for m in (1, 2, 3)]
+    # Past its deadline before it starts: the gate is closed before any worker could begin
+    # a row, so however slowly workers would start, no row is reported still running.
     seen = []
-    results = ab.measure(rows, lock_path=str(tmp_path / "lock"), workers=2, replays=3,
+    results = ab.measure(AB_ROWS, lock_path=str(tmp_path / "lock"), workers=2, replays=3,
                          deadline_s=-1, on_row=lambda done: seen.append([r["M"] for r in done]))
     assert [r["status"] for r in results] == ["not run: deadline"] * 3
     assert len(seen) == 3 and seen[-1] == [1, 2, 3] and all(s == sorted(s) for s in seen)
@@ -182,10 +201,46 @@ def test_ab_rows_past_the_deadline_are_reported_not_run_and_streamed_in_order(tm
     assert (s["measured"], s["rows"], s["errors"]) == (0, 3, 0)
 
 
+def test_ab_row_begun_and_running_past_the_grace_is_still_running_the_rest_not_run(tmp_path):
+    """One worker begins a row that never ends; the clock moves past the deadline and the
+    grace only once it has begun. The rows queued behind it never began: ``not run:
+    deadline``, settled at the deadline (so streamed), not when the pool is given up."""
+    seen = []
+    began = lambda: sorted(tmp_path.glob("lock.began.*"))  # noqa: E731
+    results = ab.measure(AB_ROWS, lock_path=str(tmp_path / "lock"), workers=1, replays=3,
+                         deadline_s=10, grace_s=5, clock=fake_clock(lambda: bool(began())),
+                         on_row=lambda done: seen.append([r["M"] for r in done]),
+                         run_row=began_then_hangs)
+    [m] = [int(path.name.rsplit(".", 1)[1]) for path in began()]
+    assert {r["M"]: r["status"] for r in results} == {
+        k: "not run: deadline (still running)" if k == m else "not run: deadline"
+        for k in (1, 2, 3)}
+    assert len(seen) == 2 and seen[-1] == sorted({1, 2, 3} - {m})  # the abandoned row: not streamed
+    assert ab.summarize(results)["measured"] == 0
+
+
+def test_ab_row_handed_out_but_not_begun_when_the_gate_closes_is_not_run(monkeypatch, tmp_path):
+    """A worker that reaches a row after the deadline does not begin it, however late."""
+    import multiprocessing as mp
+
+    gate = ab._new_gate(2, mp.get_context("spawn"))
+    monkeypatch.setattr(ab, "_GATE", gate)
+    ran = []
+
+    def task(index):
+        return ab._row_task((index, AB_ROWS[index], str(tmp_path / "lock"), 1, 3,
+                             lambda row, *_: ran.append(row["M"]) or {"M": row["M"]}))
+
+    assert task(0) == (0, {"M": 1})
+    assert ab._close(gate) == [True, False]
+    index, result = task(1)
+    assert (index, result["status"], ran) == (1, "not run: deadline", [1])
+
+
 def test_ab_row_whose_gpu_fails_is_an_error_row_not_a_crash(tmp_path):
     rows = [{"N": 64, "K": 128, "M": 1, "residual": False, "upstream": None, "ours": None}]
     results = ab.measure(rows, lock_path=str(tmp_path / "lock"), workers=1, replays=3,
-                         deadline_s=120)
+                         deadline_s=120, clock=fake_clock(lambda: False))
     assert results[0]["winner"] == "unmeasured" and results[0]["status"].startswith("error: ")
     assert ab.summarize(results)["errors"] == 1
 
