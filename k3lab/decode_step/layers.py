@@ -27,6 +27,11 @@ import torch
 H, QL, KVL, ROPE, QB, HV = 7168, 1536, 512, 64, 2304, 1536
 KDA_IN, KDA_P, FA, FA_AT = 6288, 1536, 128, 6144
 NE, LAT, SI, NB, EPS, SITU_BETA = 384, 3584, 768, 8, 1e-6, 1.0
+TOPK = 8  # routed experts per token
+
+# The routed experts' stand-in (replay --routed-experts standin): the top-k experts of one
+# token, TP8 shards as the model check builds them (w13 2 x 768 x 3584, w2 3584 x 768).
+ROUTED_W = {"rexp13": (TOPK, 2 * SI, LAT), "rexp2": (TOPK, LAT, SI)}
 
 # (name, shape or None for [K] vectors) of every layer's weights
 MOE_W = {"gate": (NE, H), "down": (LAT, H), "lat_norm": (LAT,), "up": (H, LAT),
@@ -136,6 +141,25 @@ def _moe_stock(kn, src: str) -> list[Op]:
         Op("routed_up+shared", "nvidia/model.py:321", up, "cuBLAS addmm_ (beta-add of the shared output)",
            lambda m: _gemm_bytes(H, LAT)(m) + 2 * m * H),
     ]  # fmt: skip
+
+
+def routed_standin() -> Op:
+    """The routed experts of the FusedMoE branch, a stand-in: the TOPK experts of one token
+    (w13, then w2 on half its output) as 16 cuBLAS GEMMs on ``st["lat"]``, the result kept
+    apart (``st["routed_standin"]``: the replay's ``lat_out`` stays the fixed tensor both
+    variants share). vLLM runs a Triton ``fused_moe`` over up to ``TOPK x M`` distinct
+    experts: this reads the fewest bytes any M does, so its time is a lower bound. What it is
+    for: the runner's shared experts run on an aux stream beside the routed experts, and
+    without them in the replay that fork's time sits on the critical path."""
+
+    def run(st, w):
+        for e in range(TOPK):
+            h = torch.mm(st["lat"], w["rexp13"][e].t())
+            st["routed_standin"] = torch.mm(h[:, :SI], w["rexp2"][e].t())
+
+    return Op("routed experts (stand-in)", "model_executor/layers/fused_moe (fused_moe, Triton)", run,
+              "stand-in: 8 experts' w13 and w2 as 16 cuBLAS GEMMs (a lower bound of fused_moe's time)",
+              lambda m: TOPK * (_gemm_bytes(2 * SI, LAT)(m) + _gemm_bytes(LAT, SI)(m)))
 
 
 def _moe_ours(kn, src: str, residual: str | None) -> list[Op]:
@@ -409,14 +433,15 @@ def inputs(layer: str, m: int, device, gen: torch.Generator) -> dict:
     return st
 
 
-def weights(layer: str, device, gen: torch.Generator) -> dict:
-    """One copy of the layer's weights: projections ~ N(0, 1/K), norm weights ~ 1 + N(0, 0.1)."""
+def weights(layer: str, device, gen: torch.Generator, routed: bool = False) -> dict:
+    """One copy of the layer's weights: projections ~ N(0, 1/K), norm weights ~ 1 + N(0, 0.1);
+    with ``routed``, also the routed experts' stand-in weights (:data:`ROUTED_W`, 132 MB)."""
     out = {}
-    for name, shape in WEIGHTS[layer].items():
+    for name, shape in {**WEIGHTS[layer], **(ROUTED_W if routed else {})}.items():
         if len(shape) == 1:
             out[name] = (1 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(torch.bfloat16)
         else:
-            w = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
+            w = torch.randn(shape, generator=gen, device=device) / shape[-1] ** 0.5
             out[name] = w.to(torch.bfloat16)
     # Ours reads the projections of one input as one weight (rows concatenated at load
     # time, as vLLM packs qkv): fewer launches, one weight stream instead of two.

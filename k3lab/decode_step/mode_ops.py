@@ -105,6 +105,18 @@ def fork(name: str, stream: str, main: list[Op], aux: list[Op], where: str) -> O
     return Op(name, where, run, runs, nbytes, covers)
 
 
+def _routed(br: dict) -> list[Op]:
+    """The main stream's arm of the shared experts' fork: the routed experts' stand-in where
+    the replay was asked for it (``br["routed_experts"]``), else nothing (left out)."""
+    return [layers.routed_standin()] if br.get("routed_experts") == "standin" else []
+
+
+def _shared_fork_name(br: dict) -> str:
+    if br.get("routed_experts") == "standin":
+        return "routed experts (stand-in) || shared experts (runner, aux stream)"
+    return "shared experts (runner, aux stream)"
+
+
 def _stock_moe(kn, src: str, br: dict) -> list[Op]:
     """v0.28.0's FusedMoE branch at decode (model.py:789-826, the runner, tier-1 tail)."""
     base = {op.name: op for op in layers._moe_stock(kn, src)}
@@ -125,7 +137,7 @@ def _stock_moe(kn, src: str, br: dict) -> list[Op]:
     down = base["routed_down"]._replace(where="nvidia/model.py:777-786", runs="cuBLAS")
     front = [router, down] if br["gate_down"] == "in_line" else [
         fork("router_gate || routed_down", "moe_aux", [router], [down], "nvidia/model.py:776-786")]
-    shared = fork("shared experts (runner, aux stream)", "moe_aux", [],
+    shared = fork(_shared_fork_name(br), "moe_aux", _routed(br),
                   [base["shared_gate_up"], base["situ_and_mul"], base["shared_down"]],
                   "fused_moe/runner/shared_experts.py:141-151")  # fmt: skip
     return [
@@ -261,7 +273,7 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
                   covers=("routed_expert_norm", "routed_up", "shared_add"))]  # fmt: skip
     else:
         end = [stock["routed_expert_norm"], stock["routed_up"], stock["shared_add"]]
-    return [*head, fork("shared experts (runner, aux stream)", "moe_aux", [], shared, ""), *end]
+    return [*head, fork(_shared_fork_name(br), "moe_aux", _routed(br), shared, ""), *end]
 
 
 def _patched_mla(pk, kn, src: str, stock: dict, br: dict, core_break: bool) -> list[Op]:
@@ -326,9 +338,11 @@ def segments(ops: list[Op], copies: int) -> list[list[Op]]:
     return [s for s in out if s]
 
 
-def lists(kn, pk, layer: str, mode: str) -> dict[str, list[Op]]:
-    """``{"stock": ops, "patched": ops}`` of ``layer`` in ``mode`` (patched only with ``pk``)."""
-    br = modes.branches(mode, layer)
+def lists(kn, pk, layer: str, mode: str, routed: str = "none") -> dict[str, list[Op]]:
+    """``{"stock": ops, "patched": ops}`` of ``layer`` in ``mode`` (patched only with ``pk``);
+    ``routed="standin"`` puts :func:`layers.routed_standin` on the main stream beside the
+    shared experts' fork in both."""
+    br = {**modes.branches(mode, layer), "routed_experts": routed}
     out = {"stock": stock_ops(kn, layer, br)}
     if pk is not None:
         out["patched"] = patched_ops(pk, kn, layer, br)

@@ -132,12 +132,12 @@ def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -
 
 
 def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: list[int], copies: int,
-              reps: int, bw: float) -> tuple[list[dict], list[dict]]:  # fmt: skip
+              reps: int, bw: float, routed: str = "none") -> tuple[list[dict], list[dict]]:  # fmt: skip
     breakable = modes.branches(mode, layer)["capture"] == "breakable"
     gen = torch.Generator(device="cuda").manual_seed(21)
-    ws = [layers.weights(layer, "cuda", gen) for _ in range(copies)]
+    ws = [layers.weights(layer, "cuda", gen, routed == "standin") for _ in range(copies)]
     enabled = None if pk is None else patched.enable(pk, ws)  # before the lists: the switches read it
-    variants = mode_ops.lists(kn, pk, layer, mode)
+    variants = mode_ops.lists(kn, pk, layer, mode, routed)
     stock_leaves = {op.name: op for op in mode_ops.leaves(variants["stock"])}
     steps, per_op = [], []
     first_cover = {}  # (variant, stock op) -> the variant's first top-level op that covers it
@@ -207,13 +207,13 @@ def _compact(doc: dict) -> str:
     return "{\n " + ",\n ".join(lines) + "\n}\n"
 
 
-def op_table(kn, pk, mode: str) -> dict:
+def op_table(kn, pk, mode: str, routed: str = "none") -> dict:
     """Per ``layer/variant``, the ops in order as the replay runs them: [name, v0.28.0
     file:line (stock), what runs]; a fork's arms and a graph break are spelled out in the
     name: what the JSON and the CPU tests compare with the modes data."""
     out = {}
     for layer in layers.LAYERS:
-        for variant, ops in mode_ops.lists(kn, pk, layer, mode).items():
+        for variant, ops in mode_ops.lists(kn, pk, layer, mode, routed).items():
             out[f"{layer}/{variant}"] = [[o.name, o.where, o.runs] for o in ops]
     return out
 
@@ -229,6 +229,19 @@ def measure_paths_here(fused, paths: list[str], branch: str, capture: str) -> No
     fused.MODES_BY_CAPABILITY = {
         cap: {**by_path, **{p: {**by_path.get(p, {}), (branch, capture): "replay --measure-paths"}
                             for p in paths}}
+        for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
+
+
+def drop_paths_here(fused, paths: list[str], branch: str, capture: str) -> None:
+    """Keep ``paths`` off on ``branch`` under ``capture`` in this process although
+    ``MEASURED_MODES`` lists them there: the same run with and without a path.
+    ValueError for a path the tree does not know."""
+    unknown = sorted(set(paths) - set(fused.PATHS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not among {', '.join(fused.PATHS)}")
+    fused.MODES_BY_CAPABILITY = {
+        cap: {p: ({k: v for k, v in modes_.items() if k != (branch, capture)} if p in paths else modes_)
+              for p, modes_ in by_path.items()}
         for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
 
 
@@ -248,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-paths", default="",
                     help="comma list of our model-level paths (moe_front, moe_tail) to run in this mode although "
                          "MEASURED_MODES does not list it: how a path is measured before it is listed")
+    ap.add_argument("--drop-paths", default="",
+                    help="comma list of our model-level paths to keep off in this mode although MEASURED_MODES "
+                         "lists it: the same harness without the path")
+    ap.add_argument("--routed-experts", choices=("none", "standin"), default="none",
+                    help="standin: the routed experts' stand-in (layers.routed_standin) on the main stream "
+                         "beside the shared experts' aux-stream fork, in both variants; none: left out")
     args = ap.parse_args(argv)
     try:
         rec = modes.mode(args.mode)
@@ -288,9 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: --measure-paths: {e}", file=sys.stderr)
             return 2
+    dropped = [p for p in args.drop_paths.split(",") if p]
+    if dropped:
+        try:
+            drop_paths_here(pk.fused, dropped, rec["all"]["moe_branch"], rec["all"]["capture"])
+        except ValueError as e:
+            print(f"error: --drop-paths: {e}", file=sys.stderr)
+            return 2
     bw = timing.read_bandwidth_Bps(replays=12)
     doc = {**provenance.environment(), "mode": args.mode, "mode_record": rec, "tag": args.tag,
-           "measure_paths": trial,
+           "measure_paths": trial, "drop_paths": dropped, "routed_experts": args.routed_experts,
            "tree": os.environ.get("K3_TREE", "unnamed: set K3_TREE to the commit the bundle and overlay are of"),
            "read_bw_TBps": round(bw / 1e12, 4), "copies": args.copies, "reps": args.reps,
            "method": "per variant: the layer over rotated weight copies, one CUDA graph per segment between "
@@ -301,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"decode_step_{args.mode}_{doc['date']}{args.tag}.json"
     for name in names:
         steps, per_op, doc["patched_enabled"] = run_layer(torch, kn, pk, name, args.mode, ms, per_op_ms,
-                                                          args.copies, args.reps, bw)  # fmt: skip
+                                                          args.copies, args.reps, bw, args.routed_experts)  # fmt: skip
         doc["steps"] += steps
         doc["per_op"] += per_op
-        doc["ops"] = op_table(kn, pk, args.mode)  # after enable: as the timed lists were built
+        doc["ops"] = op_table(kn, pk, args.mode, args.routed_experts)  # after enable: as the timed lists were built
         # one record a line: results/ holds at most 2 MB in all (tests/test_layout.py)
         path.write_text(_compact(doc))
     print(f"wrote {path}")

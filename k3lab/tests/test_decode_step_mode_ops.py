@@ -242,3 +242,32 @@ def test_patched_attn_res_sites_take_try_attn_res_or_the_modes_stock_op(layer, a
         assert st["_via"][name] == ("patched" if answer else "stock")
         # the stock op (its kernels stand-ins here) writes a stand-in, ours the answer
         assert st[out] == "ours" if answer else isinstance(st[out], _Any)
+
+
+@pytest.mark.parametrize("mode", REPLAYED)
+@pytest.mark.parametrize("paths", [(), ("moe_front", "moe_tail")])
+def test_the_routed_experts_stand_in_runs_beside_the_shared_experts_in_both_variants(mode, paths) -> None:
+    """--routed-experts standin: the same op on the main arm of the shared experts' fork in
+    stock and patched (so the aux stream's work overlaps it as in the model); off: no main arm."""
+    for routed, want in (("standin", ("routed experts (stand-in)",)), ("none", ())):
+        got = {}
+        for variant, ops in mode_ops.lists(_kn(), _Pk(paths), "kda", mode, routed).items():
+            forks = [op.run.arms for op in ops if "shared experts" in op.name]
+            assert len(forks) == 1, variant
+            got[variant] = tuple(o.name for o in forks[0][0])
+            if routed == "standin" and variant == "stock":  # the roof counts its bytes
+                assert mode_ops.roof_bytes(ops, 1) > mode_ops.roof_bytes(mode_ops.lists(
+                    _kn(), _Pk(paths), "kda", mode)[variant], 1)  # fmt: skip
+        assert got == {"stock": want, "patched": want}
+
+
+def test_drop_paths_keeps_a_listed_path_off_in_one_mode_only() -> None:
+    fused = type("F", (), {})()
+    fused.PATHS = ("moe_front", "moe_tail")
+    fused.MODES_BY_CAPABILITY = {(9, 0): {"moe_front": {("fused_moe", "breakable"): "run", ("mega_moe", "full"): "r2"},
+                                          "moe_tail": {("fused_moe", "breakable"): "run"}}}  # fmt: skip
+    replay.drop_paths_here(fused, ["moe_front"], "fused_moe", "breakable")
+    assert fused.MODES_BY_CAPABILITY[(9, 0)] == {"moe_front": {("mega_moe", "full"): "r2"},
+                                                  "moe_tail": {("fused_moe", "breakable"): "run"}}
+    with pytest.raises(ValueError, match="moe_middle"):
+        replay.drop_paths_here(fused, ["moe_middle"], "fused_moe", "breakable")
