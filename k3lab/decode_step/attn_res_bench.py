@@ -3,7 +3,7 @@
 Kinds: ``ours``, the overlay's one-launch kernel (``overlay/.../nvidia/attn_res.py``, what
 patch 0010 routes to; options: its meta-parameters ``num_warps``, ``block_s``, ``reload``,
 ``pdl``), ``loop``, the same module's ``variant="loop"`` (options ``chunk``,
-``num_warps``, ``num_stages``), ``cluster``, the same module's ``variant="cluster"``
+``num_warps``, ``num_stages``), ``cluster``, ``attn_res_cluster.attn_res_cluster``
 (``overlay/.../nvidia/attn_res_cluster.py``, CuTe DSL: the row over a thread-block cluster;
 option ``cluster``, its size), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
 ``row``, ``spin``), which lost.
@@ -51,7 +51,7 @@ GRID = {  # kind -> list of option dicts
             + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
             + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
     # the row over a cluster of 2, 4 or 8 CTAs (the portable sizes)
-    "cluster": [dict(variant="cluster", cluster=c) for c in (2, 4, 8)],
+    "cluster": [dict(cluster=c) for c in (2, 4, 8)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
@@ -156,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     def ours_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
         return one_launch.attn_res(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
 
-    kind_fns = {**split.KINDS, **{kind: ours_fn for kind in OURS}}
+    cluster_launcher = imports.overlay("attn_res_cluster")
+
+    def cluster_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
+        return cluster_launcher.attn_res_cluster(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
+
+    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn, "cluster": cluster_fn}
 
     def v028(prefix, delta, blocks, nw, qw, ow):
         return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,

@@ -301,18 +301,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     trial = [p for p in args.measure_paths.split(",") if p]
-    if trial:
-        try:
-            measure_paths_here(pk.fused, trial, rec["all"]["moe_branch"], rec["all"]["capture"])
-        except ValueError as e:
-            print(f"error: --measure-paths: {e}", file=sys.stderr)
-            return 2
     dropped = [p for p in args.drop_paths.split(",") if p]
-    if dropped:
+    for flag, paths, apply in (("--measure-paths", trial, measure_paths_here),
+                               ("--drop-paths", dropped, drop_paths_here)):
         try:
-            drop_paths_here(pk.fused, dropped, rec["all"]["moe_branch"], rec["all"]["capture"])
+            if paths:
+                apply(pk.fused, paths, rec["all"]["moe_branch"], rec["all"]["capture"])
         except ValueError as e:
-            print(f"error: --drop-paths: {e}", file=sys.stderr)
+            print(f"error: {flag}: {e}", file=sys.stderr)
             return 2
     bw = timing.read_bandwidth_Bps(replays=12)
     doc = {**provenance.environment(), "mode": args.mode, "mode_record": rec, "tag": args.tag,

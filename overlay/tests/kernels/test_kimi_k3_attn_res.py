@@ -435,3 +435,48 @@ def test_patch_0010_routes_the_decoder_layers_attn_res_through_fused_decode(meth
     kw = {k.arg for k in fused[0].keywords}
     assert kw == {"num_blocks", "block_write_idx", "eps", "output_norm_eps"}
 
+
+
+# ---------------------------------------------------------------------- the cluster variant
+
+
+@pytest.mark.parametrize("config,ok", [(("cluster", 8), True), (("cluster", 4), True), (("cluster", 2), True),
+                                       (("cluster", 16), False), (("cluster", 3), False)])  # fmt: skip
+def test_backend_cluster_config_error(config, ok) -> None:
+    (backend,) = gemm_backends.backends_for("attn_res").values()
+    assert (backend.config_error(7168, 7168, 1, config) is None) is ok
+
+
+def test_the_cluster_split_needs_whole_16_byte_columns_per_thread() -> None:
+    from vllm.models.kimi_k3.nvidia import attn_res_cluster as arc
+
+    assert arc.shape_error(7168, 8) is None and arc.threads_of(7168, 8) == 128  # 112 active
+    assert arc.threads_of(7168, 4) == 224 and arc.threads_of(7168, 2) == 448
+    assert "cluster = 64" in arc.shape_error(7000, 8)
+    assert "threads" in arc.shape_error(8 * 2 * 2048, 2)
+
+
+def test_a_cluster_config_runs_the_tile_fallback_where_the_cluster_build_cannot(monkeypatch) -> None:
+    """CPU tensors (no cluster there): the tile kernel at TILE_FALLBACK; operands the cluster
+    build takes: the cluster variant."""
+    from vllm.models.kimi_k3.nvidia import attn_res_cluster as arc
+    from vllm.models.kimi_k3.nvidia.gemm_backends import pdl_attn_res
+
+    (backend,) = gemm_backends.backends_for("attn_res").values()
+    seen = []
+    monkeypatch.setattr(ar, "attn_res", lambda *a, **k: seen.append(("tile", k)) or "out")
+    monkeypatch.setattr(arc, "attn_res_cluster", lambda *a, **k: seen.append(("cluster", k)) or "out")
+    args = _operands(h=7168, nb=8)
+    assert "SM90" in arc.operands_error(*args[:8], 8, True)
+    assert backend.launch(("cluster", 8), *args) == "out"
+    monkeypatch.setattr(arc, "operands_error", lambda *a: None)
+    assert backend.launch(("cluster", 4), *args) == "out"
+    assert pdl_attn_res.TILE_FALLBACK == (8, 0, True)
+    assert seen == [("tile", dict(num_warps=8, block_s=None, reload=True)), ("cluster", dict(cluster=4))]
+
+
+def test_the_cluster_launcher_refuses_a_cpu_tensor_with_value_error() -> None:
+    from vllm.models.kimi_k3.nvidia.attn_res_cluster import attn_res_cluster
+
+    with pytest.raises(ValueError, match="SM90"):
+        attn_res_cluster(*_operands(h=7168, nb=8), cluster=8)

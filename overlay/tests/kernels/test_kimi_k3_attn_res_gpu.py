@@ -197,15 +197,17 @@ def _cluster_or_skip():
 @pytest.mark.parametrize("m", (1, 6, 16))
 @pytest.mark.parametrize("cluster", (2, 4, 8))
 def test_cluster_variant_in_a_cuda_graph_matches_float64_and_v0_28(cluster, m, nb, flags) -> None:
-    """``variant="cluster"`` (CuTe DSL, PDL on) at H = 7168: as the routed test."""
+    """``attn_res_cluster`` (CuTe DSL, PDL on) at H = 7168: as the routed test."""
     _cluster_or_skip()
     gen = torch.Generator(device="cuda").manual_seed(11 * m + nb + cluster)
     b = _inputs(7168, m, nb, flags, gen)
-    ar.attn_res(*_args(b), variant="cluster", cluster=cluster)  # compile outside the capture
+    from vllm.models.kimi_k3.nvidia.attn_res_cluster import attn_res_cluster
+
+    attn_res_cluster(*_args(b), cluster=cluster)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ar.attn_res(*_args(b), variant="cluster", cluster=cluster)
+        out = attn_res_cluster(*_args(b), cluster=cluster)
     _replay_fresh_and_check(graph, out, b, nb, flags, gen)
 
 
@@ -214,13 +216,13 @@ def test_cluster_config_falls_back_to_the_tile_kernel_for_a_build_first_seen_in_
     takes the tile kernel instead (compiled by warm-up), and the numerics hold."""
     _cluster_or_skip()
     from vllm.models.kimi_k3.nvidia import attn_res_cluster as arc
-    from vllm.models.kimi_k3.nvidia.gemm_backends.pdl_attn_res import BACKEND
+    from vllm.models.kimi_k3.nvidia.gemm_backends.pdl_attn_res import BACKEND, TILE_FALLBACK
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     b = _inputs(7168, 3, 13, (True, False, True), gen)
     build = arc._build_of(b["prefix"], b["delta"], b["ow"], 13, -1, 8, True)
     arc._COMPILED.pop(build, None)
-    BACKEND.launch(None, *_clone(_args(b)))  # the tile build, as compile_for makes it
+    BACKEND.launch(TILE_FALLBACK, *_clone(_args(b)))  # the tile build, as compile_for makes it
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -47,9 +47,9 @@ from vllm.triton_utils import tl, triton
 MAX_SOURCES = 16
 
 #: ``"tile"``: :func:`_attn_res_kernel` (the row's sources in registers at once);
-#: ``"loop"``: :func:`_attn_res_loop_kernel` (the row in pipelined column chunks);
-#: ``"cluster"``: :mod:`attn_res_cluster` (CuTe DSL, the row over a thread-block cluster).
-VARIANTS = ("tile", "loop", "cluster")
+#: ``"loop"``: :func:`_attn_res_loop_kernel` (the row in pipelined column chunks). The row
+#: over a thread-block cluster is :mod:`attn_res_cluster` (CuTe DSL), a launcher of its own.
+VARIANTS = ("tile", "loop")
 
 
 @triton.jit
@@ -365,7 +365,6 @@ def attn_res(
     variant: str = "tile",
     chunk: int = 1024,
     num_stages: int = 4,
-    cluster: int = 8,
 ) -> torch.Tensor:
     """The attn-res mix of every row (module docstring), in one launch; v0.28.0's
     ``ops.attn_res`` contract (positional arguments), plus meta-parameters.
@@ -394,10 +393,7 @@ def attn_res(
         variant: ``"tile"`` (the whole row in registers, ``block_s``/``reload`` apply)
             or ``"loop"`` (:func:`_attn_res_loop_kernel`: the row in chunks of ``chunk``
             columns, a power of two, over ``num_stages`` pipelined loads; ``block_s`` and
-            ``reload`` do not apply: one tile of all blocks), or ``"cluster"``
-            (:func:`attn_res_cluster.attn_res_cluster`: the row's columns over a cluster of
-            ``cluster`` CTAs, 2, 4 or 8; BF16 only, SM90+, the CuTe DSL; only ``pdl``
-            applies).
+            ``reload`` do not apply: one tile of all blocks).
 
     Returns:
         A new packed (M, H) tensor of prefix's dtype.
@@ -405,17 +401,8 @@ def attn_res(
     Raises:
         ValueError: a shape, stride, dtype or device that does not fit the above, NB
             outside 0..15, a bad ``block_write_idx`` or ``block_s``, ``variant``,
-            ``chunk`` or ``num_stages``; for ``"cluster"``, what
-            :func:`attn_res_cluster.operands_error` refuses.
+            ``chunk`` or ``num_stages``.
     """
-    if variant == "cluster":
-        from vllm.models.kimi_k3.nvidia.attn_res_cluster import attn_res_cluster
-
-        if pdl is None:
-            pdl = prefix.device.type == "cuda" and _pdl_default(prefix.device.index or 0)
-        return attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                                num_blocks, block_write_idx, eps, output_norm_eps,
-                                cluster=cluster, pdl=pdl)  # fmt: skip
     check_operands(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                    num_blocks, block_write_idx)  # fmt: skip
     m, h = prefix.shape

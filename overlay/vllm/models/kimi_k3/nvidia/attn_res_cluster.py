@@ -333,7 +333,6 @@ def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
         ValueError: operands :func:`attn_res.check_operands` or :func:`operands_error` refuses.
     """
     import torch
-    from cuda.bindings.driver import CUstream
 
     from vllm.models.kimi_k3.nvidia.attn_res import check_operands
 
@@ -348,6 +347,8 @@ def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     if m == 0:
         return out
     b = _build_of(prefix, delta, output_norm_weight, num_blocks, block_write_idx, cluster, pdl)
+    from cuda.bindings.driver import CUstream  # the CuTe DSL's dependency, as the import below
+
     if b not in _COMPILED:
         _COMPILED[b] = compile_build(b)
     uses_blocks = num_blocks > 0 or block_write_idx >= 0

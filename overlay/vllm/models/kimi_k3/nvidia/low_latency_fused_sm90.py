@@ -80,13 +80,15 @@ FUSED_SM90 = {
     },
     "attn_res": {
         # the decoder layers' attn-res mix (H = 7168; pre- and post-attention, patch 0010),
-        # 8 earlier blocks: ours (one CTA a row, the row's blocks in one tile, 8 warps, the mix
-        # from a second, cached read) 5.56 / 5.75 / 5.86 / 5.92 / 6.05 us against v0.28.0's
-        # kernel 7.72 / 7.74 / 7.79 / 8.06 / 8.15 at M = 1 / 2 / 4 / 8 / 16, best of 12 tile and
-        # 10 loop configs (H200, 2026-12-04, python -m k3lab.decode_step.attn_res_bench
-        # --apply-best, code of commit 2e96de7: results/decode_step/attn_res_bench_2026-12-04.json);
-        # in the replay of both H200 modes the same run (decode_step_h200-*_2026-12-04.json).
-        (7168,): ("pdl_attn_res", (8, 0, True), DECODE),
+        # 8 earlier blocks: ours over a cluster of 8 CTAs (attn_res_cluster.py, CuTe DSL, the
+        # row-wide sums pushed through DSMEM) 3.03-3.55 us at M = 1..15 and 4.21 at M = 16,
+        # against v0.28.0's kernel 7.72-8.35 and our one-CTA-a-row tile kernel 5.76-6.10 in
+        # the same run; clusters of 4: 3.37-3.82 (faster at M = 16 only), of 2: 4.61-4.88
+        # (H200, 2026-12-04, python -m k3lab.decode_step.attn_res_bench --kinds ours,cluster
+        # --apply-best, code of commit a3ad5dd: results/decode_step/attn_res_bench_2026-12-04_cluster.json).
+        # In the replay of the default H200 mode, same lease: decode_step_h200-default_2026-12-04_cluster.json
+        # against _tile.json. Where the cluster build cannot run the tile kernel does (8, 0, True).
+        (7168,): ("pdl_attn_res", ("cluster", 8), DECODE),
     },
 }
 
@@ -105,10 +107,14 @@ MEASURED_MODES = {
         # one stream (breakable capture): stock runs the gate, then routed_down, back to back
         # on the current stream, which is what gate_stack_bench timed the stacked GEMM
         # against: 20.9-21.1 us vs 25.1-25.3 (M = 1, 8, 16). On the FusedMoE branch the
-        # shared gate_up leaves the runner's aux stream for the stacked GEMM: not timed
-        # in the model yet (issue 27).
+        # shared gate_up leaves the runner's aux stream, where it ran beside the routed
+        # experts, for the stacked GEMM on the main stream: timed in the replay of the
+        # default H200 mode with the routed experts' stand-in beside that fork, with and
+        # without moe_front and moe_tail in one lease (H200, 2026-12-04): KDA 180.8 vs 188.2
+        # us at M = 1, 187.6 vs 193.8 at M = 16; MLA 182.6 vs 189.0, 192.6 vs 198.3
+        # (decode_step_h200-default_2026-12-04_routed.json against _routed_nomoe.json).
         ("mega_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
-        ("fused_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
+        ("fused_moe", "breakable"): "decode_step_h200-default_2026-12-04_routed{,_nomoe}.json",
     },
     # LatentMoERunner's small-M tail at TP > 1: all-reduce of the latent, of the shared
     # output, then one GEMM: latent norm in the prologue, up_proj, shared output added in
@@ -118,6 +124,8 @@ MEASURED_MODES = {
     # M = 16; plain swap-AB 1.31-1.34x cuBLAS). With aux streams ("full") stock hides the
     # shared all-reduce behind its GEMM, which this path cannot: not measured, off.
     "moe_tail": {
-        ("fused_moe", "breakable"): "prologue_sweep_2026-12-02.json; decode_gemm_sm90.json (7168, 3584)",
+        # with moe_front in the same replays (above)
+        ("fused_moe", "breakable"): "decode_step_h200-default_2026-12-04_routed{,_nomoe}.json; "
+        "prologue_sweep_2026-12-02.json; decode_gemm_sm90.json (7168, 3584)",
     },
 }

@@ -10,7 +10,9 @@ row's sources in one round trip, PDL-aware (the three weight vectors load before
 (``docs/decode-step-2026-12-02.md``); ours 5.56-6.05 µs at M = 1..16 against its 7.72-8.15
 in the same run, at config ``(8, 0, True)``, NB = 8 (H200, 2026-12-04,
 ``python -m k3lab.decode_step.attn_res_bench``: ``results/decode_step/attn_res_bench_2026-12-04.json``;
-the ``loop`` variant's best, 9.07 µs, lost).
+the ``loop`` variant's best, 9.07 µs, lost). The cluster config, the SM90 table's row since:
+3.03-3.55 µs at M = 1..15 and 4.21 at M = 16 against v0.28.0's 7.72-8.35 in the same run
+(H200, 2026-12-04: ``results/decode_step/attn_res_bench_2026-12-04_cluster.json``).
 
 Rows of op ``"attn_res"`` are keyed by ``(H,)``. Config: None (the launcher's defaults:
 16 warps, all blocks in one tile, the mix from a second, cached read), or
@@ -20,8 +22,8 @@ pipelined column chunks of ``chunk``, 512/1024/2048, ``num_stages`` 1..8), or
 ``("cluster", C)`` (the CuTe DSL variant, :mod:`attn_res_cluster`: the row over a
 cluster of C = 2/4/8 CTAs). A call the cluster variant does not take (no CuTe DSL, not
 SM90+, a misaligned row, or a build not yet compiled while the stream captures a CUDA
-graph: see ``attn_res_cluster.operands_error``) runs the launcher's default tile
-config instead, whose builds :meth:`PdlAttnRes.compile_for` made.
+graph: see ``attn_res_cluster.operands_error``) runs the tile kernel at
+:data:`TILE_FALLBACK` instead, whose builds :meth:`PdlAttnRes.compile_for` made.
 Operands (:meth:`PdlAttnRes.operands_ok`): ``prefix`` (1..16, H) BF16
 with unit column stride; ``delta`` None or the same shape; ``blocks`` (M, R, H) BF16
 with unit last stride; ``num_blocks`` 0..15; ``block_write_idx`` -1 or a slot past the
@@ -43,6 +45,9 @@ from .pdl_rmsnorm import PdlKernel, token_rows_ok
 WARPS = (4, 8, 16, 32)
 LOOP_CHUNKS = (512, 1024, 2048)
 LOOP_STAGES = range(1, 9)
+#: The tile config a cluster config falls back to: the tile kernel's best on the H200
+#: (attn_res_bench_2026-12-04.json, 5.56-6.05 us at M = 1..16).
+TILE_FALLBACK = (8, 0, True)
 
 
 class PdlAttnRes(PdlKernel):
@@ -88,7 +93,7 @@ class PdlAttnRes(PdlKernel):
             _, warps, chunk, stages = config
             return dict(variant="loop", num_warps=warps, chunk=chunk, num_stages=stages)
         if config[0] == "cluster":
-            return dict(variant="cluster", cluster=config[1])
+            return dict(cluster=config[1])
         warps, block_s, reload = config
         return dict(num_warps=warps, block_s=block_s or None, reload=reload)
 
@@ -117,10 +122,12 @@ class PdlAttnRes(PdlKernel):
                num_blocks, block_write_idx, eps, output_norm_eps) -> torch.Tensor:  # fmt: skip
         """A new packed BF16 (M, H); ``prefix`` (and ``blocks[:, block_write_idx]``) updated."""
         meta = self._meta(config)
-        if meta.get("variant") == "cluster" and cluster_kernel.operands_error(
-                prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks,
-                block_write_idx, meta["cluster"], True):  # fmt: skip
-            meta = {}  # the tile kernel, compiled by compile_for
+        args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks,
+                block_write_idx)  # fmt: skip
+        if "cluster" in meta:
+            if cluster_kernel.operands_error(*args, meta["cluster"], True) is None:
+                return cluster_kernel.attn_res_cluster(*args, eps, output_norm_eps, cluster=meta["cluster"])
+            meta = self._meta(TILE_FALLBACK)  # compiled by compile_for
         return kernel.attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                                num_blocks, block_write_idx, eps, output_norm_eps, **meta)  # fmt: skip
 
@@ -133,7 +140,7 @@ class PdlAttnRes(PdlKernel):
         m, h = call.num_tokens, call.k
         x = torch.zeros(m, h, dtype=dtype, device=call.device)
         w = x.new_ones(h)
-        config = None if self._meta(call.config).get("variant") == "cluster" else call.config
+        config = TILE_FALLBACK if "cluster" in self._meta(call.config) else call.config
         for nb in range(kernel.MAX_SOURCES):
             blocks = torch.zeros(m, nb + 1, h, dtype=dtype, device=call.device)
             for delta in (None, x):
