@@ -144,13 +144,17 @@ def _moe_stock(kn, src: str) -> list[Op]:
 
 
 def routed_standin() -> Op:
-    """The routed experts of the FusedMoE branch, a stand-in: the TOPK experts of one token
-    (w13, then w2 on half its output) as 16 cuBLAS GEMMs on ``st["lat"]``, the result kept
-    apart (``st["routed_standin"]``: the replay's ``lat_out`` stays the fixed tensor both
-    variants share). vLLM runs a Triton ``fused_moe`` over up to ``TOPK x M`` distinct
-    experts: this reads the fewest bytes any M does, so its time is a lower bound. What it is
-    for: the runner's shared experts run on an aux stream beside the routed experts, and
-    without them in the replay that fork's time sits on the critical path."""
+    """The routed experts of the FusedMoE branch, a stand-in: TOPK experts (w13, then w2 on
+    half its output) as 16 cuBLAS GEMMs on ``st["lat"]``, the result kept apart
+    (``st["routed_standin"]``: the replay's ``lat_out`` stays the fixed tensor both variants
+    share). What it is for: v0.28.0 runs the runner's shared experts on an aux stream beside
+    the routed experts, and without an arm there the fork's time sits on the critical path.
+    Its size is the harness's assumption, not v0.28.0's: the tree fixes only the latent
+    (3584); 8 experts a token, 768 intermediate a rank and bf16 weights are the model check's
+    choices, while v0.28.0's tests hint at 384 a rank and 4-bit (MXFP4) routed experts, which
+    SM90 would run on Marlin. Measured at ~100 µs with the fork (H200, 2026-12-04), it is an
+    upper bracket of the routed experts' time at small M (a real fused launch reads 4-66 MB
+    there), and it reads the same 8 experts at every M where fused_moe reads up to 8 M."""
 
     def run(st, w):
         for e in range(TOPK):
@@ -158,7 +162,7 @@ def routed_standin() -> Op:
             st["routed_standin"] = torch.mm(h[:, :SI], w["rexp2"][e].t())
 
     return Op("routed experts (stand-in)", "model_executor/layers/fused_moe (fused_moe, Triton)", run,
-              "stand-in: 8 experts' w13 and w2 as 16 cuBLAS GEMMs (a lower bound of fused_moe's time)",
+              "stand-in: 8 experts' w13 and w2 as 16 cuBLAS GEMMs (sizes assumed; see layers.routed_standin)",
               lambda m: TOPK * (_gemm_bytes(2 * SI, LAT)(m) + _gemm_bytes(LAT, SI)(m)))
 
 

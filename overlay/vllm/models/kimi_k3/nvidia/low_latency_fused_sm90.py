@@ -109,10 +109,11 @@ MEASURED_MODES = {
         # against: 20.9-21.1 us vs 25.1-25.3 (M = 1, 8, 16). On the FusedMoE branch the
         # shared gate_up leaves the runner's aux stream, where it ran beside the routed
         # experts, for the stacked GEMM on the main stream: timed in the replay of the
-        # default H200 mode with the routed experts' stand-in beside that fork, with and
-        # without moe_front and moe_tail in one lease (H200, 2026-12-04): KDA 180.8 vs 188.2
-        # us at M = 1, 187.6 vs 193.8 at M = 16; MLA 182.6 vs 189.0, 192.6 vs 198.3
-        # (decode_step_h200-default_2026-12-04_routed.json against _routed_nomoe.json).
+        # default H200 mode with a routed experts' stand-in (sizes assumed, a long arm)
+        # beside that fork, with and without moe_front and moe_tail in one lease (H200,
+        # 2026-12-04): KDA 180.8 vs 188.2 us at M = 1, 187.6 vs 193.8 at M = 16; MLA 182.6
+        # vs 189.0, 192.6 vs 198.3 (decode_step_h200-default_2026-12-04_routed.json against
+        # _routed_nomoe.json); without an arm they win more (results/decode_step/README.md).
         ("mega_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
         ("fused_moe", "breakable"): "decode_step_h200-default_2026-12-04_routed{,_nomoe}.json",
     },
