@@ -136,7 +136,9 @@ class PdlAttnRes(PdlKernel):
         norm (the decoder layers' calls): NB is a compile-time constant, and the model's
         NB per layer is not known here; 64 builds, none left for graph capture. A cluster
         config warms the tile kernel it falls back to: its own builds (1-4 s each on the
-        host) compile at a layer's first eager call, which vLLM makes before capture."""
+        host) compile at a layer's first eager call: v0.28.0 makes one per capture size before
+        capturing it (``cudagraph_num_of_warmups`` = 1 with CUDA graphs on,
+        ``config/vllm.py:1539``; ``gpu_model_runner.py:7067-7088``)."""
         m, h = call.num_tokens, call.k
         x = torch.zeros(m, h, dtype=dtype, device=call.device)
         w = x.new_ones(h)
