@@ -465,14 +465,15 @@ def test_a_cluster_config_runs_the_tile_fallback_where_the_cluster_build_cannot(
     (backend,) = gemm_backends.backends_for("attn_res").values()
     seen = []
     monkeypatch.setattr(ar, "attn_res", lambda *a, **k: seen.append(("tile", k)) or "out")
-    monkeypatch.setattr(arc, "attn_res_cluster", lambda *a, **k: seen.append(("cluster", k)) or "out")
+    monkeypatch.setattr(arc, "launch", lambda *a, **k: seen.append(("cluster", k)) or "out")
     args = _operands(h=7168, nb=8)
     assert "SM90" in arc.operands_error(*args[:8], 8, True)
     assert backend.launch(("cluster", 8), *args) == "out"
     monkeypatch.setattr(arc, "operands_error", lambda *a: None)
     assert backend.launch(("cluster", 4), *args) == "out"
     assert pdl_attn_res.TILE_FALLBACK == (8, 0, True)
-    assert seen == [("tile", dict(num_warps=8, block_s=None, reload=True)), ("cluster", dict(cluster=4))]
+    assert seen == [("tile", dict(num_warps=8, block_s=None, reload=True)),
+                    ("cluster", dict(cluster=4, pdl=True))]  # fmt: skip
 
 
 def test_the_cluster_launcher_refuses_a_cpu_tensor_with_value_error() -> None:

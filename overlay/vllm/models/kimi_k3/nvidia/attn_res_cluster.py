@@ -27,6 +27,7 @@ compile-time, as in :mod:`attn_res`. Needs ``nvidia-cutlass-dsl`` (a vLLM v0.28.
 dependency on CUDA) and, to compile without a GPU, ``CUTE_DSL_ARCH=sm_90a``.
 """
 
+import functools
 from typing import NamedTuple
 
 #: Cluster sizes: the portable ones (a cluster of 16 needs a non-portable opt-in).
@@ -282,10 +283,18 @@ def _build_of(prefix, delta, output_norm_weight, num_blocks: int, block_write_id
                  output_norm_weight is not None, bool(pdl))  # fmt: skip
 
 
+@functools.cache
 def _has_cute_dsl() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("cutlass") is not None
+
+
+@functools.cache
+def _has_clusters(device_index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def operands_error(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
@@ -298,7 +307,7 @@ def operands_error(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
     capture must not wait on; the caller takes another kernel then)."""
     import torch
 
-    if prefix.device.type != "cuda" or torch.cuda.get_device_capability(prefix.device)[0] < 9:
+    if prefix.device.type != "cuda" or not _has_clusters(prefix.device.index or 0):
         return "needs a CUDA GPU of SM90 or newer (thread-block clusters)"
     if not _has_cute_dsl():
         return "nvidia-cutlass-dsl is not installed"
@@ -332,8 +341,6 @@ def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     Raises:
         ValueError: operands :func:`attn_res.check_operands` or :func:`operands_error` refuses.
     """
-    import torch
-
     from vllm.models.kimi_k3.nvidia.attn_res import check_operands
 
     check_operands(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
@@ -342,13 +349,22 @@ def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
                          num_blocks, block_write_idx, cluster, pdl)  # fmt: skip
     if why:
         raise ValueError(f"attn_res cluster variant: {why}")
+    return launch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks,
+                  block_write_idx, eps, output_norm_eps, cluster=cluster, pdl=pdl)  # fmt: skip
+
+
+def launch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks: int,
+           block_write_idx: int, eps: float, output_norm_eps: float, *, cluster: int, pdl: bool):  # fmt: skip
+    """:func:`attn_res_cluster` on operands both checks already passed (the backend's path:
+    its ``operands_ok`` ran ``check_operands``, its ``launch`` :func:`operands_error`)."""
+    import torch
+    from cuda.bindings.driver import CUstream  # the CuTe DSL's dependency, as compile_build's
+
     m, h = prefix.shape
     out = torch.empty((m, h), dtype=prefix.dtype, device=prefix.device)
     if m == 0:
         return out
     b = _build_of(prefix, delta, output_norm_weight, num_blocks, block_write_idx, cluster, pdl)
-    from cuda.bindings.driver import CUstream  # the CuTe DSL's dependency, as the import below
-
     if b not in _COMPILED:
         _COMPILED[b] = compile_build(b)
     uses_blocks = num_blocks > 0 or block_write_idx >= 0

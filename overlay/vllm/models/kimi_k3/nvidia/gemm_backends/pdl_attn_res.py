@@ -126,7 +126,7 @@ class PdlAttnRes(PdlKernel):
                 block_write_idx)  # fmt: skip
         if "cluster" in meta:
             if cluster_kernel.operands_error(*args, meta["cluster"], True) is None:
-                return cluster_kernel.attn_res_cluster(*args, eps, output_norm_eps, cluster=meta["cluster"])
+                return cluster_kernel.launch(*args, eps, output_norm_eps, cluster=meta["cluster"], pdl=True)
             meta = self._meta(TILE_FALLBACK)  # compiled by compile_for
         return kernel.attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                                num_blocks, block_write_idx, eps, output_norm_eps, **meta)  # fmt: skip
