@@ -105,16 +105,14 @@ def fork(name: str, stream: str, main: list[Op], aux: list[Op], where: str) -> O
     return Op(name, where, run, runs, nbytes, covers)
 
 
-def _routed(br: dict) -> list[Op]:
-    """The main stream's arm of the shared experts' fork: the routed experts' stand-in where
-    the replay was asked for it (``br["routed_experts"]``), else nothing (left out)."""
-    return [layers.routed_standin()] if br.get("routed_experts") == "standin" else []
-
-
-def _shared_fork_name(br: dict) -> str:
+def _shared_experts(br: dict, aux: list[Op], where: str) -> Op:
+    """The runner's shared experts ``aux`` forked onto the aux stream; on the main stream
+    beside them the routed experts' stand-in where the replay was asked for it
+    (``br["routed_experts"]``), else nothing (left out)."""
     if br.get("routed_experts") == "standin":
-        return "routed experts (stand-in) || shared experts (runner, aux stream)"
-    return "shared experts (runner, aux stream)"
+        return fork("routed experts (stand-in) || shared experts (runner, aux stream)", "moe_aux",
+                    [layers.routed_standin()], aux, where)  # fmt: skip
+    return fork("shared experts (runner, aux stream)", "moe_aux", [], aux, where)
 
 
 def _stock_moe(kn, src: str, br: dict) -> list[Op]:
@@ -137,9 +135,8 @@ def _stock_moe(kn, src: str, br: dict) -> list[Op]:
     down = base["routed_down"]._replace(where="nvidia/model.py:777-786", runs="cuBLAS")
     front = [router, down] if br["gate_down"] == "in_line" else [
         fork("router_gate || routed_down", "moe_aux", [router], [down], "nvidia/model.py:776-786")]
-    shared = fork(_shared_fork_name(br), "moe_aux", _routed(br),
-                  [base["shared_gate_up"], base["situ_and_mul"], base["shared_down"]],
-                  "fused_moe/runner/shared_experts.py:141-151")  # fmt: skip
+    shared = _shared_experts(br, [base["shared_gate_up"], base["situ_and_mul"], base["shared_down"]],
+                             "fused_moe/runner/shared_experts.py:141-151")  # fmt: skip
     return [
         *front,
         shared,
@@ -273,7 +270,7 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
                   covers=("routed_expert_norm", "routed_up", "shared_add"))]  # fmt: skip
     else:
         end = [stock["routed_expert_norm"], stock["routed_up"], stock["shared_add"]]
-    return [*head, fork(_shared_fork_name(br), "moe_aux", _routed(br), shared, ""), *end]
+    return [*head, _shared_experts(br, shared, ""), *end]
 
 
 def _patched_mla(pk, kn, src: str, stock: dict, br: dict, core_break: bool) -> list[Op]:

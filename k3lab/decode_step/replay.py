@@ -218,31 +218,30 @@ def op_table(kn, pk, mode: str, routed: str = "none") -> dict:
     return out
 
 
+def _edit_paths(fused, paths: list[str], edit) -> None:
+    """``fused.MODES_BY_CAPABILITY`` with each of ``paths``' modes replaced by
+    ``edit(modes)``, in this process only. ValueError for a path the tree does not know."""
+    unknown = sorted(set(paths) - set(fused.PATHS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not among {', '.join(fused.PATHS)}")
+    fused.MODES_BY_CAPABILITY = {
+        cap: {**by_path, **{p: edit(by_path.get(p, {})) for p in paths}}
+        for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
+
+
 def measure_paths_here(fused, paths: list[str], branch: str, capture: str) -> None:
     """Let ``paths`` run on ``branch`` under ``capture`` in this process, as if
     ``MEASURED_MODES`` listed them there (``fused``: the patched tree's
     ``low_latency_fused_dispatch``): the replay that measures a path before it is listed.
     ValueError for a path the tree does not know."""
-    unknown = sorted(set(paths) - set(fused.PATHS))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)} not among {', '.join(fused.PATHS)}")
-    fused.MODES_BY_CAPABILITY = {
-        cap: {**by_path, **{p: {**by_path.get(p, {}), (branch, capture): "replay --measure-paths"}
-                            for p in paths}}
-        for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
+    _edit_paths(fused, paths, lambda modes_: {**modes_, (branch, capture): "replay --measure-paths"})
 
 
 def drop_paths_here(fused, paths: list[str], branch: str, capture: str) -> None:
     """Keep ``paths`` off on ``branch`` under ``capture`` in this process although
     ``MEASURED_MODES`` lists them there: the same run with and without a path.
     ValueError for a path the tree does not know."""
-    unknown = sorted(set(paths) - set(fused.PATHS))
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)} not among {', '.join(fused.PATHS)}")
-    fused.MODES_BY_CAPABILITY = {
-        cap: {p: ({k: v for k, v in modes_.items() if k != (branch, capture)} if p in paths else modes_)
-              for p, modes_ in by_path.items()}
-        for cap, by_path in fused.MODES_BY_CAPABILITY.items()}  # fmt: skip
+    _edit_paths(fused, paths, lambda modes_: {k: v for k, v in modes_.items() if k != (branch, capture)})
 
 
 def main(argv: list[str] | None = None) -> int:
