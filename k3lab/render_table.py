@@ -48,6 +48,8 @@ def _backend_comment(table: dict) -> list[str]:
     ]
     if "skinny_pdl" in used:  # only then: the modules rendered before it stay byte for byte
         lines.append("# skinny_pdl (block_n, block_k, split_k, num_warps, num_stages).")
+    if "gemv_pdl" in used:
+        lines.append("# gemv_pdl (threads, rows, prefetch).")
     return lines
 
 

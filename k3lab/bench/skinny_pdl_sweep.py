@@ -1,4 +1,8 @@
-"""Issue 28, item 1: the PDL-aware skinny GEMM on every SM90 shape at M <= 4, alone and in a chain.
+"""Issue 28, item 1: the PDL-aware skinny GEMMs on every SM90 shape at M <= 4, alone and in a chain.
+
+Two families of ours are swept (``--families``): ``skinny_pdl`` (Triton) and ``gemv_pdl``
+(CuTe DSL, weight slice loaded before the wait); what is said of "skinny" below holds for
+each family.
 
 One GPU run (about 4 minutes on an H200 with the lab's bundle installed and the overlay
 copied over it: ``k3lab/device/run.sh skinny``) that answers the issue's two targets:
@@ -48,6 +52,8 @@ import time
 from k3lab import shapes as shp
 
 SK_MODULE = "vllm.models.kimi_k3.nvidia.skinny_pdl_gemm"
+GV_MODULE = "vllm.models.kimi_k3.nvidia.gemv_pdl"
+FAMILIES = ("skinny_pdl", "gemv_pdl")
 LLG_MODULE = "vllm.models.kimi_k3.nvidia.low_latency_gemm_dispatch"
 REL_TOL = 1e-2
 SM90 = (9, 0)
@@ -104,6 +110,8 @@ class Lab:
 
         self.torch, self.timing, self.candidates = torch, timing, candidates
         self.sk = importlib.import_module(SK_MODULE)
+        self.gv = importlib.import_module(GV_MODULE)
+        self.families = args.families
         self.llg = importlib.import_module(LLG_MODULE)
         self.table = self.llg.table_for_capability(SM90)
         self.args = args
@@ -116,6 +124,20 @@ class Lab:
     def skinny(self, cfg):
         config = self.sk.SkinnyPdlConfig(*cfg)
         return lambda x, w: self.sk.skinny_pdl_gemm(x, w, config)
+
+    def gemv(self, cfg):
+        config = self.gv.GemvPdlConfig(*cfg)
+        return lambda x, w: self.gv.gemv_pdl(x, w, config)
+
+    def family(self, backend: str, cfg):
+        """The callable of one config of a family of ours."""
+        return self.skinny(cfg) if backend == "skinny_pdl" else self.gemv(cfg)
+
+    def configs(self, backend: str, n: int, k: int) -> list:
+        if backend not in self.families:
+            return []
+        mod = self.sk if backend == "skinny_pdl" else self.gv
+        return [list(c) for c in mod.sweep_configs(n, k)]
 
     def cute(self, cfg, m):
         return self.candidates.routed("cute", cfg, m)
@@ -170,7 +192,8 @@ def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: flo
     loads them; if the pool fails, this process compiles them itself."""
     torch, sk = lab.torch, lab.sk
     dev = torch.device("cuda")
-    t0, builds, pool_note = time.time(), _builds(sk, shapes, ms), None
+    builds = _builds(sk, shapes, ms) if "skinny_pdl" in lab.families else []
+    t0, pool_note = time.time(), None
     if workers > 1 and len(builds) > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
@@ -186,6 +209,11 @@ def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: flo
     for cfg, n, k, m in builds:
         sk.warmup(sk.SkinnyPdlConfig(*cfg), n, k, dev, num_tokens=m)
     skinny_s = time.time() - t0
+    t_gv, gv_builds = time.time(), {(m, tuple(cfg)) for n, k in shapes for m in ms
+                                    for cfg in lab.configs("gemv_pdl", n, k)}  # fmt: skip
+    for m, cfg in sorted(gv_builds):
+        lab.gv.warmup(lab.gv.GemvPdlConfig(*cfg), m)
+    gemv_s = time.time() - t_gv
     t1, cute_ok, cute_skipped = time.time(), set(), []
     order = sorted(((m, shp.weight_bytes(n, k), n, k) for n, k in shapes for m in ms))
     for m, _, n, k in order:
@@ -203,13 +231,15 @@ def compile_all(lab: Lab, shapes: list, ms: list, cute: dict, budget_cute_s: flo
     # The table's own picks compile in their first (un-captured) call of each row.
     return {"skinny_builds": len(builds), "skinny_s": round(skinny_s, 1),
             "skinny_pool_s": round(pool_s, 1), "skinny_pool_workers": workers,
+            "gemv_builds": len(gv_builds), "gemv_s": round(gemv_s, 1),
             **({"skinny_pool_note": pool_note} if pool_note else {}),
             "cute_compiled": len(cute_ok), "cute_s": round(time.time() - t1, 1),
             "cute_skipped": cute_skipped, "cute_ok": cute_ok}
 
 
 def time_row(lab: Lab, n, k, m, ws, gen, cute_cfg) -> dict:
-    """cuBLAS, the table's pick, CuTe and every skinny config on one (shape, M), 2 passes."""
+    """cuBLAS, the table's pick, CuTe and every config of each family on one (shape, M),
+    2 passes (the second: cuBLAS, each backend's best of pass 1)."""
     torch, timing = lab.torch, lab.timing
     reps = lab.args.replays
     xs1 = [torch.randn(m, k, generator=gen, dtype=torch.bfloat16, device="cuda")]
@@ -218,7 +248,7 @@ def time_row(lab: Lab, n, k, m, ws, gen, cute_cfg) -> dict:
     today = lab.pick(n, k, m)
     row = {"N": n, "K": k, "M": m, "label": shp.SHAPES.get((n, k), ("", ""))[0],
            "today": list(today), "candidates": []}  # fmt: skip
-    plan = [("skinny_pdl", list(cfg), lab.skinny(cfg)) for cfg in lab.sk.sweep_configs(n, k)]
+    plan = [(fam, cfg, lab.family(fam, cfg)) for fam in FAMILIES for cfg in lab.configs(fam, n, k)]
     if today[0] != "cublas":
         plan.append((today[0], today[1], lab.dispatch))
     if cute_cfg is not None and today != ("cute", cute_cfg):
@@ -234,11 +264,9 @@ def time_row(lab: Lab, n, k, m, ws, gen, cute_cfg) -> dict:
     c2 = round(timing.time_us(_mm, xs2, ws, replays=2 * reps), 3)
     row["cublas_us"] = [c1, c2]
     ok = [c for c in row["candidates"] if c["us"][0]]
-    best_sk = min((c for c in ok if c["backend"] == "skinny_pdl"), key=lambda c: c["us"][0],
-                  default=None)  # fmt: skip
-    for c in [best_sk] + [c for c in ok if c["backend"] != "skinny_pdl"]:
-        if c is None:
-            continue
+    best = [min((c for c in ok if c["backend"] == fam), key=lambda c: c["us"][0], default=None)
+            for fam in FAMILIES]  # fmt: skip
+    for c in [b for b in best if b] + [c for c in ok if c["backend"] not in FAMILIES]:
         us, err, st = _timed(timing, fns[id(c)], xs2, ws, ref2, 2 * reps)
         c["us"][1] = us
         if st != "ok":
@@ -252,29 +280,50 @@ def _alone_us(c) -> float | None:
 
 
 def chain_plans(lab: Lab, rows: list, shapes: list, m: int) -> dict:
-    """``{variant: [(shape, fn)]}`` for the chain at M; ``fn(x, w)``."""
+    """``{variant: [(shape, fn)]}`` for the chain at M; ``fn(x, w)``. Variants: ``table``
+    (as shipped), ``alone`` (CuTe where it was faster alone), ``best_alone`` (the fastest
+    candidate alone, whichever backend), per family ``<family>_where_faster`` (its best
+    config where faster alone than the table's pick) and ``<family>_everywhere``, and
+    ``cublas``."""
     by = {(r["N"], r["K"]): r for r in rows if r["M"] == m}
-    out = {"table": [], "alone": [], "skinny_where_faster": [], "skinny_everywhere": [],
-           "cublas": []}  # fmt: skip
+    fams = [f for f in FAMILIES if f in lab.families]
+    variants = ["table", "alone", "best_alone"] + [
+        f"{f}_{how}" for f in fams for how in ("where_faster", "everywhere")] + ["cublas"]
+    out: dict = {v: [] for v in variants}
     for shape in shapes:
         row = by.get(shape)
         out["table"].append((shape, lab.dispatch))
         out["cublas"].append((shape, _mm))
         if row is None:  # not timed alone (budget): every variant runs the table's pick
-            for v in ("alone", "skinny_where_faster", "skinny_everywhere"):
+            for v in variants[1:-1]:
                 out[v].append((shape, lab.dispatch))
             continue
         cands = {c["backend"]: c for c in sorted(
             (c for c in row["candidates"] if _alone_us(c)), key=_alone_us, reverse=True)}
         today_us = _alone_us(cands[row["today"][0]]) if row["today"][0] in cands else (
             statistics.mean(row["cublas_us"]))
-        cute, sk = cands.get("cute"), cands.get("skinny_pdl")
+        cute = cands.get("cute")
         use_cute = cute is not None and row["today"][0] != "cute" and _alone_us(cute) < today_us
         out["alone"].append((shape, lab.cute(cute["cfg"], m) if use_cute else lab.dispatch))
-        faster = sk is not None and _alone_us(sk) < today_us
-        out["skinny_where_faster"].append((shape, lab.skinny(sk["cfg"]) if faster else lab.dispatch))
-        out["skinny_everywhere"].append((shape, lab.skinny(sk["cfg"]) if sk else lab.dispatch))
+        top = min(cands.values(), key=_alone_us, default=None)
+        out["best_alone"].append((shape, _fn_of(lab, top, m) if top and _alone_us(top) < today_us
+                                  else lab.dispatch))  # fmt: skip
+        for f in fams:
+            c = cands.get(f)
+            faster = c is not None and _alone_us(c) < today_us
+            out[f"{f}_where_faster"].append((shape, lab.family(f, c["cfg"]) if faster else lab.dispatch))
+            out[f"{f}_everywhere"].append((shape, lab.family(f, c["cfg"]) if c else lab.dispatch))
     return out
+
+
+def _fn_of(lab: Lab, cand: dict, m: int):
+    """The callable of a timed candidate: a family's config, CuTe's, else the dispatch
+    (the table's own pick, timed through it)."""
+    if cand["backend"] in FAMILIES:
+        return lab.family(cand["backend"], cand["cfg"])
+    if cand["backend"] == "cute" and cand.get("via") != "dispatch":
+        return lab.cute(cand["cfg"], m)
+    return lab.dispatch
 
 
 def time_chains(lab: Lab, rows: list, shapes: list, ms: list, read_bps: float) -> list:
@@ -311,7 +360,8 @@ def time_chains(lab: Lab, rows: list, shapes: list, ms: list, read_bps: float) -
 def provenance(run_id: str) -> dict:
     from k3lab import provenance as prov
 
-    p = {**prov.provenance(run_id, kernel="skinny_pdl_gemm.py (Triton)"), **prov.environment()}
+    p = {**prov.provenance(run_id, kernel="skinny_pdl_gemm.py (Triton), gemv_pdl.py (CuTe DSL)"),
+         **prov.environment()}
     p["tool"] = "k3lab/bench/skinny_pdl_sweep.py"
     p["vllm"] = prov.version_of("vllm")
     return p
@@ -319,23 +369,26 @@ def provenance(run_id: str) -> dict:
 
 def summary_table(run: dict) -> str:
     """The short table printed last: per (shape, M) the table's pick, CuTe and the best
-    skinny config alone (pass 2, µs), then the chain."""
-    lines = [f"{'shape':>12} M  {'table':>16} {'cute':>7} {'skinny':>7} {'cuBLAS':>7}  best skinny"]
+    config of each family alone (pass 2, µs), then the chain."""
+    lines = [f"{'shape':>12} M  {'table':>16} {'cute':>7} {'skinny':>7} {'gemv':>7} {'cuBLAS':>7}"
+             "  best skinny / gemv"]
     for r in run["rows"]:
         def us(backend):
             ts = [c["us"][1] for c in r["candidates"] if c["backend"] == backend and c["us"][1]]
             return min(ts) if ts else None
-        sk = min((c for c in r["candidates"] if c["backend"] == "skinny_pdl" and c["us"][1]),
-                 key=lambda c: c["us"][1], default=None)  # fmt: skip
+        sk, gv = (min((c for c in r["candidates"] if c["backend"] == fam and c["us"][1]),
+                      key=lambda c: c["us"][1], default=None) for fam in FAMILIES)
         today = r["today"][0]
         t_us = r["cublas_us"][1] if today == "cublas" else us(today)
         f = lambda v: f"{v:7.2f}" if v else "      -"  # noqa: E731
         lines.append(f"{r['N']:>5}x{r['K']:<6} {r['M']} {today[:8]:>8} {f(t_us)} {f(us('cute'))} "
-                     f"{f(sk and sk['us'][1])} {f(r['cublas_us'][1])}  {sk and sk['cfg']}")
+                     f"{f(sk and sk['us'][1])} {f(gv and gv['us'][1])} {f(r['cublas_us'][1])}  "
+                     f"{sk and sk['cfg']} / {gv and gv['cfg']}")
     for c in run.get("chain", []):
+        names = [k[:-3] for k in c if k.endswith("_us") and k != "roof_us"]
         lines.append("chain M=%d roof %.1f: " % (c["M"], c["roof_us"]) + ", ".join(
-            f"{v} {c.get(v + '_us', '-')}" for v in ("table", "alone", "skinny_where_faster",
-                                                      "skinny_everywhere", "cublas")))
+            f"{v} {c.get(v + '_us', '-')}" for v in ["table", "alone"] + [
+                v for v in names if v not in ("table", "alone")]))
     return "\n".join(lines)
 
 
@@ -350,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="stop timing new shapes (alone) after this; the chain still runs")
     ap.add_argument("--cute-budget-s", type=float, default=45.0)
+    ap.add_argument("--families", type=lambda s: s.split(","), default=list(FAMILIES),
+                    help="our PDL-aware families to sweep: skinny_pdl,gemv_pdl")
     ap.add_argument("--compile-workers", type=int, default=min(12, os.cpu_count() or 1),
                     help="child processes that build the Triton kernels first (1: none)")
     ap.add_argument("--chain-max-mb", type=float, default=100.0)

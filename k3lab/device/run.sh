@@ -17,7 +17,7 @@
 #                        AR_ARGS: --kinds, --m, --apply-best ...), on the overlay as committed now
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
-#   skinny SECONDS       issue 28: skinny_pdl on every SM90 shape at M 1..4 (SKINNY_M) against the
+#   skinny SECONDS       issue 28: skinny_pdl and gemv_pdl on every SM90 shape at M 1..4 (SKINNY_M; SKINNY_ARGS: more flags) against the
 #                        table, CuTe and cuBLAS, alone and in the chain (k3lab.bench.skinny_pdl_sweep)
 set -uo pipefail
 START=$(date +%s)
@@ -140,10 +140,10 @@ decode)
   PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
 skinny)
   envs; shim
-  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (skinny_pdl included)
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (skinny_pdl, gemv_pdl included)
   # Stop timing new shapes alone 40 s before SECONDS: the chain and the JSON come after.
   lab k3lab.bench.skinny_pdl_sweep --out "$OUT" --figures $R/decode_gemm_sm90.json \
-     --m ${SKINNY_M:-1,2,3,4} --budget-s $(( ${1:-240} - 40 )) 2>&1 \
+     --m ${SKINNY_M:-1,2,3,4} --budget-s $(( ${1:-240} - 40 )) ${SKINNY_ARGS:-} 2>&1 \
      | grep -v "^\[kernels\]\|^\[candidates\]" | tee "$OUT/skinny_pdl_sweep.log" ;;
 esac
 echo "[device_run] $step done in $(( $(date +%s) - START ))s"

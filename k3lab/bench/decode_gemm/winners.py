@@ -24,13 +24,14 @@ WIN = 1.05
 #: The letter each backend is marked with in the figures' text (``targets``) and plots
 #: (``plot``): one map, so a figure and its table never disagree.
 LETTER = {"swap_ab": "S", "cute": "C", "ll_bf16": "L", "tinygemm": "T", "dsv3_fused_a": "D",
-          "skinny_pdl": "G"}
+          "skinny_pdl": "G", "gemv_pdl": "V"}
 
 #: Backends whose kernels launch with PDL and start their weight stream before
 #: ``griddepcontrol.wait`` (our swap-AB prefetches it into L2; our GEMV-style
-#: ``skinny_pdl`` loads its first chunk, issue 28); the others (vLLM's CuTe skinny GEMM,
-#: FlashInfer's tinygemm, ll_bf16, dsv3) end the overlap of the chain they sit in.
-PDL_AWARE = frozenset({"swap_ab", "skinny_pdl"})
+#: ``skinny_pdl`` loads its first chunk and ``gemv_pdl`` its CTA's weight slice, issue 28);
+#: the others (vLLM's CuTe skinny GEMM, FlashInfer's tinygemm, ll_bf16, dsv3) end the
+#: overlap of the chain they sit in.
+PDL_AWARE = frozenset({"swap_ab", "skinny_pdl", "gemv_pdl"})
 
 #: µs charged to a non-PDL-aware candidate when rows are decided. Source: the decode-step
 #: replays of 2026-12-02 on the H200 (results/decode_step/decode_step_2026-12-02_{alone,
