@@ -32,6 +32,7 @@ from vllm.models.kimi_k3.nvidia.gemm_backends import cute_skinny, dsv3_fused_a, 
 from vllm.models.kimi_k3.nvidia.gemm_backends import ll_bf16 as llb
 from vllm.models.kimi_k3.nvidia.gemm_backends import swap_ab as sab_backend
 from vllm.models.kimi_k3.nvidia.gemm_backends.ll_bf16 import LLBf16Config
+from vllm.models.kimi_k3.nvidia.gemv_pdl import GemvPdlConfig
 from vllm.models.kimi_k3.nvidia.skinny_pdl_gemm import SkinnyPdlConfig
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.platforms.interface import DeviceCapability
@@ -170,11 +171,13 @@ def config_of(m: int, fields, backend: str = "cute"):
     """A data-module config tuple -> the config object ``backend`` takes at M = ``m``:
     cute (block, outputs, unroll, width, static_k), swap_ab (block_n, block_k, split_k,
     num_warps, num_stages), skinny_pdl (block_n, block_k, split_k, num_warps, num_stages),
-    ll_bf16 ("splitk", split_k, stages) / ("dotprod", block)."""
+    gemv_pdl (threads, rows, prefetch), ll_bf16 ("splitk", split_k, stages) / ("dotprod", block)."""
     if backend == "swap_ab":
         return SwapAbConfig(*fields)
     if backend == "skinny_pdl":
         return SkinnyPdlConfig(*fields)
+    if backend == "gemv_pdl":
+        return GemvPdlConfig(*fields)
     if backend == "ll_bf16":
         if fields[0] == "splitk":
             return LLBf16Config("splitk", split_k=fields[1], num_stages=fields[2])

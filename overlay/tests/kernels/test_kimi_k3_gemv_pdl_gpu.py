@@ -127,3 +127,74 @@ def test_an_uncompiled_build_is_refused_during_capture() -> None:
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         why = gv.operands_error(cfg, x, w)
     assert why is not None and "capturing" in why
+
+
+def _rmsnorm64(x, g, eps):
+    x = x.to(D)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g.to(D)
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "norm+add"])
+@pytest.mark.parametrize("shape, cfg", [
+    ((2304, 1536), (64, 2, 3)), ((2304, 1536), (64, 4, 3)), ((7168, 3584), (64, 4, 7)),
+    ((7168, 3584), (64, 2, 7)), ((512, 7168), (128, 1, 3)),  # the last streams 4 of 7 tiles
+])  # fmt: skip
+def test_the_norm_prologue_and_the_addend_match_float64(shape, cfg, add) -> None:
+    """As close to float64 as vLLM's order (normed x rounded to bf16, then cuBLAS) is."""
+    n, k = shape
+    gen = torch.Generator(device="cuda").manual_seed(n + k + add)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).to(BF)
+    g = (1 + 0.3 * torch.randn(k, generator=gen, device="cuda")).to(BF)
+    wide = (3 * torch.randn(4, k + 64, generator=gen, device="cuda")).to(BF)
+    bad = []
+    for m in (1, 2, 3, 4):
+        for x in (wide[:m, :k], wide[:m, :k].contiguous()):  # strided (MLA's q_c) and packed
+            add_to = torch.randn(m, n, generator=gen, device="cuda").to(BF) if add else None
+            ref = _rmsnorm64(x, g, 1e-6) @ w.to(D).t() + (add_to.to(D) if add else 0)
+            stock = torch.mm(_rmsnorm64(x, g, 1e-6).to(BF), w.t()).to(D) + (add_to.to(D) if add else 0)
+            floor = max(2 * _rel(stock, ref), 2e-3)
+            y = gv.rmsnorm_gemv_pdl(x, g, 1e-6, w, gv.GemvPdlConfig(*cfg), add_to=add_to)
+            err = _rel(y, ref) if torch.isfinite(y).all() else float("inf")
+            if y.shape != (m, n) or not err <= floor:
+                bad.append((m, x.is_contiguous(), err, floor))
+    assert not bad, bad
+
+
+def test_an_addend_without_the_norm_and_a_bad_norm_weight_are_refused() -> None:
+    cfg = gv.GemvPdlConfig(64, 2, 3)
+    w = torch.randn(2304, 1536, device="cuda").to(BF)
+    x = torch.randn(2, 1536, device="cuda").to(BF)
+    assert "with norm_weight" in gv.operands_error(cfg, x, w, None, torch.zeros(2, 2304, device="cuda", dtype=BF))
+    assert "(K,)" in gv.operands_error(cfg, x, w, torch.ones(1535, device="cuda", dtype=BF))
+    with pytest.raises(ValueError, match="BF16"):
+        gv.rmsnorm_gemv_pdl(x, torch.ones(1536, device="cuda"), 1e-6, w, cfg)
+
+
+def test_the_fused_tables_gemv_rows_route_and_match_under_capture() -> None:
+    """Every rmsnorm_gemm row of the SM90 fused table that names gemv_rmsnorm, through
+    try_rmsnorm_gemm after the switch's warm-up, captured in a CUDA graph (so each M's
+    build must have been compiled by the warm-up) and replayed."""
+    from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
+
+    rows = [(shape, m) for op, shape, m, call in fd.FUSED_SM90.rows()
+            if op == "rmsnorm_gemm" and call.backend == "gemv_rmsnorm"]  # fmt: skip
+    if not rows:
+        pytest.skip("the SM90 fused table routes no rmsnorm_gemm row to gemv_rmsnorm")
+    fd.enable_kimi_k3_fused_decode(torch.nn.Linear(1, 1, device="cuda"), BF)
+    try:
+        for (n, k), m in rows:
+            w = (torch.randn(n, k, device="cuda") / k**0.5).to(BF)
+            g = torch.rand(k, device="cuda").to(BF) + 0.5
+            x = torch.randn(m, k, device="cuda").to(BF)
+            add_to = torch.randn(m, n, device="cuda").to(BF)
+            out = {}
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out["y"] = fd.try_rmsnorm_gemm(x, g, 1e-6, w, add_to=add_to)
+            assert out["y"] is not None, ((n, k), m, "not routed under capture")
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = _rmsnorm64(x, g, 1e-6) @ w.to(D).t() + add_to.to(D)
+            assert _rel(out["y"][0], ref) < 1e-2, ((n, k), m)
+    finally:
+        fd.disable_kimi_k3_fused_decode()

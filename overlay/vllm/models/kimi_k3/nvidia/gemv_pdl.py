@@ -70,11 +70,14 @@ class GemvPdlConfig(NamedTuple):
 
 
 class Build(NamedTuple):
-    """What one compiled kernel is specialized for."""
+    """What one compiled kernel is specialized for: M, the config, PDL, and the fusions:
+    ``norm`` (RMSNorm of ``x`` in the prologue) and ``add`` (``+ add_to`` in the epilogue)."""
 
     m: int
     config: GemvPdlConfig
     pdl: bool
+    norm: bool = False
+    add: bool = False
 
 
 def config_error(config: GemvPdlConfig, n: int, k: int) -> str | None:
@@ -121,6 +124,7 @@ def _make_kernel(b: Build):
     m = b.m
     warps = threads // 32
     outs = m * rows  # outputs of one CTA
+    slots = outs + (m if b.norm else 0)  # + each token's sum of squares
     span = threads * VEC  # columns of one K tile
 
     def vec_of(t1d, v):
@@ -129,14 +133,24 @@ def _make_kernel(b: Build):
         return cute.make_tensor(t.iterator.align(16), t.layout)
 
     class _K:
+        # One host entry per fusion, so no optional operand crosses the host boundary.
         @cute.jit
-        def __call__(self, mX, mW, mOut, stream):
-            self.kernel(mX, mW, mOut).launch(
-                grid=[mW.shape[0] // rows, 1, 1], block=[threads, 1, 1], stream=stream,
-                use_pdl=b.pdl)  # fmt: skip
+        def plain(self, mX, mW, mOut, stream):
+            self.kernel(mX, mW, mOut, None, None, f32(0.0)).launch(
+                grid=[mW.shape[0] // rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=b.pdl)  # fmt: skip
+
+        @cute.jit
+        def norm(self, mX, mG, mW, mOut, eps: cutlass.Float32, stream):
+            self.kernel(mX, mW, mOut, mG, None, eps).launch(
+                grid=[mW.shape[0] // rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=b.pdl)  # fmt: skip
+
+        @cute.jit
+        def norm_add(self, mX, mG, mW, mAdd, mOut, eps: cutlass.Float32, stream):
+            self.kernel(mX, mW, mOut, mG, mAdd, eps).launch(
+                grid=[mW.shape[0] // rows, 1, 1], block=[threads, 1, 1], stream=stream, use_pdl=b.pdl)  # fmt: skip
 
         @cute.kernel
-        def kernel(self, mX, mW, mOut):
+        def kernel(self, mX, mW, mOut, mG, mAdd, eps: cutlass.Float32):
             tidx, _, _ = cute.arch.thread_idx()
             cta, _, _ = cute.arch.block_idx()
             warp = tidx // 32
@@ -145,21 +159,24 @@ def _make_kernel(b: Build):
                 cute.arch.griddepcontrol_launch_dependents()
 
             smem = cutlass.utils.SmemAllocator()
-            s_part = smem.allocate_tensor(f32, cute.make_layout((warps, outs), stride=(outs, 1)), 16)
+            s_part = smem.allocate_tensor(f32, cute.make_layout((warps, slots), stride=(slots, 1)), 16)
             tiles = mX.shape[1] // span
             n0 = cta * rows
 
-            # The CTA's weight rows, first `prefetch` K tiles: written by no kernel, so
-            # loaded before the wait.
+            # The CTA's weight rows (and the norm's weight), first `prefetch` K tiles:
+            # parameters, written by no kernel, so loaded before the wait.
             r_w = cute.make_rmem_tensor(
                 cute.make_layout((VEC, rows, prefetch), stride=(1, VEC, VEC * rows)), bf16)  # fmt: skip
+            r_g = cute.make_rmem_tensor(cute.make_layout((VEC, prefetch), stride=(1, VEC)), bf16)
             for t in cutlass.range_constexpr(prefetch):
                 for r in cutlass.range_constexpr(rows):
                     cute.autovec_copy(vec_of(mW[n0 + r, None], t * threads + tidx), r_w[None, r, t])
+                if cutlass.const_expr(b.norm):
+                    cute.autovec_copy(vec_of(mG, t * threads + tidx), r_g[None, t])
             if cutlass.const_expr(b.pdl):
                 cute.arch.griddepcontrol_wait()
 
-            acc = cute.make_rmem_tensor(cute.make_layout((outs,)), f32)
+            acc = cute.make_rmem_tensor(cute.make_layout((slots,)), f32)
             acc.fill(0.0)
             r_x = cute.make_rmem_tensor(cute.make_layout((VEC, m), stride=(1, VEC)), bf16)
             for t in cutlass.range_constexpr(prefetch):
@@ -168,50 +185,84 @@ def _make_kernel(b: Build):
                 for j in cutlass.range_constexpr(VEC):
                     for i in cutlass.range_constexpr(m):
                         xi = r_x[j, i].to(f32)
+                        if cutlass.const_expr(b.norm):
+                            acc[outs + i] = acc[outs + i] + xi * xi
+                            xi = xi * r_g[j, t].to(f32)
                         for r in cutlass.range_constexpr(rows):
                             acc[i * rows + r] = acc[i * rows + r] + xi * r_w[j, r, t].to(f32)
             # K tiles past the prefetch (a K wider than the register budget), streamed.
             r_ws = cute.make_rmem_tensor(cute.make_layout((VEC, rows), stride=(1, VEC)), bf16)
+            r_gs = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
             for t in cutlass.range(prefetch, tiles, 1):
                 for r in cutlass.range_constexpr(rows):
                     cute.autovec_copy(vec_of(mW[n0 + r, None], t * threads + tidx), r_ws[None, r])
+                if cutlass.const_expr(b.norm):
+                    cute.autovec_copy(vec_of(mG, t * threads + tidx), r_gs)
                 for i in cutlass.range_constexpr(m):
                     cute.autovec_copy(vec_of(mX[i, None], t * threads + tidx), r_x[None, i])
                 for j in cutlass.range_constexpr(VEC):
                     for i in cutlass.range_constexpr(m):
                         xi = r_x[j, i].to(f32)
+                        if cutlass.const_expr(b.norm):
+                            acc[outs + i] = acc[outs + i] + xi * xi
+                            xi = xi * r_gs[j].to(f32)
                         for r in cutlass.range_constexpr(rows):
                             acc[i * rows + r] = acc[i * rows + r] + xi * r_ws[j, r].to(f32)
 
-            for o in cutlass.range_constexpr(outs):
+            for o in cutlass.range_constexpr(slots):
                 acc[o] = cute.arch.warp_reduction_sum(acc[o])
             if lane == 0:
-                for o in cutlass.range_constexpr(outs):
+                for o in cutlass.range_constexpr(slots):
                     s_part[warp, o] = acc[o]
             cute.arch.sync_threads()
             if tidx < outs:
                 tot = s_part[0, tidx]
                 for w in cutlass.range_constexpr(1, warps):
                     tot = tot + s_part[w, tidx]
-                mOut[tidx // rows, n0 + tidx % rows] = tot.to(bf16)
+                i = tidx // rows
+                if cutlass.const_expr(b.norm):
+                    # RMSNorm is linear in x after its scale: sum(x*g*w) * rsqrt(mean(x^2) + eps).
+                    ss = s_part[0, outs + i]
+                    for w in cutlass.range_constexpr(1, warps):
+                        ss = ss + s_part[w, outs + i]
+                    tot = tot * cute.math.rsqrt(ss / mX.shape[1].to(f32) + eps)
+                if cutlass.const_expr(b.add):
+                    tot = tot + mAdd[i, n0 + tidx % rows].to(f32)
+                mOut[i, n0 + tidx % rows] = tot.to(bf16)
 
     return _K()
 
 
 def compile_build(b: Build, options: str = "--enable-tvm-ffi"):
     """``cute.compile`` the kernel for ``b`` with N, K and the strides dynamic; no GPU
-    needed with ``CUTE_DSL_ARCH=sm_90a``. The callable takes ``(x, weight, out, stream)``."""
+    needed with ``CUTE_DSL_ARCH=sm_90a``. The callable takes ``(x, weight, out, stream)``;
+    with ``norm``, ``(x, g, weight, out, eps, stream)``; with ``norm`` and ``add``,
+    ``(x, g, weight, add_to, out, eps, stream)``.
+
+    Raises:
+        ValueError: ``add`` without ``norm`` (no site needs it).
+    """
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+    if b.add and not b.norm:
+        raise ValueError(f"{b}: the addend epilogue is built only with the norm prologue")
     bf16 = cutlass.BFloat16
     n = cute.sym_int(divisibility=b.config.rows)
     k = cute.sym_int(divisibility=b.config.threads * VEC)
     x = make_fake_tensor(bf16, (b.m, k), (cute.sym_int(divisibility=VEC), 1), assumed_align=16)
     w = make_fake_tensor(bf16, (n, k), (cute.sym_int(divisibility=VEC), 1), assumed_align=16)
     out = make_fake_compact_tensor(bf16, (b.m, n), stride_order=(1, 0))
-    return cute.compile(_make_kernel(b), x, w, out, make_fake_stream(), options=options)
+    kern, stream = _make_kernel(b), make_fake_stream()
+    if not b.norm:
+        return cute.compile(kern.plain, x, w, out, stream, options=options)
+    g = make_fake_tensor(bf16, (k,), (1,), assumed_align=16)
+    eps = cutlass.Float32(1e-6)
+    if not b.add:
+        return cute.compile(kern.norm, x, g, w, out, eps, stream, options=options)
+    add = make_fake_compact_tensor(bf16, (b.m, n), stride_order=(1, 0))
+    return cute.compile(kern.norm_add, x, g, w, add, out, eps, stream, options=options)
 
 
 _COMPILED: dict = {}
@@ -236,35 +287,50 @@ def use_pdl(device_index: int) -> bool:
     return _sm90_or_newer(device_index)
 
 
-def operands_error(config: GemvPdlConfig, x, weight) -> str | None:
-    """Why :func:`gemv_pdl` would not take ``x`` and ``weight``; None if it takes them:
-    a CUDA device of SM90 or newer, the CuTe DSL importable, bf16, M in 1..16, equal K,
-    :func:`config_error`, 16-byte rows (row strides multiples of 8, pointers of 16),
-    ``weight`` packed, and the build compiled already when the stream is capturing a CUDA
-    graph (compiling is host work a capture must not wait on)."""
+def operands_error(config: GemvPdlConfig, x, weight, norm_weight=None, add_to=None) -> str | None:
+    """Why :func:`gemv_pdl` (or, with ``norm_weight``, :func:`rmsnorm_gemv_pdl`) would not
+    take these operands; None if it takes them: a CUDA device of SM90 or newer, the CuTe
+    DSL importable, bf16, M in 1..16, equal K, :func:`config_error`, 16-byte rows (row
+    strides multiples of 8, pointers of 16), ``weight`` packed, ``norm_weight`` a
+    contiguous (K,), ``add_to`` a packed (M, N) and only with ``norm_weight``, and the
+    build compiled already when the stream is capturing a CUDA graph (compiling is host
+    work a capture must not wait on)."""
     import torch
 
     if x.device.type != "cuda" or weight.device != x.device or not _sm90_or_newer(x.device.index or 0):
         return "needs x and weight on one CUDA GPU of SM90 or newer"
     if not _has_cute_dsl():
         return "nvidia-cutlass-dsl is not installed"
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return "x and weight must be BF16"
+    extra = [t for t in (norm_weight, add_to) if t is not None]
+    if any(t.dtype != torch.bfloat16 for t in (x, weight, *extra)):
+        return "every operand must be BF16"
+    if any(t.device != x.device for t in extra):
+        return "every operand must be on x's device"
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return "x (M, K) and weight (N, K) must share K"
-    if not 1 <= x.shape[0] <= MAX_TOKENS:
-        return f"M={x.shape[0]} outside 1..{MAX_TOKENS}"
-    why = config_error(config, weight.shape[0], weight.shape[1])
+    m, (n, k) = x.shape[0], weight.shape
+    if not 1 <= m <= MAX_TOKENS:
+        return f"M={m} outside 1..{MAX_TOKENS}"
+    why = config_error(config, n, k)
     if why:
         return why
-    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.stride(0) != weight.shape[1]:
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.stride(0) != k:
         return "x needs unit column stride and weight must be packed row-major"
     if x.stride(0) % VEC or x.data_ptr() % 16 or weight.data_ptr() % 16:
         return "rows must start 16-byte aligned"
-    b = Build(x.shape[0], config, use_pdl(x.device.index or 0))
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride() != (1,)
+                                    or norm_weight.data_ptr() % 16):  # fmt: skip
+        return "norm_weight must be a contiguous, 16-byte aligned (K,)"
+    if add_to is not None and (norm_weight is None or add_to.shape != (m, n) or add_to.stride() != (n, 1)):
+        return "add_to must be a packed (M, N), with norm_weight"
+    b = _build(x, config, norm_weight, add_to)
     if b not in _COMPILED and torch.cuda.is_current_stream_capturing():
         return f"{b} is not compiled and the stream is capturing"
     return None
+
+
+def _build(x, config: GemvPdlConfig, norm_weight=None, add_to=None) -> Build:
+    return Build(x.shape[0], config, use_pdl(x.device.index or 0), norm_weight is not None, add_to is not None)
 
 
 def gemv_pdl(x, weight, config: GemvPdlConfig):
@@ -280,24 +346,51 @@ def gemv_pdl(x, weight, config: GemvPdlConfig):
     return launch(config, x, weight)
 
 
-def launch(config: GemvPdlConfig, x, weight):
-    """:func:`gemv_pdl` on operands :func:`operands_error` already passed."""
+def rmsnorm_gemv_pdl(x, norm_weight, eps: float, weight, config: GemvPdlConfig, add_to=None):
+    """``RMSNorm(x; norm_weight, eps) @ weight.T (+ add_to)``, bf16 (M, N), in one launch:
+    each thread keeps its tokens' sums of squares beside the dot products (``x * g`` in
+    fp32), reduced with them; the output is scaled by ``rsqrt(mean(x^2) + eps)`` before
+    the addend. ``norm_weight`` is a parameter, so it is loaded before the wait.
+
+    Raises:
+        ValueError: operands or a config :func:`operands_error` refuses.
+    """
+    why = operands_error(config, x, weight, norm_weight, add_to)
+    if why:
+        raise ValueError(f"gemv_pdl: {why}")
+    return launch(config, x, weight, norm_weight, eps, add_to)
+
+
+def _compiled(b: Build):
+    if b not in _COMPILED:
+        _COMPILED[b] = compile_build(b)
+    return _COMPILED[b]
+
+
+def launch(config: GemvPdlConfig, x, weight, norm_weight=None, eps: float = 0.0, add_to=None):
+    """:func:`gemv_pdl` / :func:`rmsnorm_gemv_pdl` on operands :func:`operands_error`
+    already passed."""
     import torch
     from cuda.bindings.driver import CUstream  # the CuTe DSL's dependency
 
-    b = Build(x.shape[0], config, use_pdl(x.device.index or 0))
-    if b not in _COMPILED:
-        _COMPILED[b] = compile_build(b)
+    fn = _compiled(_build(x, config, norm_weight, add_to))
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _COMPILED[b](x, weight, out, CUstream(torch.cuda.current_stream(x.device).cuda_stream))
+    stream = CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    if norm_weight is None:
+        fn(x, weight, out, stream)
+    elif add_to is None:
+        fn(x, norm_weight, weight, out, eps, stream)
+    else:
+        fn(x, norm_weight, weight, add_to, out, eps, stream)
     return out
 
 
-def warmup(config: GemvPdlConfig, num_tokens: int, device_index: int = 0) -> bool:
-    """Compile the build of (M, config) now (before any graph capture); False if it
-    exists already."""
-    b = Build(num_tokens, config, use_pdl(device_index))
+def warmup(config: GemvPdlConfig, num_tokens: int, device_index: int = 0, *, norm: bool = False,
+           add: bool = False) -> bool:  # fmt: skip
+    """Compile the build of (M, config, fusions) now (before any graph capture); False if
+    it exists already."""
+    b = Build(num_tokens, config, use_pdl(device_index), norm, add)
     if b in _COMPILED:
         return False
-    _COMPILED[b] = compile_build(b)
+    _compiled(b)
     return True

@@ -37,7 +37,7 @@ is set; there is no table for this device, no row for the shape or no entry for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -91,10 +91,14 @@ class FusedTable:
         for op, rows in data.items():
             if op not in OPS:
                 raise ValueError(f"{arch}: unknown fused op {op!r}")
-            for shape, (name, cfg, token_counts) in rows.items():
-                self._rows.setdefault(op, {})[tuple(shape)] = self._entries(
-                    op, tuple(shape), name, cfg, token_counts
-                )
+            for shape, value in rows.items():
+                entries: dict[int, FusedCall] = {}
+                for name, cfg, token_counts in row_entries(value):
+                    new = self._entries(op, tuple(shape), name, cfg, token_counts)
+                    if entries.keys() & new.keys():
+                        raise ValueError(f"{arch} {op} {shape}: two entries at M={min(entries.keys() & new.keys())}")
+                    entries.update(new)
+                self._rows.setdefault(op, {})[tuple(shape)] = entries
 
     def _entries(self, op, shape, name, cfg, token_counts) -> dict[int, FusedCall]:
         backend = gemm_backends.backends_for(op).get(name)
@@ -125,6 +129,12 @@ class FusedTable:
 
     def __repr__(self) -> str:
         return f"FusedTable({self.arch}, {sum(1 for _ in self.rows())} entries)"
+
+
+def row_entries(value: tuple) -> tuple[tuple[str, Any, Sequence[int]], ...]:
+    """A data row's ``(backend, config, token counts)`` entries: the row itself, or the
+    tuple of them it holds (a shape served by one backend at some M, another at others)."""
+    return (value,) if isinstance(value[0], str) else tuple(value)
 
 
 FUSED_SM90 = FusedTable("SM90", _sm90_data.FUSED_SM90, _sm90_data.PROVENANCE)
@@ -218,16 +228,15 @@ def enable_kimi_k3_fused_decode(module: nn.Module, dtype: torch.dtype) -> int:
         return 0
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     _enabled = True
-    compiled = 0
-    seen = set()
+    calls: dict[KernelBackend, list[WarmupCall]] = {}
     for op, shape, m, call in table.rows():
         backend = _backend(op, call)
-        # M is no compile-time constant of these kernels: one warm-up per config.
-        if backend is None or (op, shape, call) in seen:
-            continue
-        seen.add((op, shape, call))
-        n, k = (shape[0], shape[0]) if op in ROW_OPS else shape
-        compiled += backend.warm_up([WarmupCall(n, k, m, call.config, device)], dtype)
+        if backend is not None:
+            n, k = (shape[0], shape[0]) if op in ROW_OPS else shape
+            calls.setdefault(backend, []).append(WarmupCall(n, k, m, call.config, device))
+    # Every row's call: each backend knows which of them share a build (M is a
+    # compile-time constant of the CuTe DSL kernels, not of the Triton ones).
+    compiled = sum(backend.warm_up(of_backend, dtype) for backend, of_backend in calls.items())
     logger.debug("Kimi-K3 fused decode ops on (%s table), %d kernels warmed", table.arch, compiled)
     return compiled
 
