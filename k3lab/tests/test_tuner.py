@@ -35,10 +35,11 @@ TUNER_RESULTS = ROOT / "results" / "sm90" / "tune_sm90.json"
 F_B_SHAPES = {(1536, 128), (3072, 128), (768, 128)}
 KDA_RESULTS = ROOT / "results" / "sm90" / "tune_sm90_kda.json"
 KDA_SHAPES = {(6144, 7168), (144, 7168)}
-# issue 28: the skinny_pdl sweep's rows (M 1..4) of the two shapes it was routed on: q_b_proj
-# and the 768-row shapes (not the f_b_proj shapes: their strided input is CuTe's alone).
-SKINNY_RESULTS = ROOT / "results" / "sm90" / "skinny_pdl_sweep_sm90.json"
-SKINNY_SHAPES = {(768, 7168), (1152, 1536)}
+# issue 28: the gemv_pdl sweep's rows (M 1..4) of every shape it timed but 6288x7168 (KDA's
+# packed in_proj, faster alone on the GEMV at M = 1 and slower in the step's replay). It
+# replaces the skinny_pdl sweep's rows (768x7168, 1152x1536 at M 1..4, timed again there).
+GEMV_RESULTS = ROOT / "results" / "sm90" / "gemv_pdl_sweep_sm90.json"
+GEMV_SHAPES = {(r["N"], r["K"]) for r in json.loads(GEMV_RESULTS.read_text())["rows"]} - {(6288, 7168)}
 # Every timing of those runs: the tuner's cache as git keeps it (one file per GPU), and the
 # KDA run's own cache, a small raw run kept as test data.
 TUNER_CACHE = ROOT / "results" / "tune_cache"
@@ -50,7 +51,7 @@ KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-k
 def _added() -> tuple:
     return ((json.loads(TUNER_RESULTS.read_text()), "results/sm90/tune_sm90.json", F_B_SHAPES),
             (json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
-            (json.loads(SKINNY_RESULTS.read_text()), "results/sm90/skinny_pdl_sweep_sm90.json", SKINNY_SHAPES))
+            (json.loads(GEMV_RESULTS.read_text()), "results/sm90/gemv_pdl_sweep_sm90.json", GEMV_SHAPES))
 
 
 def test_committed_sm90_table_is_rendered_from_the_committed_runs():
@@ -102,10 +103,13 @@ def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, cache, shape
     timed = {tune_cache.key_of(r) for r in tune_cache.read_all(str(cache), run["provenance"]["gpu"])
              if r.get("status") == "ok"}
     bar = run["criteria"]["win_both_passes"]
+    later = {(r["N"], r["K"], r["M"]) for r in json.loads(GEMV_RESULTS.read_text())["rows"]
+             if (r["N"], r["K"]) in GEMV_SHAPES}  # (shape, M) the gemv sweep decided again
     for n, k in shapes:
-        assert set(rows.get((n, k), {})) == {
-            m for (dn, dk, m), d in decisions.items() if (dn, dk) == (n, k) and d["status"] == "routed"}
-        for m, (backend, cfg) in rows.get((n, k), {}).items():
+        own = {m: e for m, e in rows.get((n, k), {}).items() if (n, k, m) not in later}
+        assert set(own) == {m for (dn, dk, m), d in decisions.items()
+                            if (dn, dk) == (n, k) and d["status"] == "routed" and (n, k, m) not in later}
+        for m, (backend, cfg) in own.items():
             decision = decisions[(n, k, m)]
             assert backend == "cute" and tuple(decision["winner"]["cfg"]) == cfg
             assert min(decision["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, twice
@@ -124,9 +128,9 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
     tuner_run = json.loads(TUNER_RESULTS.read_text())["provenance"]["run_id"]
     kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
-    skinny_run = json.loads(SKINNY_RESULTS.read_text())["provenance"]["run_id"]
-    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES, kda_run),
-                       **dict.fromkeys(SKINNY_SHAPES, skinny_run)}
+    gemv_run = json.loads(GEMV_RESULTS.read_text())["provenance"]["run_id"]
+    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES - GEMV_SHAPES, kda_run),
+                       **dict.fromkeys(GEMV_SHAPES, gemv_run)}
     assert table["PROVENANCE"]["run_id"] == p["run_id"]
 
 
@@ -250,3 +254,21 @@ def test_a_donor_that_lost_at_m_minus_1_skips_the_view(tmp_path):
     assert why(7) is None
     _write(run, 9, {"N": 6144, "K": 7168, "M": 9, "cfg": "done", "pass": 1, "best_speedup": 0.9})
     assert why(10) == "nothing reached cuBLAS at M-1"
+
+
+def test_rows_from_the_gemv_sweep_are_its_winners_and_beat_cublas_twice():
+    run = json.loads(GEMV_RESULTS.read_text())
+    rows, bar = _table()["ROWS"], json.loads(RESULTS.read_text())["criteria"]["win_both_passes"]
+    checked = 0
+    for r in run["rows"]:
+        if (r["N"], r["K"]) not in GEMV_SHAPES:
+            assert r["M"] not in rows.get((r["N"], r["K"]), {}) or rows[(r["N"], r["K"])][r["M"]][0] != "gemv_pdl"
+            continue
+        entry = rows.get((r["N"], r["K"]), {}).get(r["M"])
+        if r["status"] != "routed":
+            assert entry is None
+            continue
+        assert entry == (r["winner"]["backend"], tuple(r["winner"]["cfg"]))
+        assert min(r["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, in both passes
+        checked += entry[0] == "gemv_pdl"
+    assert checked == sum(e[0] == "gemv_pdl" for per_m in rows.values() for e in per_m.values())

@@ -265,10 +265,18 @@ def test_mla_front_end_of_patch_0006_in_a_cuda_graph_matches_float64(m) -> None:
         assert _rel(kv_c_normed, ref_kv) <= 1.5 * _rel(ref_kv.to(BF), ref_kv) + 1e-3
 
 
-def test_enable_warms_up_every_routed_config() -> None:
+def test_enable_warms_up_every_routed_config(monkeypatch) -> None:
+    """One launch per distinct Triton (op, shape, config); one CuTe DSL build per
+    (M, config), with and without the addend (M is a compile-time constant there)."""
+    from vllm.models.kimi_k3.nvidia import gemv_pdl as gv
+
+    monkeypatch.setattr(gv, "_COMPILED", {})  # builds of earlier tests count as not compiled
     model = torch.nn.Linear(8, 8, bias=False, device="cuda", dtype=BF)
-    distinct = {(op, shape, call) for op, shape, _, call in ALL_ROWS}
-    assert fd.enable_kimi_k3_fused_decode(model, BF) == len(distinct)
+    triton = {(op, shape, call) for op, shape, _, call in ALL_ROWS if call.backend != "gemv_rmsnorm"}
+    cute = {(m, call.config) for _, _, m, call in ALL_ROWS if call.backend == "gemv_rmsnorm"}
+    assert fd.enable_kimi_k3_fused_decode(model, BF) == len(triton) + 2 * len(cute)
+    pdl = gv.use_pdl(0)
+    assert {gv.Build(m, cfg, pdl, True, add) for m, cfg in cute for add in (False, True)} <= set(gv._COMPILED)
 
 
 def _tail_rows():

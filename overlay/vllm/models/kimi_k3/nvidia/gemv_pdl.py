@@ -3,7 +3,8 @@
 """PDL-aware skinny BF16 decode GEMM (GEMV style) in the CuTe DSL, SM90+ (vllm-k3-overlay).
 
 ``y[M, N] = x[M, K] @ W[N, K]^T`` for the smallest decode token counts (M = 1..16, meant
-for M <= 4), bf16 in and out, fp32 accumulation, no tensor cores.
+for M <= 4), bf16 in and out, fp32 accumulation, no tensor cores; and, in the same launch,
+``RMSNorm(x; g, eps) @ W^T (+ add_to)`` (:func:`rmsnorm_gemv_pdl`).
 
 Operands: ``x`` (M, K) bf16 with unit column stride, its row stride a multiple of 8 and its
 pointer 16-byte aligned (a strided view such as KDA's F_A slice is fine); ``W`` (N, K)

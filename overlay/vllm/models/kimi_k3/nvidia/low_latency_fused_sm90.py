@@ -4,7 +4,8 @@
 
 ``FUSED_SM90[op][shape] = (backend, config tuple or None, token counts)``: the backend
 (its name as its module in ``gemm_backends/`` spells it) that runs ``op`` for a local
-``shape`` at each listed M. GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
+``shape`` at each listed M; or a tuple of such entries, for a shape that one backend serves
+at some M and another at others (no M in two). GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
 ``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
 weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``,
 ``attn_res``) by ``(width,)``.
@@ -35,10 +36,20 @@ FUSED_SM90 = {
     "rmsnorm_gemm": {
         # routed_expert_norm -> routed_expert_up_proj (TP8): sweep 15.46 µs vs plain 14.17
         # at M = 16; in the replay's "ours" at every M 1..16.
-        (7168, 3584): ("swap_ab_rmsnorm", (64, 256, 1, 4, 4, 55), DECODE),
+        # At M = 1, 2 our GEMV with the norm in its prologue (gemv_rmsnorm), at the config
+        # the plain GEMV won at alone (gemv_pdl_sweep_sm90.json: 13.46 / 14.51 µs). In the
+        # replay of the default H200 mode (H200, 2026-12-04, one lease, code of commit
+        # d73e6fd): routed_expert_norm + routed_up + shared add at M = 1 15.0-15.3 µs
+        # against 15.8-15.9 with swap_ab_rmsnorm (decode_step_h200-default_2026-12-04_gemv_norm.json
+        # against _gemv_nonorm.json).
+        (7168, 3584): (("gemv_rmsnorm", (64, 4, 7), (1, 2)),
+                       ("swap_ab_rmsnorm", (64, 256, 1, 4, 4, 55), DECODE[2:])),
         # q_a_layernorm -> q_b_proj (TP8): sweep 6.46 µs vs plain 5.01 at M = 16; in the
-        # replay's "ours" at every M 1..16.
-        (2304, 1536): ("swap_ab_rmsnorm", (64, 256, 2, 4, 3), DECODE),
+        # replay's "ours" at every M 1..16. At M = 1..4 gemv_rmsnorm, at the configs the
+        # plain GEMV won at alone (2.55-4.01 µs against swap-AB's 4.23-4.30); in the same
+        # replays, fused_q_kv_rmsnorm + q_b_proj at M = 1 4.05-4.28 µs against 7.08-7.17.
+        (2304, 1536): (("gemv_rmsnorm", (64, 2, 3), (1, 4)), ("gemv_rmsnorm", (64, 4, 3), (2, 3)),
+                       ("swap_ab_rmsnorm", (64, 256, 2, 4, 3), DECODE[4:])),
     },
     "add_rmsnorm_gemm": {
         # 3584x7168 (routed_expert_down_proj's shape): sweep 17.71 µs vs plain 15.66 at

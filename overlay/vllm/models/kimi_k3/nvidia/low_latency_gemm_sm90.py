@@ -24,11 +24,15 @@ PROVENANCE = {
 ROW_PROVENANCE = {
     (144, 7168): {
         "gpu": "NVIDIA H200 (SM90)",
-        "source": "k3lab/tune.py run h200-20261130-1316-kda -> results/sm90/tune_sm90_kda.json",
-        "date": "2026-11-30",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
-        "run_id": "h200-20261130-1316-kda",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
     },
     (768, 128): {
         "gpu": "NVIDIA H200 (SM90)",
@@ -41,25 +45,25 @@ ROW_PROVENANCE = {
     (768, 7168): {
         "gpu": "NVIDIA H200 (SM90)",
         "source": (
-            "k3lab/bench/skinny_pdl_sweep.py run h200-20261203"
-            " -> results/sm90/skinny_pdl_sweep_sm90.json"
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
         ),
-        "date": "2026-12-03",
+        "date": "2026-12-04",
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
-        "run_id": "h200-20261203",
+        "run_id": "h200-20261204",
         "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
     },
     (1152, 1536): {
         "gpu": "NVIDIA H200 (SM90)",
         "source": (
-            "k3lab/bench/skinny_pdl_sweep.py run h200-20261203"
-            " -> results/sm90/skinny_pdl_sweep_sm90.json"
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
         ),
-        "date": "2026-12-03",
+        "date": "2026-12-04",
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
-        "run_id": "h200-20261203",
+        "run_id": "h200-20261204",
         "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
     },
     (1536, 128): {
@@ -70,6 +74,42 @@ ROW_PROVENANCE = {
         "cutlass_dsl": "4.6.2",
         "run_id": "h200-20261130",
     },
+    (1536, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (2112, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (2304, 1536): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
     (3072, 128): {
         "gpu": "NVIDIA H200 (SM90)",
         "source": "k3lab/tune.py run h200-20261130 -> results/sm90/tune_sm90.json",
@@ -78,13 +118,125 @@ ROW_PROVENANCE = {
         "cutlass_dsl": "4.6.2",
         "run_id": "h200-20261130",
     },
-    (6144, 7168): {
+    (3072, 7168): {
         "gpu": "NVIDIA H200 (SM90)",
-        "source": "k3lab/tune.py run h200-20261130-1316-kda -> results/sm90/tune_sm90_kda.json",
-        "date": "2026-11-30",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
-        "run_id": "h200-20261130-1316-kda",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (3216, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (3584, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (4224, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (4608, 1536): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (6144, 7168): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (7168, 768): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (7168, 1536): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (7168, 3072): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+    },
+    (7168, 3584): {
+        "gpu": "NVIDIA H200 (SM90)",
+        "source": (
+            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
+            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+        ),
+        "date": "2026-12-04",
+        "torch": "2.11.0+cu130",
+        "cutlass_dsl": "4.6.2",
+        "run_id": "h200-20261204",
+        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
     },
 }
 
@@ -92,13 +244,13 @@ ROW_PROVENANCE = {
 # outputs_per_block, k_unroll, vector_width, static_k); swap_ab (block_n, block_k,
 # split_k, num_warps, num_stages[, rows]); ll_bf16 ("splitk", split_k, num_stages) or
 # ("dotprod", block_size); tinygemm and dsv3_fused_a None.
-# skinny_pdl (block_n, block_k, split_k, num_warps, num_stages).
+# gemv_pdl (threads, rows, prefetch).
 ROWS = {
     (144, 7168): {
-        1: ("cute", (224, 1, 4, 8, None)),  # 3.73x / 3.21x
-        2: ("cute", (224, 1, 4, 8, None)),  # 3.44x / 3.22x
-        3: ("cute", (224, 1, 4, 8, None)),  # 3.04x / 2.94x
-        4: ("cute", (224, 2, 4, 8, None)),  # 2.76x / 2.64x
+        1: ("gemv_pdl", (128, 2, 7)),  # 4.55x / 4.59x
+        2: ("gemv_pdl", (224, 2, 4)),  # 3.55x / 3.49x
+        3: ("gemv_pdl", (224, 2, 4)),  # 3.30x / 3.07x
+        4: ("gemv_pdl", (224, 2, 4)),  # 2.31x / 2.36x
         5: ("cute", (224, 2, 4, 8, None)),  # 2.52x / 2.12x
         6: ("cute", (224, 2, 4, 8, None)),  # 2.07x / 2.31x
         7: ("cute", (224, 2, 1, 8, 7168)),  # 2.03x / 2.30x
@@ -131,10 +283,10 @@ ROWS = {
         16: ("cute", (32, 2, 1, 4, None)),  # 1.15x / 1.30x
     },
     (768, 7168): {
-        1: ("skinny_pdl", (4, 8192, 1, 8, 1)),  # 1.38x / 1.35x
-        2: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.30x / 1.31x
-        3: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.33x
-        4: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.30x
+        1: ("gemv_pdl", (128, 2, 7)),  # 2.29x / 2.14x
+        2: ("gemv_pdl", (224, 2, 4)),  # 2.02x / 1.75x
+        3: ("gemv_pdl", (224, 2, 4)),  # 1.88x / 1.65x
+        4: ("gemv_pdl", (224, 4, 4)),  # 1.74x / 1.59x
         5: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.32x
         6: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.31x / 1.34x
         7: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.32x / 1.32x
@@ -149,10 +301,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 8, 4, 6, 48)),  # 1.35x / 1.34x
     },
     (1152, 1536): {
-        1: ("skinny_pdl", (8, 2048, 1, 4, 1)),  # 2.71x / 2.55x
-        2: ("skinny_pdl", (4, 2048, 1, 4, 1)),  # 1.84x / 1.80x
-        3: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.32x / 1.30x
-        4: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.34x / 1.29x
+        1: ("gemv_pdl", (64, 2, 3)),  # 3.16x / 3.09x
+        2: ("gemv_pdl", (64, 2, 3)),  # 2.35x / 2.33x
+        3: ("gemv_pdl", (64, 1, 3)),  # 2.13x / 2.15x
+        4: ("gemv_pdl", (64, 2, 3)),  # 2.00x / 1.90x
         5: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.27x / 1.27x
         6: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.27x / 1.29x
         7: ("swap_ab", (64, 128, 4, 4, 6, 35)),  # 1.26x / 1.27x
@@ -183,10 +335,10 @@ ROWS = {
         14: ("cute", (32, 3, 1, 4, None)),  # 1.15x / 1.07x
     },
     (1536, 7168): {
-        1: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.30x / 1.28x
-        2: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.30x / 1.29x
-        3: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.30x / 1.30x
-        4: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.30x / 1.29x
+        1: ("gemv_pdl", (128, 4, 7)),  # 1.56x / 1.55x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.43x / 1.43x
+        3: ("gemv_pdl", (128, 4, 7)),  # 1.43x / 1.31x
+        4: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.30x / 1.31x
         5: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.28x / 1.29x
         6: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.28x / 1.30x
         7: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.31x / 1.26x
@@ -201,10 +353,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 4, 4, 6, 47)),  # 1.29x / 1.30x
     },
     (2112, 7168): {
-        1: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.36x / 1.33x
-        2: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.38x / 1.27x
-        3: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.32x / 1.37x
-        4: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.37x / 1.34x
+        1: ("gemv_pdl", (224, 2, 4)),  # 1.58x / 1.57x
+        2: ("gemv_pdl", (224, 2, 4)),  # 1.44x / 1.38x
+        3: ("gemv_pdl", (224, 2, 4)),  # 1.41x / 1.36x
+        4: ("swap_ab", (64, 128, 4, 4, 6, 0)),  # 1.38x / 1.35x
         5: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.33x / 1.32x
         6: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.33x / 1.36x
         7: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.35x / 1.34x
@@ -219,10 +371,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 4, 4, 6)),  # 1.34x / 1.37x
     },
     (2304, 1536): {
-        1: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.31x / 1.30x
-        2: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.31x / 1.31x
-        3: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.31x / 1.29x
-        4: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.28x / 1.30x
+        1: ("gemv_pdl", (64, 2, 3)),  # 2.18x / 2.17x
+        2: ("gemv_pdl", (64, 4, 3)),  # 1.99x / 1.91x
+        3: ("gemv_pdl", (64, 4, 3)),  # 1.74x / 1.76x
+        4: ("gemv_pdl", (64, 2, 3)),  # 1.40x / 1.38x
         5: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.30x / 1.32x
         6: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.26x / 1.29x
         7: ("swap_ab", (64, 128, 1, 4, 6)),  # 1.31x / 1.31x
@@ -245,10 +397,10 @@ ROWS = {
         6: ("cute", (32, 6, 1, 4, None)),  # 1.13x / 1.13x
     },
     (3072, 7168): {
-        1: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.25x / 1.19x
-        2: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.25x / 1.20x
-        3: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.18x / 1.23x
-        4: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.20x / 1.22x
+        1: ("gemv_pdl", (128, 2, 7)),  # 1.43x / 1.43x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.31x / 1.29x
+        3: ("gemv_pdl", (128, 2, 7)),  # 1.28x / 1.23x
+        4: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.24x / 1.22x
         5: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.21x / 1.22x
         6: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.19x / 1.22x
         7: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.19x / 1.19x
@@ -263,10 +415,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 2, 4, 6, 47)),  # 1.21x / 1.16x
     },
     (3216, 7168): {
-        1: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.25x / 1.23x
-        2: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.25x / 1.23x
-        3: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.23x / 1.23x
-        4: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.24x / 1.25x
+        1: ("gemv_pdl", (128, 2, 7)),  # 1.46x / 1.43x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.35x / 1.32x
+        3: ("gemv_pdl", (128, 2, 7)),  # 1.29x / 1.23x
+        4: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.27x / 1.24x
         5: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.23x / 1.24x
         6: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.24x / 1.25x
         7: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.24x / 1.23x
@@ -281,10 +433,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 2, 4, 6, 49)),  # 1.25x / 1.25x
     },
     (3584, 7168): {
-        1: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.16x / 1.16x
-        2: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.15x / 1.15x
-        3: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.17x / 1.16x
-        4: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.17x / 1.16x
+        1: ("gemv_pdl", (128, 4, 7)),  # 1.31x / 1.36x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.23x / 1.21x
+        3: ("gemv_pdl", (128, 2, 7)),  # 1.22x / 1.15x
+        4: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.15x / 1.16x
         5: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.16x / 1.16x
         6: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.10x / 1.16x
         7: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.16x / 1.16x
@@ -299,10 +451,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 2, 4, 6, 55)),  # 1.17x / 1.17x
     },
     (4224, 7168): {
-        1: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.22x / 1.22x
-        2: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.23x / 1.23x
-        3: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.23x / 1.25x
-        4: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.23x / 1.21x
+        1: ("gemv_pdl", (128, 4, 7)),  # 1.37x / 1.35x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.33x / 1.29x
+        3: ("gemv_pdl", (224, 2, 4)),  # 1.29x / 1.27x
+        4: ("swap_ab", (64, 128, 2, 4, 6, 0)),  # 1.24x / 1.22x
         5: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.19x / 1.24x
         6: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.26x / 1.27x
         7: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.24x / 1.24x
@@ -317,10 +469,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 2, 4, 6)),  # 1.26x / 1.22x
     },
     (4608, 1536): {
-        1: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.27x / 1.28x
-        2: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.27x / 1.27x
-        3: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.26x / 1.28x
-        4: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.26x / 1.27x
+        1: ("gemv_pdl", (64, 4, 3)),  # 1.58x / 1.53x
+        2: ("gemv_pdl", (64, 4, 3)),  # 1.37x / 1.23x
+        3: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.26x / 1.26x
+        4: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.24x / 1.27x
         5: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.27x / 1.26x
         6: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.26x / 1.26x
         7: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.26x / 1.26x
@@ -335,10 +487,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 1, 4, 6, 35)),  # 1.27x / 1.27x
     },
     (6144, 7168): {
-        1: ("cute", (224, 1, 4, 8, None)),  # 1.27x / 1.26x
-        2: ("cute", (32, 4, 1, 8, 7168)),  # 1.14x / 1.22x
-        3: ("cute", (32, 3, 1, 8, 7168)),  # 1.17x / 1.14x
-        4: ("cute", (32, 3, 1, 8, 7168)),  # 1.12x / 1.08x
+        1: ("gemv_pdl", (128, 2, 7)),  # 1.15x / 1.21x
+        2: ("gemv_pdl", (128, 4, 7)),  # 1.10x / 1.15x
+        3: ("gemv_pdl", (224, 2, 4)),  # 1.07x / 1.13x
+        4: ("cute", (32, 3, 1, 8, 7168)),  # 1.13x / 1.08x
     },
     (6288, 7168): {
         1: ("swap_ab", (64, 128, 1, 4, 6, 48)),  # 1.10x / 1.10x
@@ -377,9 +529,9 @@ ROWS = {
         16: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.50x / 1.51x
     },
     (7168, 768): {
-        1: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.38x / 1.38x
-        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.36x / 1.33x
-        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.39x / 1.37x
+        1: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.40x / 1.40x
+        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.37x / 1.39x
+        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.37x / 1.39x
         4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.37x / 1.38x
         5: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.37x / 1.38x
         6: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.38x / 1.36x
@@ -395,10 +547,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.36x / 1.36x
     },
     (7168, 1536): {
-        1: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.26x / 1.27x
-        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.24x / 1.26x
-        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.26x / 1.27x
-        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.26x / 1.25x
+        1: ("gemv_pdl", (64, 4, 3)),  # 1.33x / 1.28x
+        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.25x / 1.27x
+        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.27x / 1.25x
+        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.23x / 1.25x
         5: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.25x / 1.24x
         6: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.23x / 1.25x
         7: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.25x / 1.26x
@@ -431,10 +583,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.17x / 1.16x
     },
     (7168, 3072): {
-        1: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.37x / 1.37x
-        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.34x / 1.34x
-        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.35x / 1.38x
-        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.40x / 1.36x
+        1: ("gemv_pdl", (128, 4, 3)),  # 1.40x / 1.38x
+        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.27x / 1.35x
+        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.36x / 1.36x
+        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.36x / 1.36x
         5: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.34x / 1.35x
         6: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.35x / 1.34x
         7: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.34x / 1.36x
@@ -449,10 +601,10 @@ ROWS = {
         16: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.16x / 1.14x
     },
     (7168, 3584): {
-        1: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.33x / 1.32x
-        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.31x / 1.31x
-        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.32x / 1.31x
-        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.31x / 1.34x
+        1: ("gemv_pdl", (64, 4, 7)),  # 1.35x / 1.36x
+        2: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.31x / 1.25x
+        3: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.32x / 1.32x
+        4: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.32x / 1.32x
         5: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.31x / 1.31x
         6: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.31x / 1.30x
         7: ("swap_ab", (64, 128, 1, 4, 6, 55)),  # 1.32x / 1.29x

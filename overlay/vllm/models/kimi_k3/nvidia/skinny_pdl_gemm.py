@@ -51,7 +51,8 @@ meant to be both, so that the table decides on one measure:
 Meta-parameters (:class:`SkinnyPdlConfig`): ``block_n`` rows per CTA, ``block_k``
 elements of K per chunk (a power of two; ``block_k >= K`` preloads the whole slice),
 ``split_k``, ``num_warps``, ``num_stages``. Measured (H200, 2026-12-03, run h200-20261203,
-``k3lab/bench/skinny_pdl_sweep.py``: ``results/sm90/skinny_pdl_sweep_sm90.json``): faster
+``k3lab/bench/skinny_pdl_sweep.py``: ``git show a6fa211:results/sm90/skinny_pdl_sweep_sm90.json``,
+removed when the gemv_pdl sweep of 2026-12-04 re-timed its rows): faster
 alone than every other backend only where K or N x K is small (K = 128: 0.85-1.30 µs against
 CuTe's 1.60-1.97; q_b_proj 1152x1536 at M = 1, 2: 2.02 / 2.92 µs against swap-AB's 4.10) and
 on 768x7168 at M = 1 (5.82 against swap-AB's 6.25; CuTe 4.15 but not PDL-aware); slower than
