@@ -133,6 +133,21 @@ def _make_kernel(b: Build):
         t = cute.local_tile(t1d, (VEC,), (v,))
         return cute.make_tensor(t.iterator.align(16), t.layout)
 
+    def tile_fma(acc, r_x, mX, v, w_tile, g_tile):
+        """One K tile: the M tokens' vectors ``v`` of x into ``r_x``, then each output's
+        dot products with ``w_tile`` (VEC, rows) (and, with the norm, the sums of squares
+        and x * g). Plain Python, so its loops unroll as the kernel is traced."""
+        for i in range(m):
+            cute.autovec_copy(vec_of(mX[i, None], v), r_x[None, i])
+        for j in range(VEC):
+            for i in range(m):
+                xi = r_x[j, i].to(f32)
+                if b.norm:
+                    acc[outs + i] = acc[outs + i] + xi * xi
+                    xi = xi * g_tile[j].to(f32)
+                for r in range(rows):
+                    acc[i * rows + r] = acc[i * rows + r] + xi * w_tile[j, r].to(f32)
+
     class _K:
         # One host entry per fusion, so no optional operand crosses the host boundary.
         @cute.jit
@@ -181,16 +196,7 @@ def _make_kernel(b: Build):
             acc.fill(0.0)
             r_x = cute.make_rmem_tensor(cute.make_layout((VEC, m), stride=(1, VEC)), bf16)
             for t in cutlass.range_constexpr(prefetch):
-                for i in cutlass.range_constexpr(m):
-                    cute.autovec_copy(vec_of(mX[i, None], t * threads + tidx), r_x[None, i])
-                for j in cutlass.range_constexpr(VEC):
-                    for i in cutlass.range_constexpr(m):
-                        xi = r_x[j, i].to(f32)
-                        if cutlass.const_expr(b.norm):
-                            acc[outs + i] = acc[outs + i] + xi * xi
-                            xi = xi * r_g[j, t].to(f32)
-                        for r in cutlass.range_constexpr(rows):
-                            acc[i * rows + r] = acc[i * rows + r] + xi * r_w[j, r, t].to(f32)
+                tile_fma(acc, r_x, mX, t * threads + tidx, r_w[None, None, t], r_g[None, t])
             # K tiles past the prefetch (a K wider than the register budget), streamed.
             r_ws = cute.make_rmem_tensor(cute.make_layout((VEC, rows), stride=(1, VEC)), bf16)
             r_gs = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
@@ -199,16 +205,7 @@ def _make_kernel(b: Build):
                     cute.autovec_copy(vec_of(mW[n0 + r, None], t * threads + tidx), r_ws[None, r])
                 if cutlass.const_expr(b.norm):
                     cute.autovec_copy(vec_of(mG, t * threads + tidx), r_gs)
-                for i in cutlass.range_constexpr(m):
-                    cute.autovec_copy(vec_of(mX[i, None], t * threads + tidx), r_x[None, i])
-                for j in cutlass.range_constexpr(VEC):
-                    for i in cutlass.range_constexpr(m):
-                        xi = r_x[j, i].to(f32)
-                        if cutlass.const_expr(b.norm):
-                            acc[outs + i] = acc[outs + i] + xi * xi
-                            xi = xi * r_gs[j].to(f32)
-                        for r in cutlass.range_constexpr(rows):
-                            acc[i * rows + r] = acc[i * rows + r] + xi * r_ws[j, r].to(f32)
+                tile_fma(acc, r_x, mX, t * threads + tidx, r_ws, r_gs)
 
             for o in cutlass.range_constexpr(slots):
                 acc[o] = cute.arch.warp_reduction_sum(acc[o])

@@ -27,6 +27,13 @@ from vllm.models.kimi_k3.nvidia.gemv_pdl import GemvPdlConfig
 from .base import GemmBackend, WarmupCall
 
 
+def cuda_builds(calls: Sequence[WarmupCall]) -> set[tuple[int, GemvPdlConfig, int]]:
+    """The distinct ``(M, config, device index)`` of the calls on CUDA weights: M is a
+    compile-time constant of these builds; ``meta``/CPU calls are left to vLLM's eager
+    warm-up runs, which compile before capture."""
+    return {(c.num_tokens, c.config, c.device.index or 0) for c in calls if c.device.type == "cuda"}
+
+
 class GemvPdl(GemmBackend):
     """Our CuTe DSL GEMV, PDL-aware, M <= 16 (timed at M <= 4)."""
 
@@ -55,11 +62,8 @@ class GemvPdl(GemmBackend):
     def warm_up(
         self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
     ) -> int:
-        """Compile each distinct (M, config) of the calls on CUDA weights now; nothing for
-        ``meta``/CPU ones (vLLM's eager warm-up runs compile them before capture)."""
-        builds = {(c.num_tokens, c.config, c.device.index or 0)
-                  for c in calls if c.device.type == "cuda"}  # fmt: skip
-        return sum(gemv_pdl.warmup(cfg, m, index) for m, cfg, index in builds)
+        """Compile each build of :func:`cuda_builds` now."""
+        return sum(gemv_pdl.warmup(cfg, m, index) for m, cfg, index in cuda_builds(calls))
 
 
 BACKEND = GemvPdl()

@@ -21,7 +21,6 @@ addend or not) before capture. SM90 and newer.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -32,6 +31,7 @@ from vllm.models.kimi_k3.nvidia.gemv_pdl import GemvPdlConfig
 
 from .base import KernelBackend, WarmupCall
 from .gemv_pdl import BACKEND as _GEMV
+from .gemv_pdl import cuda_builds
 
 
 class GemvRmsNorm(KernelBackend):
@@ -41,7 +41,7 @@ class GemvRmsNorm(KernelBackend):
     op: ClassVar[str] = "rmsnorm_gemm"
 
     def is_available(self) -> bool:
-        return importlib.util.find_spec("cutlass") is not None
+        return _GEMV.is_available()
 
     def config_from_data(self, num_tokens: int, data: Any) -> GemvPdlConfig | None:
         return _GEMV.config_from_data(num_tokens, data)
@@ -62,13 +62,10 @@ class GemvRmsNorm(KernelBackend):
     def warm_up(
         self, calls: Sequence[WarmupCall], dtype: torch.dtype, *, residual: bool = False
     ) -> int:
-        """Compile each distinct (M, config) of the calls on CUDA weights, with and without
-        the addend (a table row does not say which site it serves); nothing for
-        ``meta``/CPU ones."""
-        builds = {(c.num_tokens, c.config, c.device.index or 0)
-                  for c in calls if c.device.type == "cuda"}  # fmt: skip
+        """Compile each build of ``cuda_builds`` with and without the addend (a table row
+        does not say which site it serves)."""
         return sum(gemv_pdl.warmup(cfg, m, index, norm=True, add=add)
-                   for m, cfg, index in builds for add in (False, True))  # fmt: skip
+                   for m, cfg, index in cuda_builds(calls) for add in (False, True))  # fmt: skip
 
 
 BACKEND = GemvRmsNorm()
