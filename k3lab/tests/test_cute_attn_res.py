@@ -4,36 +4,20 @@ importable (CI's venv does not carry it; the GPU tests run it on the H200)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from k3lab.tests.cute_ptx import sm90a_ptx
 from k3overlay.project import ROOT
 
 MODULE = ROOT / "overlay/vllm/models/kimi_k3/nvidia/attn_res_cluster.py"
 
-# The module is loaded by path: it needs neither torch nor vLLM to compile.
-_COMPILE = f"""
-import importlib.util, os
-spec = importlib.util.spec_from_file_location("arc", {str(MODULE)!r})
-arc = importlib.util.module_from_spec(spec); spec.loader.exec_module(arc)
-arc.compile_build(arc.Build(7168, 8, 8, True, False, True, True))
-"""
-
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory) -> str:
-    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed here")
-    out = tmp_path_factory.mktemp("cute_attn_res")
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(out)}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = out.glob("*.ptx")
-    return path.read_text()
+    build = "mod.Build(7168, 8, 8, True, False, True, True)"
+    return sm90a_ptx(tmp_path_factory.mktemp("cute_attn_res"), MODULE, build)
 
 
 def test_the_weights_load_before_the_wait_and_the_activations_after(ptx) -> None:

@@ -6,13 +6,11 @@ kernel on the H200)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
+from k3lab.tests.cute_ptx import sm90a_ptx
 from k3overlay.project import ROOT
 
 MODULE = ROOT / "overlay/vllm/models/kimi_k3/nvidia/gemv_pdl.py"
@@ -57,24 +55,10 @@ def test_every_swept_config_is_legal_and_fills_half_the_chip() -> None:
     assert gv.sweep_configs(7168, 2112) == []  # 264 vectors: no whole-warp tile divides it
 
 
-_COMPILE = f"""
-import importlib.util
-spec = importlib.util.spec_from_file_location("gv", {str(MODULE)!r})
-gv = importlib.util.module_from_spec(spec); spec.loader.exec_module(gv)
-gv.compile_build(gv.Build(4, gv.GemvPdlConfig(128, 2, 5), True))
-"""
-
-
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory) -> str:
-    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl is not installed here")
-    out = tmp_path_factory.mktemp("cute_gemv_pdl")
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(out)}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = out.glob("*.ptx")
-    return path.read_text()
+    build = "mod.Build(4, mod.GemvPdlConfig(128, 2, 5), True)"
+    return sm90a_ptx(tmp_path_factory.mktemp("cute_gemv_pdl"), MODULE, build)
 
 
 def test_trigger_first_then_the_weight_slice_then_the_wait(ptx) -> None:
