@@ -1,13 +1,17 @@
-"""v0.28.0's own Kimi-K3 layers, one decode forward per capture mode, under the profiler (issue 27).
+"""v0.28.0's own Kimi-K3 layers, one decode forward per deployment mode, under the profiler (issue 27).
 
 Builds vLLM v0.28.0's ``KimiDecoderLayer`` (one KDA layer, one MLA layer) and the MTP layer
 (``KimiK3MultiTokenPredictorLayer``) on one GPU, world size 1, with every projection at its
 TP8-local shape (heads and the shared experts' width / 8; the router gate, ``routed_down`` and
-``routed_up`` are replicated at TP8 anyway), captures one decode forward the way the mode does
-(``breakable``: vLLM's ``BreakableCUDAGraphCapture``, broken at the cores; ``full``: one
-``torch.cuda.CUDAGraph``), replays it under ``torch.profiler`` and writes the kernels it ran
-(name, stream, graph segment, the layer's module or function that launched it, its input
-shapes from an eager run) as JSON. One process per mode: v0.28.0 reads
+``routed_up`` are replicated at TP8 anyway), captures one decode forward the way v0.28.0's
+V2 model runner does in the mode (``modes.json``: its ``env`` set before v0.28.0 is
+imported, its ``capture``: ``full``, the runner's FULL decode graph, one
+``torch.cuda.CUDAGraph`` around the forward under a forward context of runtime mode NONE,
+as v1/worker/gpu/cudagraph_utils.py:355-366 and :531-552 do, so vLLM's own stream forks
+decide for themselves; ``breakable``, vLLM's ``BreakableCUDAGraphCapture``, broken at the
+cores, as its PIECEWISE runner does), replays it under ``torch.profiler`` and writes the
+kernels it ran (name, stream, graph segment, the layer's module or function that launched
+it, its input shapes from an eager run) as JSON. One process per mode: v0.28.0 reads
 ``VLLM_USE_BREAKABLE_CUDAGRAPH`` when its model files are imported.
 
 What stands in, and why (each named in the JSON's ``stand_ins``):
@@ -39,6 +43,8 @@ import sys
 import time
 import traceback
 from types import SimpleNamespace
+
+from k3lab.decode_step import modes
 
 H, LAT, NB_ALL = 7168, 3584, 9
 # TP8-local: 96 KDA heads and 96 MLA heads / 8; shared experts 6144 / 8; 384 experts replicated.
@@ -100,10 +106,11 @@ def register_c_stand_ins(torch) -> list[str]:
     return done
 
 
-def vllm_config_for(mode: str):
+def vllm_config_for(breakable_flag: bool):
+    """The config v0.28.0 derives: compile mode NONE under the breakable flag (config/vllm.py:1343-1345)."""
     from vllm.config import CacheConfig, CompilationConfig, CompilationMode, VllmConfig
 
-    cc = CompilationConfig(mode=CompilationMode.NONE if mode == "breakable" else CompilationMode.VLLM_COMPILE)
+    cc = CompilationConfig(mode=CompilationMode.NONE if breakable_flag else CompilationMode.VLLM_COMPILE)
     vc = VllmConfig(compilation_config=cc, cache_config=CacheConfig(), additional_config={"kda_prefill_backend": "triton"})
     return vc
 
@@ -249,7 +256,8 @@ def inputs(layer: str, m: int, torch, device):
 
 
 def capture(mode: str, fwd, torch):
-    """Capture ``fwd`` as the mode does; returns [(kind, replay callable)] in launch order."""
+    """Capture ``fwd`` as a capture of kind ``mode`` (``breakable`` or ``full``) does; returns
+    [(kind, replay callable)] in launch order."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -344,9 +352,9 @@ def check_layer(layer: str, mode: str, ms, cfg, vc, torch, tmp: str) -> dict:
 _CONFIG_CONTEXT: list = []
 
 
-def setup(mode: str, experts: int, dry_cpu: bool):
-    """Import v0.28.0 under the mode's environment; the config, the distributed world of one."""
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if mode == "breakable" else "0"
+def setup(env: dict[str, str], experts: int, dry_cpu: bool):
+    """Import v0.28.0 under the mode's environment ``env``; the config, the distributed world of one."""
+    os.environ.update(env)
     import torch
 
     if dry_cpu:  # construction only: no CUDA streams on a CPU build of torch
@@ -376,7 +384,7 @@ def setup(mode: str, experts: int, dry_cpu: bool):
                      "process_weights_after_loading not run (no moe_kernel: shared-expert overlap by stream, "
                      "as with TritonExperts and no-EP prepare/finalize)")
     cfg = kimi_config(KimiLinearConfig, experts)
-    vc = vllm_config_for(mode)
+    vc = vllm_config_for(env.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1")
     vc.model_config = model_config_stub(cfg, torch)
     # Held for the process's life: set_current_vllm_config is a generator context, and once
     # nothing refers to it its finally clears the current config (the H200 run of 2026-12-03
@@ -395,7 +403,7 @@ def setup(mode: str, experts: int, dry_cpu: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=("breakable", "full"), required=True)
+    ap.add_argument("--mode", required=True, help="a replayable mode of modes.json (python -m k3lab.decode_step.modes)")
     ap.add_argument("--layers", default="kda,mla,mtp")
     ap.add_argument("--m", default="1,8,16")
     ap.add_argument("--experts", type=int, default=LOCAL["experts"])
@@ -403,14 +411,23 @@ def main(argv=None) -> int:
     ap.add_argument("--tmp", default="/tmp/k3_model_check")
     ap.add_argument("--dry-cpu", action="store_true", help="build the layers on the CPU only, no run")
     a = ap.parse_args(argv)
+    try:
+        rec = modes.mode(a.mode)
+    except modes.UnknownMode as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if not rec["replay"]:
+        print(f"error: mode {a.mode!r} ({rec['gpu']}) is data only: its kernels do not run here", file=sys.stderr)
+        return modes.NOT_REPLAYABLE
+    kind = modes.branches(a.mode, "kda")["capture"]
     os.makedirs(a.out, exist_ok=True)
     a.tmp = os.path.join(a.tmp, a.mode)
     os.makedirs(a.tmp, exist_ok=True)
     t0 = time.time()
-    torch, cfg, vc, stand_ins = setup(a.mode, a.experts, a.dry_cpu)
+    torch, cfg, vc, stand_ins = setup(rec["env"], a.experts, a.dry_cpu)
     from vllm.platforms import current_platform
 
-    res = {"mode": a.mode, "stand_ins": stand_ins, "layers": {}, "errors": {},
+    res = {"mode": a.mode, "capture": kind, "env": rec["env"], "stand_ins": stand_ins, "layers": {}, "errors": {},
            "capability": str(current_platform.get_device_capability()), "torch": torch.__version__}  # fmt: skip
     torch.set_default_dtype(torch.bfloat16)
     for layer in a.layers.split(","):
@@ -423,7 +440,7 @@ def main(argv=None) -> int:
                                         "fused_path": runner._use_fused_path()}  # fmt: skip
             else:
                 with torch.device("cuda"):
-                    res["layers"][layer] = check_layer(layer, a.mode, [int(x) for x in a.m.split(",")], cfg,
+                    res["layers"][layer] = check_layer(layer, kind, [int(x) for x in a.m.split(",")], cfg,
                                                        vc, torch, a.tmp)  # fmt: skip
         except Exception:  # noqa: BLE001 - one layer's failure is a result, the others still run
             res["errors"][layer] = traceback.format_exc()[-4000:]

@@ -62,6 +62,22 @@ def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:
     return {f: values[f] for f in data["layer_fields"][layer] if f in values}
 
 
+#: v0.28.0's default CUDA-graph capture sizes up to 248 (config/vllm.py:1965-1978).
+CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8))
+
+
+def tokens_run(m: int, br: dict[str, str]) -> int:
+    """The token count the kernels of a step of ``m`` tokens see under the branches ``br``:
+    the next capture size up (``tokens=capture_sizes``: the step runs the graph captured for
+    it, padded); ValueError past the largest (that batch runs no graph)."""
+    if br.get("tokens") != "capture_sizes":
+        return m
+    for size in CAPTURE_SIZES:
+        if size >= m:
+            return size
+    raise ValueError(f"{m} tokens: past the largest capture size {CAPTURE_SIZES[-1]}")
+
+
 def why(field: str, value: str, data: dict | None = None) -> str:
     """Where v0.28.0 decides ``field=value`` (KeyError if the data does not say)."""
     return (data or load())["why"][f"{field}={value}"]

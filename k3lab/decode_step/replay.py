@@ -4,14 +4,16 @@
 [--per-op-m 1,8,16]`` on a CUDA GPU with the GPU bundle's vLLM tree (the overlay laid):
 ``k3lab/device/run.sh replay DIR`` (``REPLAY_ARGS="--mode h200-nobreak"``). NAME is a mode
 of ``modes.json`` (``python -m k3lab.decode_step.modes`` lists them; default
-``h200-default``, what v0.28.0 runs on an H200 when the user sets nothing). DIR holds
+``h200-default``, what v0.28.0 runs on an H200 when the user sets nothing: one full CUDA
+graph per decode step, vLLM's aux-stream forks, ``_C`` small ops). DIR holds
 v0.28.0's three Triton op files (``python -m k3lab.decode_step.imports extract DIR``).
 Writes ``decode_step_<mode>_<date>[tag].json`` to ``--out`` (default ``$OUT``).
 Exit codes: 0 done, 2 bad usage / no GPU / no bundle, 3 an unknown mode, 4 a mode whose
 kernels do not run on the H200 (data only).
 
-What runs (TP8 local shapes, M = 1..16): (a) the MTP step, (b) one KDA decoder layer,
-(c) one MLA decoder layer, each op in the order the mode runs it, on the stream it runs
+What runs (TP8 local shapes, M = 1..16 tokens, each at the size of the graph the mode
+replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`): (a) the
+MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, each op in the order the mode runs it, on the stream it runs
 on, with the mode's graph breaks (:mod:`k3lab.decode_step.mode_ops`: which op is which
 kernel, stand-ins named; the JSON's ``ops`` lists them per layer and variant). Left out,
 their outputs fixed random tensors: the MLA attention core, the KDA core, the routed
@@ -92,9 +94,11 @@ def _output_key(layer: str) -> str:
 
 @contextlib.contextmanager
 def _capture_mode(breakable: bool):
-    """While capturing a breakable mode, v0.28.0's ``BreakableCUDAGraphCapture.is_active()``
-    answers True, as in the model's capture, so the patched tree's own guards (the KDA
-    overlap's, the FusedMoE entries' switches) see the mode; a tree without it: no-op."""
+    """While building, warming and capturing a breakable mode, v0.28.0's
+    ``BreakableCUDAGraphCapture.is_active()`` answers True, as in the model's capture, so
+    the patched tree's own guards (the KDA overlap's, the FusedMoE entries' switches) see
+    the mode; under full capture it answers False, as in a decode batch's one graph; a tree
+    without it: no-op."""
     try:
         from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture as capture
     except ImportError:
@@ -133,28 +137,37 @@ def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -
 
 def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: list[int], copies: int,
               reps: int, bw: float, routed: str = "none") -> tuple[list[dict], list[dict]]:  # fmt: skip
-    breakable = modes.branches(mode, layer)["capture"] == "breakable"
+    br = modes.branches(mode, layer)
+    breakable = br["capture"] == "breakable"
     gen = torch.Generator(device="cuda").manual_seed(21)
     ws = [layers.weights(layer, "cuda", gen, routed == "standin") for _ in range(copies)]
     enabled = None if pk is None else patched.enable(pk, ws)  # before the lists: the switches read it
-    variants = mode_ops.lists(kn, pk, layer, mode, routed)
+    with _capture_mode(breakable):  # the switches read the capture as the model's call sites do
+        variants = mode_ops.lists(kn, pk, layer, mode, routed)
     stock_leaves = {op.name: op for op in mode_ops.leaves(variants["stock"])}
-    steps, per_op = [], []
+    steps, per_op, done_runs = [], [], {}
     first_cover = {}  # (variant, stock op) -> the variant's first top-level op that covers it
     for variant, ops in variants.items():
         for op in ops:
             for leaf in mode_ops.leaves([op]) or [op]:
                 for name in leaf.covers or (leaf.name,):
                     first_cover.setdefault((variant, name), op.name)
-    for m in ms:
+    for m_user in ms:
+        m = modes.tokens_run(m_user, br)  # the graph a step of m_user tokens replays (padded)
+        if m in done_runs:  # timed already: the same graph
+            rec = {**done_runs[m], "M": m_user}
+            print(json.dumps(rec), flush=True)
+            steps.append(rec)
+            continue
         st0 = layers.inputs(layer, m, "cuda", gen)
         roof = mode_ops.roof_bytes(variants["stock"], m)
-        rec = {"layer": layer, "M": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
+        rec = {"layer": layer, "M": m_user, "M_run": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
         outs = {}
         for variant, ops in variants.items():
             st = {k: v.clone() for k, v in st0.items()}
-            for op in ops:  # eager once: compiles, fills the state for the graphs
-                op.run(st, ws[0])
+            with _capture_mode(breakable):
+                for op in ops:  # eager once: compiles, fills the state for the graphs
+                    op.run(st, ws[0])
             torch.cuda.synchronize()
             st.get("_via", {}).clear()  # the record below is of the captured step, not this run
             us, rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps, breakable)
@@ -163,7 +176,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
             outs[variant] = done[_output_key(layer)].double()
             if variant == "patched":  # the call sites that took the stock path under capture
                 rec["patched_stock_sites"] = sorted(k for k, v in st.get("_via", {}).items() if v == "stock")
-            if m not in per_op_ms:
+            if m_user not in per_op_ms:
                 continue
             for op in (o for o in ops if not mode_ops.is_break(o)):
 
@@ -187,6 +200,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
             rec["speedup_patched"] = round(rec["stock_us"] / rec["patched_us"], 3)
         print(json.dumps(rec), flush=True)
         steps.append(rec)
+        done_runs[m] = rec
     ws.clear()  # free the copies before the next layer
     torch.cuda.empty_cache()
     return steps, per_op, enabled
@@ -213,7 +227,9 @@ def op_table(kn, pk, mode: str, routed: str = "none") -> dict:
     name: what the JSON and the CPU tests compare with the modes data."""
     out = {}
     for layer in layers.LAYERS:
-        for variant, ops in mode_ops.lists(kn, pk, layer, mode, routed).items():
+        with _capture_mode(modes.branches(mode, layer)["capture"] == "breakable"):
+            lists = mode_ops.lists(kn, pk, layer, mode, routed)
+        for variant, ops in lists.items():
             out[f"{layer}/{variant}"] = [[o.name, o.where, o.runs] for o in ops]
     return out
 
@@ -290,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
-    # The mode's capture, as vLLM's config sets it (the patched tree's switches read it).
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if rec["all"]["capture"] == "breakable" else "0"
+    # The mode's environment, as vLLM reads it at import (the patched tree's switches too).
+    os.environ.update(rec["env"])
     try:
         kn = kernels(args.stock_dir)
         pk = patched.load()

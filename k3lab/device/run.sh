@@ -9,10 +9,10 @@
 #   tests                every GPU test file of the overlay (TEST_S seconds at most; TESTS: a subset)
 #   replay STOCK_DIR     issues 21, 27: the decode-step replay of one deployment mode, stock vs the
 #                        patched model (k3lab.decode_step.replay; REPLAY_ARGS: --mode NAME, more flags)
-#   model_check PRISTINE issue 27: v0.28.0's own layers under the profiler, both capture modes
+#   model_check PRISTINE issue 27: v0.28.0's own layers under the profiler, per deployment mode
 #                        (k3lab.decode_step.model_check), on a copy of the site with PRISTINE's
 #                        v0.28.0 model files put back (MODE_S seconds per mode, MS token counts,
-#                        MODES the capture modes, default "breakable full")
+#                        MODES the modes of modes.json, default "h200-default")
 #   attn_res STOCK_DIR  issue 28: attn-res alone, v0.28.0's kernel against ours (k3lab.decode_step.attn_res_bench;
 #                        AR_ARGS: --kinds, --m, --apply-best ...), on the overlay as committed now
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
@@ -64,12 +64,12 @@ model_check)
   envs; shim; rm -rf /tmp/site_v028 && cp -a $SITE /tmp/site_v028 && cp -r "$1/vllm/." /tmp/site_v028/vllm/
   export PYTHONPATH=${PYTHONPATH//$SITE/\/tmp\/site_v028}:$ROOT K3_VLLM_ROOT=/tmp/site_v028
   python3 -c "import importlib.util as u; print('vllm from', u.find_spec('vllm').origin)"
-  for mode in ${MODES:-breakable full}; do  # one process per mode (v0.28.0 reads the capture mode at import)
+  for mode in ${MODES:-h200-default}; do  # one process per mode (v0.28.0 reads its environment at import)
     timeout ${MODE_S:-240} python3 -m k3lab.decode_step.model_check --mode $mode --m ${MS:-1,16} --out "$OUT" \
       > "$OUT/model_check_$mode.log" 2>&1 &
   done
   wait
-  for mode in ${MODES:-breakable full}; do
+  for mode in ${MODES:-h200-default}; do
     echo "== $mode"; grep -v "^\(INFO\|DEBUG\|WARNING\)" "$OUT/model_check_$mode.log" | tail -n 25
   done
   tar -czf "$OUT/traces.tgz" -C /tmp/k3_model_check . 2>/dev/null; ls -la "$OUT" | grep model_check ;;

@@ -103,7 +103,7 @@ def test_the_stock_router_gate_is_ll_bf16_tier_1() -> None:
     calls = []
     kn = _kn(gate_ll_bf16=lambda x, w: calls.append((x, w)) or "logits")
     br = modes.branches("h200-default", "kda")
-    (gate,) = [op for op in mode_ops.stock_ops(kn, "kda", br) if op.name == "router_gate"]
+    (gate,) = [op for op in mode_ops.leaves(mode_ops.stock_ops(kn, "kda", br)) if op.name == "router_gate"]
     st = {"hn2": "x"}
     gate.run(st, {"gate": "w"})
     assert calls == [("x", "w")] and st["logits"] == "logits" and "ll_bf16" in gate.runs
@@ -126,7 +126,7 @@ def test_an_unknown_mode_exits_with_its_own_code(capsys) -> None:
     assert err.count("\n") == 1 and "unknown mode 'h200-megamoe'" in err
 
 
-@pytest.mark.parametrize("mode,graphs", [("h200-default", 3), ("h200-nobreak", 1)])
+@pytest.mark.parametrize("mode,graphs", [("h200-piecewise", 3), ("h200-default", 1), ("h200-nobreak", 1)])
 def test_a_breakable_mode_cuts_the_step_into_one_graph_per_segment(mode, graphs) -> None:
     ops = mode_ops.stock_ops(_kn(), "kda", modes.branches(mode, "kda"))
     segs = mode_ops.segments(ops, copies=2)

@@ -46,19 +46,32 @@ def test_problems_name_each_gap(breakage, want) -> None:
 
 def test_a_layers_override_wins_over_the_modes_values() -> None:
     data = copy.deepcopy(modes.load())
-    data["modes"]["h200-default"]["layers"] = {"mtp": {"gate_down": "fork"}}
-    assert modes.branches("h200-default", "mtp", data)["gate_down"] == "fork"
-    assert modes.branches("h200-default", "kda", data)["gate_down"] == "in_line"
+    data["modes"]["h200-piecewise"]["layers"] = {"mtp": {"gate_down": "fork"}}
+    assert modes.branches("h200-piecewise", "mtp", data)["gate_down"] == "fork"
+    assert modes.branches("h200-piecewise", "kda", data)["gate_down"] == "in_line"
 
 
-def test_the_h200_default_is_the_breakable_fused_moe_branch() -> None:
-    # The configuration the issue is about: what v0.28.0 runs on an H200 when the user sets nothing.
+def test_the_h200_default_is_one_full_graph_with_forks_and_c_kernels_on_the_fused_moe_branch() -> None:
+    # The configuration the issue is about: what v0.28.0 runs on an H200 when the user sets
+    # nothing. The breakable flag is on (_C small ops), yet a decode batch is one full graph
+    # with vLLM's aux streams, padded to the capture sizes (audit_default_mode_2026-12-04.md).
     (default,) = [n for n in modes.names() if modes.mode(n)["default"] and modes.mode(n)["arch"] == "sm90"]
+    assert modes.mode(default)["env"] == {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
     kda = modes.branches(default, "kda")
-    assert kda["capture"] == "breakable" and kda["moe_branch"] == "fused_moe"
-    assert kda["gate_tier"] == "ll_bf16" and kda["kda_overlap_patched"] == "off"
-    assert modes.branches(default, "mla")["g_proj"] == "after_core"
+    assert kda["capture"] == "full" and kda["small_ops"] == "c_kernels" and kda["moe_branch"] == "fused_moe"
+    assert kda["gate_tier"] == "ll_bf16" and kda["gate_down"] == "fork"
+    assert modes.branches(default, "mla")["g_proj"] == "fork"
+    assert [modes.tokens_run(m, kda) for m in range(1, 17)] == [1, 2, 4, 4, *[8] * 4, *[16] * 8]
     assert all(not modes.mode(n)["replay"] for n in modes.names() if modes.mode(n)["arch"] != "sm90")
+    # no mode of any GPU decodes under the breakable capture unless the user asked for PIECEWISE
+    assert [n for n in modes.names() if modes.branches(n, "kda")["capture"] == "breakable"] == ["h200-piecewise"]
+
+
+def test_a_step_past_the_largest_capture_size_runs_no_graph() -> None:
+    br = modes.branches("h200-default", "kda")
+    assert modes.tokens_run(248, br) == 248 and modes.tokens_run(17, br) == 24
+    with pytest.raises(ValueError, match="past the largest"):
+        modes.tokens_run(249, br)
 
 
 def test_an_unknown_mode_is_one_line_with_its_own_exit_code(capsys) -> None:

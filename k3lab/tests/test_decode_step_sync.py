@@ -112,8 +112,8 @@ def test_trace_summary_places_each_kernel_in_its_innermost_op_and_segment():
     assert s["unplaced"] == {}
 
 
-# v0.28.0's own layers on the H200 in both capture modes (model_check_h200-*_2026-12-04.json)
-# against the code read of each mode: each way they part, and why.
+# v0.28.0's own layers on the H200, one run per deployment mode (model_check_<mode>_<date>.json),
+# against the code read of the capture the run took: each way they part, and why.
 MEASURED_EXPLAINED = {
     ("unlabelled", "block_sparse_moe.experts"): "the model check's stand-in for the routed experts "
     "(torch.topk + zeros_like: the Triton fused_moe needs _moe_C); left out of the replay too",
@@ -123,27 +123,38 @@ MEASURED_EXPLAINED = {
     "function's first kernel (a copy) carries the routed_up label, so the tail's label comes first; "
     "by the graph's kernel order the norm's kernels run before the up GEMM, as the code read says",
 }
-CHECKS = {"full": ROOT / "results" / "decode_step" / "model_check_h200-nobreak_2026-12-04.json",
-          "breakable": ROOT / "results" / "decode_step" / "model_check_h200-default_2026-12-04.json"}
+CHECKS = {mode: ROOT / "results" / "decode_step" / f"model_check_{mode}_2026-12-04.json"
+          for mode in ("h200-default", "h200-nobreak", "h200-piecewise")}
+
+
+def test_each_check_ran_its_modes_environment_and_capture() -> None:
+    from k3lab.decode_step import modes
+
+    for mode, path in CHECKS.items():
+        check = json.loads(path.read_text())
+        assert check["mode"] == mode and check["capture"] == modes.branches(mode, "kda")["capture"]
+        assert check.get("env", modes.mode(mode)["env"]) == modes.mode(mode)["env"]
 
 
 @pytest.mark.parametrize("mode", sorted(CHECKS))
 @pytest.mark.parametrize("layer", ["kda", "mla", "mtp"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_v028s_own_layers_on_the_h200_run_what_the_code_read_says(mode, layer, m) -> None:
-    """Every difference between the profiled run of v0.28.0's own layer (each capture mode) and
-    the code read is explained above, and every explanation still names a difference: the
-    same ops in the same order, on the same streams, with the graph broken where it says."""
+    """Every difference between the profiled run of v0.28.0's own layer (each mode) and the
+    code read of its capture is explained above, and every explanation still names a
+    difference: the same ops in the same order, on the same streams, with the graph broken
+    where it says."""
     code = json.loads(MODES.read_text())
     check = json.loads(CHECKS[mode].read_text())
-    found = step_sync.measured_differences(code, check, mode, layer, m)
+    kind = check["capture"]
+    found = step_sync.measured_differences(code, check, kind, layer, m)
     assert found <= set(MEASURED_EXPLAINED), sorted(found - set(MEASURED_EXPLAINED))
     if layer == "kda":  # KDA has no MLA attention stub
         assert found == set(MEASURED_EXPLAINED) - {("unlabelled", "self_attn")}
     else:
         assert found == set(MEASURED_EXPLAINED)
     ran = step_sync.measured_ops(check, layer, m)
-    # the forks as read: routed_down on an aux stream only under the opt-out; the runner's
-    # shared experts on theirs in both modes (SharedExperts never asks about the capture)
-    assert ("routed_down", "aux" if mode == "full" else "main") in ran
+    # the forks as read: routed_down on an aux stream only outside a breakable capture; the
+    # runner's shared experts on theirs in every mode (SharedExperts never asks about it)
+    assert ("routed_down", "aux" if kind == "full" else "main") in ran
     assert ("router_gate", "main") in ran and ("shared_down", "aux") in ran

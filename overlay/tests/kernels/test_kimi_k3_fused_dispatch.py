@@ -98,8 +98,11 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
     monkeypatch.setattr(fd, "_FAST_PATH_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(fd, "_enabled", True)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    # the full-capture opt-out: where the FusedMoE branch's front is off (path_enabled)
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    # no breakable capture active (a decode batch's full graph): where the FusedMoE
+    # branch's front is off (path_enabled)
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", None, raising=False)
     recorders = {}
     for op in fd.OPS:
         result = ("out", "h") if op in ("add_rmsnorm_gemm", "rmsnorm") else "out"
@@ -644,7 +647,7 @@ def test_stacking_makes_the_three_weights_views_of_one_tensor(routed) -> None:
 
 
 @pytest.mark.parametrize("spoil", [
-    dict(use_mega_moe=False), dict(out_dtype=BF16), dict(shard_sp=True),
+    dict(out_dtype=BF16), dict(shard_sp=True),
     dict(gate=SimpleNamespace(weight=nn.Parameter(torch.empty(E, H, dtype=BF16)), bias=None,
                               out_dtype=torch.float32)),
     dict(down=_linear(torch.empty(L, H, dtype=BF16), quant_method=object())),
@@ -652,7 +655,7 @@ def test_stacking_makes_the_three_weights_views_of_one_tensor(routed) -> None:
     dict(down=_linear(torch.empty(L, H, dtype=torch.float16))),
     dict(down=_linear(torch.empty(L, 2 * H, dtype=BF16)[:, :H])),
     dict(rows=(E, L, G + 64)),  # a stacked shape without a table row
-], ids=["FusedMoE branch under full capture", "bf16 logits", "sequence-parallel shared experts",
+], ids=["bf16 logits", "sequence-parallel shared experts",
         "another gate class", "quantized down_proj", "biased down_proj", "fp16 down_proj",
         "strided down_proj", "no row"])  # fmt: skip
 def test_stacking_leaves_a_moe_alone_where_the_fused_path_cannot_run(routed, spoil) -> None:

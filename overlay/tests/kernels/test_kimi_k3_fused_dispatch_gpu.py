@@ -297,9 +297,11 @@ def test_fused_moe_tail_of_patch_0009_matches_the_stock_sequence(monkeypatch, m)
     import vllm.distributed as dist
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.models.kimi_k3.nvidia import fused_decode
 
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    # the capture the tail was measured in
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", object(), raising=False)
     monkeypatch.setattr(dist, "tensor_model_parallel_all_reduce", lambda t: t.clone())
     gen = torch.Generator(device="cuda").manual_seed(200 + m)
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(BF)  # noqa: E731

@@ -76,7 +76,13 @@ def logged(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def capture(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", mode)
+    """The call runs inside a breakable capture (BREAKABLE) or not (FULL: a decode batch's
+    one full CUDA graph, v0.28.0's default with either value of the breakable flag)."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", object() if mode == BREAKABLE else None,
+                        raising=False)  # fmt: skip
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -148,14 +154,27 @@ def fused_moe_branch_moe() -> FakeMoE:
     return moe
 
 
-@pytest.mark.parametrize("mode,stacked", [(BREAKABLE, 1), (FULL, 0)], ids=["breakable", "full"])
-def test_the_fused_moe_branch_stacks_only_under_breakable_capture(launches, logged, monkeypatch, mode, stacked):
-    capture(monkeypatch, mode)
+@pytest.mark.parametrize("mode,runs", [(BREAKABLE, 1), (FULL, 0)], ids=["breakable", "full"])
+def test_the_fused_moe_branch_stacks_at_load_and_runs_only_in_a_measured_capture(
+    launches, logged, monkeypatch, mode, runs
+) -> None:
+    """Load time knows no capture: the weights are stacked where the branch measured the
+    path in any capture; each call then runs it only in a capture it was measured in."""
+    capture(monkeypatch, FULL)  # load: no capture active
     moe = fused_moe_branch_moe()
-    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == stacked
-    assert (fused_decode.moe_input_projections(moe, bf16(2, H)) is not None) == bool(stacked)
-    assert len(launches["gate_gemm"]) == stacked
-    assert any("moe_front" in line for line in logged) != bool(stacked)
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 1
+    capture(monkeypatch, mode)
+    assert (fused_decode.moe_input_projections(moe, bf16(2, H)) is not None) == bool(runs)
+    assert len(launches["gate_gemm"]) == runs
+    assert any("moe_front" in line for line in logged) != bool(runs)
+
+
+def test_no_stack_where_the_branch_measured_the_path_in_no_capture(launches, monkeypatch) -> None:
+    capture(monkeypatch, FULL)
+    moe = fused_moe_branch_moe()
+    monkeypatch.setattr(fd, "MODES_BY_CAPABILITY", {SM90: {"moe_front": {("mega_moe", "full"): "x.json"}}})
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 0
+    assert not hasattr(moe, "_k3_input_stack")
 
 
 def test_the_gate_up_left_for_the_runner_is_taken_once_for_its_own_input() -> None:
@@ -371,7 +390,8 @@ _TAIL_SCRIPT = textwrap.dedent(
     fd._device_capability = lambda: (9, 0)
     fd._FAST_PATH_DEVICE_TYPE = "cpu"
     fd._enabled = True
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    BreakableCUDAGraphCapture._tls.active = object()  # the capture the tail was measured in
     reduced = []
     dist.tensor_model_parallel_all_reduce = lambda t: reduced.append(t) or t.clone()  # one rank
     g = torch.Generator().manual_seed(5)

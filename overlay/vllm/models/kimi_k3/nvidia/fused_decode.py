@@ -58,6 +58,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
+    path_measured,
     rmsnorm_gemm_routes,
     routes_any,
     try_act_mul,
@@ -230,13 +231,13 @@ def _moe_input_params(moe: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Pa
     """(gate, routed_down, shared gate_up) weights of a ``KimiMoE`` whose three
     projections can be one GEMM of :func:`moe_input_projections`, else None.
 
-    The path must be on for the MoE's branch in this capture mode (``path_enabled``:
-    where it was measured); the gate vLLM's ``GateLinear`` without bias and with fp32
-    logits (what the stacked GEMM gives), the other two unquantized and bias-free, the
+    The path must have been measured on the MoE's branch (``path_measured``; each call
+    then asks ``path_enabled`` for its capture); the gate vLLM's ``GateLinear`` without
+    bias and with fp32 logits (what the stacked GEMM gives), the other two unquantized and bias-free, the
     shared experts without sequence-parallel sharding (that branch all-gathers x before
     ``gate_up``); all three packed BF16 weights of one K on one device.
     """
-    if not path_enabled("moe_front", _branch(moe)):
+    if not path_measured("moe_front", _branch(moe)):
         return None
     gate, shared = getattr(moe, "gate", None), getattr(moe, "shared_experts", None)
     if type(gate) is not GateLinear or gate.bias is not None or gate.out_dtype is not torch.float32:
@@ -306,11 +307,12 @@ def moe_input_projections(
     Returns:
         ``(router_logits, routed_hidden_states, shared_gate_up)``: fp32 (M, E), and BF16
         (M, L) and (M, G) row-strided column views of one new (M, L + G) tensor; or None:
-        not stacked, a parameter no longer a view of the stack (a weight reload that
-        replaced its storage), or any precondition of ``try_gate_gemm``.
+        not stacked, the path not measured in this call's capture (``path_enabled``), a
+        parameter no longer a view of the stack (a weight reload that replaced its
+        storage), or any precondition of ``try_gate_gemm``.
     """
     stack = getattr(moe, "_k3_input_stack", None)
-    if not isinstance(stack, _InputStack):
+    if not isinstance(stack, _InputStack) or not path_enabled("moe_front", _branch(moe)):
         return None
     starts = (0, stack.gate_rows, stack.gate_rows + stack.latent_rows)
     if not all(_is_view_of(p, stack.weight, r) for p, r in zip(stack.params, starts)):

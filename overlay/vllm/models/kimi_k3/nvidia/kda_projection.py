@@ -49,7 +49,6 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
-from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import capture_mode
 
 logger = init_logger(__name__)
 
@@ -106,16 +105,6 @@ KDA_OVERLAP_TOKENS: Mapping[llg.Capability, OverlapTokens] = MappingProxyType(
 
 #: Any architecture without figures of ours (B300's upstream limit of 14 is not reused).
 NOT_MEASURED = OverlapTokens(frozenset(), "not measured on this architecture: overlap off")
-#: Under breakable CUDA graphs (v0.28.0's default for Kimi-K3) vLLM keeps to one stream
-#: and the two-stream path was never measured there: the layer keeps its packed
-#: ``in_proj_qkvgfab`` and ``f_b_proj`` lines, whose linear methods are the GEMM table's
-#: planned kernels (SM90 rows (6288, 7168) and (1536, 128), installed and warmed by
-#: ``enable_kimi_k3_low_latency_gemm``): our kernels on one stream.
-BREAKABLE = OverlapTokens(
-    frozenset(), "off under breakable CUDA graphs (one stream): packed in_proj + f_b on the GEMM table"
-)
-
-
 @functools.cache
 def high_priority_aux_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream per device at a priority above the default (PyTorch's priority -1).
@@ -315,7 +304,10 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     F_B rows); ``kda_overlap_tokens``, this architecture's measured set of M
     (:func:`overlap_tokens`; empty where nothing was measured: overlap off); and, where
     the architecture measured it faster, ``aux_stream`` replaced by
-    :func:`high_priority_aux_stream`.
+    :func:`high_priority_aux_stream`. The same with ``VLLM_USE_BREAKABLE_CUDAGRAPH``
+    on (v0.28.0's default for Kimi-K3): a decode batch is still one full CUDA graph with
+    vLLM's aux streams (v1/worker/gpu/cudagraph_utils.py:355-366); a breakable capture
+    (mixed batches) turns the overlap off per call (:func:`use_kda_projection_overlap`).
 
     Args:
         model: model (or sub-model) to walk; qualifying layers are changed in place.
@@ -327,8 +319,6 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     if not layers:
         return 0
     where = overlap_tokens(llg._device_capability())
-    if where.tokens and capture_mode() == "breakable":
-        where = BREAKABLE
     backend = _kda_qkvg_flashinfer_backend() if where.tokens else None
     for layer in layers:
         layer.kda_qkvg_backend = backend

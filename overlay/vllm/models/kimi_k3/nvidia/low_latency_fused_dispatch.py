@@ -262,12 +262,31 @@ _refusals_logged: set[tuple[str, str, str]] = set()
 
 
 def capture_mode() -> str:
-    """``"breakable"`` where vLLM captures breakable CUDA graphs (v0.28.0's default for
-    Kimi-K3: ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, vLLM's own stream forks run on one
-    stream), else ``"full"`` (the opt-out, with vLLM's aux-stream forks)."""
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    """The capture this call runs under, as it decides vLLM's stream forks.
 
-    return "breakable" if is_breakable_cudagraph_enabled() else "full"
+    ``"breakable"`` while a ``BreakableCUDAGraphCapture`` is active: a mixed or prefill
+    batch of v0.28.0's default (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``), or a decode batch
+    where the user chose ``cudagraph_mode=PIECEWISE``; vLLM keeps its forks on one
+    stream there (utils/multi_stream_utils.py:45-49). Else ``"full"``: a decode batch
+    of v0.28.0's default ``FULL_AND_PIECEWISE``, one ``torch.cuda.graph`` around the
+    model (v1/worker/gpu/cudagraph_utils.py:355-366), with either value of the flag, or
+    an eager forward; vLLM's aux-stream forks run. At load time no capture is active:
+    ``"full"``, the decode step's capture.
+    """
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    return "breakable" if BreakableCUDAGraphCapture.is_active() else "full"
+
+
+def path_measured(path: str, branch: str) -> bool:
+    """Whether ``path`` may run on the MoE ``branch`` in any capture mode on this device
+    (the switch on): for what is done once at load, such as stacking weights, before the
+    capture of each call is known; :func:`path_enabled` then decides per call. Silent;
+    ``ValueError`` as :func:`path_enabled`."""
+    if path not in PATHS or branch not in BRANCHES:
+        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
+    measured = MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
+    return _enabled and any(b == branch for b, _ in measured)
 
 
 def path_enabled(path: str, branch: str) -> bool:

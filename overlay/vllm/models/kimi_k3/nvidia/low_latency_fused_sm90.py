@@ -40,7 +40,7 @@ FUSED_SM90 = {
         # the plain GEMV won at alone (gemv_pdl_sweep_sm90.json: 13.46 / 14.51 µs). In the
         # replay of the default H200 mode (H200, 2026-12-04, one lease, code of commit
         # d73e6fd): routed_expert_norm + routed_up + shared add at M = 1 15.0-15.3 µs
-        # against 15.8-15.9 with swap_ab_rmsnorm (decode_step_h200-default_2026-12-04_gemv_norm.json
+        # against 15.8-15.9 with swap_ab_rmsnorm (decode_step_h200-piecewise_2026-12-04_gemv_norm.json
         # against _gemv_nonorm.json).
         (7168, 3584): (("gemv_rmsnorm", (64, 4, 7), (1, 2)),
                        ("swap_ab_rmsnorm", (64, 256, 1, 4, 4, 55), DECODE[2:])),
@@ -97,18 +97,21 @@ FUSED_SM90 = {
         # the same run; clusters of 4: 3.37-3.82 (faster at M = 16 only), of 2: 4.61-4.88
         # (H200, 2026-12-04, python -m k3lab.decode_step.attn_res_bench --kinds ours,cluster
         # --apply-best, code of commit a3ad5dd: results/decode_step/attn_res_bench_2026-12-04_cluster.json).
-        # In the replay of the default H200 mode, same lease: decode_step_h200-default_2026-12-04_cluster.json
+        # In the replay of the default H200 mode, same lease: decode_step_h200-piecewise_2026-12-04_cluster.json
         # against _tile.json. Where the cluster build cannot run the tile kernel does (8, 0, True).
         (7168,): ("pdl_attn_res", ("cluster", 8), DECODE),
     },
 }
 
 # Where each of our model-level paths was measured on the H200, as the deployment mode
-# it ran in: (the MoE branch: "mega_moe" or "fused_moe", the capture mode: "breakable",
-# v0.28.0's default for Kimi-K3 with vLLM keeping its own forks on one stream, or "full",
-# VLLM_USE_BREAKABLE_CUDAGRAPH=0 with vLLM's aux-stream forks). A path runs only in a
-# mode listed here (low_latency_fused_dispatch.path_enabled); anywhere else the model
-# keeps v0.28.0's lines and says so once in the log.
+# it ran in: (the MoE branch: "mega_moe" or "fused_moe", the capture of the call:
+# "breakable", a BreakableCUDAGraphCapture active, vLLM keeping its own forks on one
+# stream (a decode batch only under cudagraph_mode=PIECEWISE: replay mode h200-piecewise),
+# or "full", none active, vLLM's aux-stream forks on: a decode batch's one CUDA graph,
+# v0.28.0's default with either value of VLLM_USE_BREAKABLE_CUDAGRAPH, replay modes
+# h200-default and h200-nobreak). A path runs only in a mode listed here
+# (low_latency_fused_dispatch.path_enabled); anywhere else the model keeps v0.28.0's
+# lines and says so once in the log.
 MEASURED_MODES = {
     # KimiMoE's router gate + routed_expert_down_proj + shared gate_up as one GEMM
     # (op gate_gemm, patches 0007 and 0008).
@@ -120,13 +123,13 @@ MEASURED_MODES = {
         # against: 20.9-21.1 us vs 25.1-25.3 (M = 1, 8, 16). On the FusedMoE branch the
         # shared gate_up leaves the runner's aux stream, where it ran beside the routed
         # experts, for the stacked GEMM on the main stream: timed in the replay of the
-        # default H200 mode with a routed experts' stand-in (sizes assumed, a long arm)
+        # breakable H200 mode (h200-piecewise) with a routed experts' stand-in (sizes assumed, a long arm)
         # beside that fork, with and without moe_front and moe_tail in one lease (H200,
         # 2026-12-04): KDA 180.8 vs 188.2 us at M = 1, 187.6 vs 193.8 at M = 16; MLA 182.6
-        # vs 189.0, 192.6 vs 198.3 (decode_step_h200-default_2026-12-04_routed.json against
+        # vs 189.0, 192.6 vs 198.3 (decode_step_h200-piecewise_2026-12-04_routed.json against
         # _routed_nomoe.json); without an arm they win more (results/decode_step/README.md).
         ("mega_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
-        ("fused_moe", "breakable"): "decode_step_h200-default_2026-12-04_routed{,_nomoe}.json",
+        ("fused_moe", "breakable"): "decode_step_h200-piecewise_2026-12-04_routed{,_nomoe}.json",
     },
     # LatentMoERunner's small-M tail at TP > 1: all-reduce of the latent, of the shared
     # output, then one GEMM: latent norm in the prologue, up_proj, shared output added in
@@ -137,7 +140,7 @@ MEASURED_MODES = {
     # shared all-reduce behind its GEMM, which this path cannot: not measured, off.
     "moe_tail": {
         # with moe_front in the same replays (above)
-        ("fused_moe", "breakable"): "decode_step_h200-default_2026-12-04_routed{,_nomoe}.json; "
+        ("fused_moe", "breakable"): "decode_step_h200-piecewise_2026-12-04_routed{,_nomoe}.json; "
         "prologue_sweep_2026-12-02.json; decode_gemm_sm90.json (7168, 3584)",
     },
 }
