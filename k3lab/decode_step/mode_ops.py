@@ -268,8 +268,11 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
         end = [Op("routed_expert_norm+routed_up+shared_add", "", tail,
                   "moe_tail: try_rmsnorm_gemm(norm prologue, add_to=shared), else stock",
                   covers=("routed_expert_norm", "routed_up", "shared_add"))]  # fmt: skip
-    else:
-        end = [stock["routed_expert_norm"], stock["routed_up"], stock["shared_add"]]
+    else:  # v0.28.0's tail; patch 0009 moves its up projection to the GEMM table where the tree has it
+        up = stock["routed_up"]
+        if getattr(getattr(pk, "decode", None), "latent_up_proj", None) is not None:
+            up = patched._proj(pk, "routed_up", "lat_n", "up_out", "up")
+        end = [stock["routed_expert_norm"], up, stock["shared_add"]]
     return [*head, _shared_experts(br, shared, ""), *end]
 
 

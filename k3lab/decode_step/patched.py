@@ -56,7 +56,8 @@ def load() -> SimpleNamespace:
     llg = importlib.import_module(base + "low_latency_gemm_dispatch")
     fused = importlib.import_module(base + "low_latency_fused_dispatch")
     kda = importlib.import_module(base + "kda_projection")
-    return SimpleNamespace(llg=llg, fused=fused, kda=kda)
+    decode = importlib.import_module(base + "fused_decode")
+    return SimpleNamespace(llg=llg, fused=fused, kda=kda, decode=decode)
 
 
 def enable(pk: SimpleNamespace, weights: list[dict]) -> dict:

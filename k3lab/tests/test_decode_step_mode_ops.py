@@ -99,6 +99,21 @@ def test_patched_covers_every_stock_op_once_in_stock_order(mode, layer, paths) -
     assert ("router_gate || routed_down" in names) == (not stacked and br["gate_down"] == "fork")
 
 
+@pytest.mark.parametrize("has_line", [False, True])
+def test_the_patched_tail_takes_the_gemm_table_for_routed_up_where_the_tree_has_the_line(has_line) -> None:
+    # patch 0009's latent_up_proj: only the up projection moves, the fork and the add stay v0.28.0's
+    pk = _Pk(())
+    if has_line:
+        pk.decode = _Any()
+    br = modes.branches("h200-default", "kda")
+    ops = {o.name: o for o in mode_ops.leaves(mode_ops.patched_ops(pk, _kn(), "kda", br))}
+    stock = {o.name: o for o in mode_ops.leaves(mode_ops.stock_ops(_kn(), "kda", br))}
+    assert ("try_low_latency_gemm" in ops["routed_up"].runs) == has_line
+    assert (ops["routed_up"].runs == stock["routed_up"].runs) != has_line
+    for name in ("routed_expert_norm", "shared_add"):
+        assert ops[name].runs == stock[name].runs
+
+
 def test_the_stock_router_gate_is_ll_bf16_tier_1() -> None:
     calls = []
     kn = _kn(gate_ll_bf16=lambda x, w: calls.append((x, w)) or "logits")

@@ -426,3 +426,15 @@ def test_the_tail_computes_v0_28_0_s_sequence_on_the_real_kernel_under_the_inter
     for what, rel in got.items():
         # fp16 operands, fp32 math, one rounding: ~5e-4; a wrong norm, operand or addend is O(1).
         assert rel < 3e-3, f"{what}: rel err {rel:.2e}"
+
+
+def test_the_stock_tails_up_projection_takes_the_gemm_table_else_torch_mm(monkeypatch) -> None:
+    """Patch 0009 outside the fused tail: only ``torch.mm`` gives way, to the GEMM table."""
+    latent = torch.randn(3, 16).to(BF16)
+    weight = torch.randn(8, 16).to(BF16)
+    asked = []
+    monkeypatch.setattr(fused_decode.llg, "try_low_latency_gemm", lambda x, w: asked.append((x, w)) or "table")
+    assert fused_decode.latent_up_proj(latent, weight) == "table"
+    assert asked == [(latent, weight)]
+    monkeypatch.setattr(fused_decode.llg, "try_low_latency_gemm", lambda x, w: None)
+    assert torch.equal(fused_decode.latent_up_proj(latent, weight), torch.mm(latent, weight.t()))

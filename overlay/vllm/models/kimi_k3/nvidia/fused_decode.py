@@ -56,6 +56,7 @@ from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
     path_measured,
@@ -402,6 +403,23 @@ def latent_moe_tail(
     # Routed above, refused now: only a reduced tensor's layout could differ. v0.28.0's
     # sequence on the reduced operands.
     return torch.mm(norm(latent), weight.t()).add_(shared)
+
+
+def latent_up_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """v0.28.0's tail tier 1 up projection ``latent @ weight.T`` (latent_moe_runner.py:224,
+    patch 0009) where the fused tail does not run: on the kernel the device's decode GEMM
+    table picks, else ``torch.mm`` as v0.28.0 does. The runner keeps its fork, so the
+    shared experts' all-reduce still runs beside this GEMM on the aux stream.
+
+    Args:
+        latent: the reduced, normed latent, (M, L) BF16 (L = 3584 at TP8).
+        weight: ``up_proj``'s (H, L) BF16 weight, packed row-major (H = 7168).
+
+    Returns:
+        A new (M, H) tensor of ``latent``'s dtype. Never raises where ``torch.mm`` would not.
+    """
+    out = llg.try_low_latency_gemm(latent, weight)
+    return torch.mm(latent, weight.t()) if out is None else out
 
 
 def attn_res(
