@@ -420,7 +420,15 @@ def test_no_overlap_under_breakable_capture(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(BreakableCUDAGraphCapture, "is_active", classmethod(lambda cls: True))
+    monkeypatch.setattr(kp, "_breakable_refusal_logged", [])
+    lines: list = []
+    monkeypatch.setattr(kp.logger, "info", lambda msg, *args: lines.append(msg % args))
     assert not kp.use_kda_projection_overlap(1, frozenset({1}))
+    assert not kp.use_kda_projection_overlap(1, frozenset({1}))
+    assert len(lines) == 1 and "breakable" in lines[0], "said once"
+    monkeypatch.setattr(BreakableCUDAGraphCapture, "is_active", classmethod(lambda cls: False))
+    assert kp.use_kda_projection_overlap(1, frozenset({1})), "a decode batch's full graph: on"
+    assert not kp.use_kda_projection_overlap(2, frozenset({1})) and len(lines) == 1
 
 
 # -------------------------------------------------------------- the projections

@@ -128,15 +128,27 @@ def use_kda_projection_overlap(num_tokens: int, tokens: Collection[int]) -> bool
     Only for ``num_tokens`` in the layer's ``tokens`` (the architecture's measured set,
     all in 1..16) while a CUDA graph is being captured: vLLM captures decode steps only,
     so prefill and eager forwards keep v0.28.0's path.
-    Not under vLLM's breakable capture, where vLLM keeps to one stream (its
-    ``maybe_execute_in_parallel`` rule); there the split GEMMs one after another
-    would be slower than the packed one.
+    Not under vLLM's breakable capture (a mixed batch, or decode under
+    ``cudagraph_mode=PIECEWISE``), where vLLM keeps to one stream (its
+    ``maybe_execute_in_parallel`` rule) and the overlap was never measured; said once
+    in the log.
     """
     if num_tokens not in tokens or not torch.cuda.is_current_stream_capturing():
         return False
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
-    return not BreakableCUDAGraphCapture.is_active()
+    if not BreakableCUDAGraphCapture.is_active():
+        return True
+    if not _breakable_refusal_logged:
+        _breakable_refusal_logged.append(True)
+        logger.info(
+            "Kimi-K3 KDA projections: the packed GEMM under a breakable CUDA-graph capture "
+            "(one stream), where the two-stream overlap was not measured"
+        )
+    return False
+
+
+_breakable_refusal_logged: list[bool] = []  # once per process
 
 
 # ---------------------------------------------------------------------- the GEMMs
