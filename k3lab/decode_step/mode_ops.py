@@ -18,11 +18,18 @@ graph breaks, built from the branches :mod:`k3lab.decode_step.modes` reads:
   ``torch.mm`` and ``add_`` of the shared output (its all-reduce left out).
 
 Stand-ins, named in each op's ``runs`` (``stand-in for ...``) and timed against the closest
-real kernel by :mod:`k3lab.decode_step.standins`: the ``_C`` norms and SITU-and-mul under
-breakable capture (one Triton launch, no PDL: :mod:`k3lab.decode_step.stock`), flashinfer's
-all-reduce + RMSNorm (the norm alone). Under full capture the norms and SITU-and-mul are
-what v0.28.0 runs there (eager PyTorch ops, one Inductor kernel), MLA's output gate in
-every mode its own ``torch.compile``'d expression: no stand-in.
+real kernel by :mod:`k3lab.decode_step.standins`: the ``_C`` norms and SITU-and-mul where the
+breakable flag is on (``small_ops=c_kernels``: one Triton launch, no PDL,
+:mod:`k3lab.decode_step.stock`), flashinfer's all-reduce + RMSNorm (the norm alone). With
+the flag off (``small_ops=native``) the norms and SITU-and-mul are what v0.28.0 runs there
+(eager PyTorch ops, one Inductor kernel); MLA's output gate in every mode its own
+``torch.compile``'d expression: no stand-in.
+
+Left out, and what that does to a fork: the KDA and MLA cores and the routed experts. In
+v0.28.0 the MLA core is in the main arm of the ``g_proj`` fork and the routed experts in
+the main arm of the shared experts' fork, so ``g_proj`` and the shared experts hide behind
+them; here those arms are shorter (the shared experts' empty, unless ``routed="standin"``),
+which overstates both variants and any gain on the aux arm.
 
 Patched, on the FusedMoE branch: patch 0007's stacked gate and 0005's ``routed_output`` do
 not fire there (``fused_decode._moe_input_params`` answers None off MegaMoE; the runner's
