@@ -56,10 +56,7 @@ CORES = {"kda": "KDA core (kda.py:532)", "mla": "MLA attention core (mla.py:566)
 _STREAMS: dict[str, torch.cuda.Stream] = {}  # one aux stream per name, made at first use
 
 
-class NotReplayable(ValueError):
-    """A mode whose kernels do not run on the H200 (exit code ``modes.NOT_REPLAYABLE``)."""
-
-    exit_code = modes.NOT_REPLAYABLE
+NotReplayable = modes.NotReplayable  # raised by the op builders for a data-only branch
 
 
 def graph_break(core: str) -> Op:

@@ -412,13 +412,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-cpu", action="store_true", help="build the layers on the CPU only, no run")
     a = ap.parse_args(argv)
     try:
-        rec = modes.mode(a.mode)
-    except modes.UnknownMode as e:
+        rec = modes.replayable(a.mode)
+    except (modes.UnknownMode, modes.NotReplayable) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    if not rec["replay"]:
-        print(f"error: mode {a.mode!r} ({rec['gpu']}) is data only: its kernels do not run here", file=sys.stderr)
-        return modes.NOT_REPLAYABLE
     kind = modes.branches(a.mode, "kda")["capture"]
     os.makedirs(a.out, exist_ok=True)
     a.tmp = os.path.join(a.tmp, a.mode)

@@ -33,6 +33,13 @@ class UnknownMode(ValueError):
     exit_code = UNKNOWN_MODE
 
 
+class NotReplayable(ValueError):
+    """A mode whose kernels do not run on the H200 (data only); ``exit_code`` is
+    :data:`NOT_REPLAYABLE`."""
+
+    exit_code = NOT_REPLAYABLE
+
+
 @lru_cache(maxsize=None)
 def load(path: pathlib.Path = DATA) -> dict:
     """The parsed data file (OSError / ValueError if it is unreadable or not JSON)."""
@@ -50,6 +57,15 @@ def mode(name: str, data: dict | None = None) -> dict:
     if name not in data["modes"]:
         raise UnknownMode(f"unknown mode {name!r}; known: {', '.join(names(data))}")
     return data["modes"][name]
+
+
+def replayable(name: str, data: dict | None = None) -> dict:
+    """The record of a mode whose kernels run on the H200; :class:`UnknownMode` or
+    :class:`NotReplayable` (one line each) otherwise."""
+    rec = mode(name, data)
+    if not rec["replay"]:
+        raise NotReplayable(f"mode {name!r} ({rec['gpu']}) is data only: its kernels do not run on the H200")
+    return rec
 
 
 def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:

@@ -284,14 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                          "beside the shared experts' aux-stream fork, in both variants; none: left out")
     args = ap.parse_args(argv)
     try:
-        rec = modes.mode(args.mode)
-    except modes.UnknownMode as e:
+        rec = modes.replayable(args.mode)
+    except (modes.UnknownMode, modes.NotReplayable) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    if not rec["replay"]:
-        print(f"error: mode {args.mode!r} ({rec['gpu']}) is data only: its kernels do not run on the H200",
-              file=sys.stderr)  # fmt: skip
-        return modes.NOT_REPLAYABLE
     try:
         ms, per_op_ms = parse_ms(args.m), parse_ms(args.per_op_m)
     except ValueError as e:

@@ -88,3 +88,13 @@ def test_the_cli_prints_every_mode_and_one_modes_branches(capsys) -> None:
     assert modes.main(["h200-nobreak"]) == 0
     out = capsys.readouterr().out
     assert "gate_down" in out and "fork" in out and "multi_stream_utils.py" in out
+
+
+@pytest.mark.parametrize("name,code", [("h100-default", modes.UNKNOWN_MODE), ("b200-default", modes.NOT_REPLAYABLE)])
+def test_the_model_check_refuses_a_mode_it_cannot_run_in_one_line(name, code, tmp_path, capsys) -> None:
+    from k3lab.decode_step import model_check
+
+    assert model_check.main(["--mode", name, "--out", str(tmp_path / "out")]) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and name in err
+    assert not (tmp_path / "out").exists(), "nothing written for a refused mode"
