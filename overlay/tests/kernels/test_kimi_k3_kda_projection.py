@@ -265,19 +265,27 @@ def test_sm90_uses_the_table_and_its_measured_set(monkeypatch, warmups) -> None:
 
 
 @pytest.mark.usefixtures("cpu_fast_path")
-def test_the_breakable_flag_alone_keeps_the_overlap_where_this_gpu_measured_it(monkeypatch, warmups) -> None:
-    """v0.28.0's default for Kimi-K3 sets VLLM_USE_BREAKABLE_CUDAGRAPH=1, yet a decode batch
-    is one full CUDA graph with vLLM's aux streams (v1/worker/gpu/cudagraph_utils.py:355-366):
-    the two-stream path is set up as without the flag; a breakable capture turns it off per
-    call (test_no_overlap_under_breakable_capture)."""
+def test_the_breakable_flag_keeps_the_overlap_off_and_says_so(monkeypatch, warmups) -> None:
+    """v0.28.0's default for Kimi-K3 (the breakable flag on; a decode batch is one full graph
+    where the overlap measured no faster than the packed GEMM): nothing of the two-stream
+    path is set up, not even where this GPU measured it alone, and the log says so once;
+    the packed GEMM and f_b keep their own (planned) linear methods."""
     pin_capability(monkeypatch, SM90)
     pin_tokens(monkeypatch, SM90, {5, 6})
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    asked: list = []
+    monkeypatch.setattr(kp, "_kda_qkvg_flashinfer_backend", lambda: asked.append(1) or "cute-dsl")
+    lines: list = []
+    monkeypatch.setattr(kp.logger, "info", lambda msg, *args: lines.append(msg % args))
     model = _model()
-    assert kp.autotune_kda_qkvg(model) == 1
-    assert model.layers[0].kda_overlap_tokens == {5, 6}
-    assert warmups == [(6144, 7168), (144, 7168), (1536, 128)]
+    model.layers.append(FakeKDA())
+    streams = [layer.aux_stream for layer in model.layers[::2]]
+    assert kp.autotune_kda_qkvg(model) == 2
+    for layer, stream in zip(model.layers[::2], streams):
+        assert (layer.kda_overlap_tokens, layer.kda_qkvg_backend) == (frozenset(), None)
+        assert layer.aux_stream is stream
+    assert warmups == [] and asked == [], "nothing to warm or tune for a path that never runs"
+    assert len(lines) == 1 and "VLLM_USE_BREAKABLE_CUDAGRAPH" in lines[0]
 
 
 def test_the_sm90_gemm_table_plans_both_packed_kda_projections() -> None:

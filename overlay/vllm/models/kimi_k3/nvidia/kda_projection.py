@@ -105,6 +105,23 @@ KDA_OVERLAP_TOKENS: Mapping[llg.Capability, OverlapTokens] = MappingProxyType(
 
 #: Any architecture without figures of ours (B300's upstream limit of 14 is not reused).
 NOT_MEASURED = OverlapTokens(frozenset(), "not measured on this architecture: overlap off")
+#: With the breakable flag on (v0.28.0's default for Kimi-K3) a decode batch is still one
+#: full CUDA graph with vLLM's forks, but there the two-stream path measured no faster than
+#: the packed GEMM on the table. In the replay of the default H200 mode, one lease
+#: (results/decode_step/decode_step_h200-default_2026-12-04_kda_{overlap,packed}.json), the
+#: KDA layer's speedup over stock was 1.289 against 1.298 at M = 1, 1.249 against 1.234 at
+#: M = 8 and 1.238 against 1.235 at M = 16, within the run's noise. The overlap would also
+#: add a second stream and FlashInfer's tuning at load. So the layer keeps its packed
+#: ``in_proj_qkvgfab`` and ``f_b_proj`` lines there, whose linear methods are the table's
+#: planned kernels (SM90 rows (6288, 7168) and (1536, 128), installed and warmed by
+#: ``enable_kimi_k3_low_latency_gemm``). The opt-out (flag 0) keeps the measured set.
+FLAG_DEFAULT = OverlapTokens(
+    frozenset(),
+    "off with VLLM_USE_BREAKABLE_CUDAGRAPH on (v0.28.0's default): no faster than the packed "
+    "GEMM on the table in the default decode graph",
+)
+
+
 @functools.cache
 def high_priority_aux_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream per device at a priority above the default (PyTorch's priority -1).
@@ -120,6 +137,12 @@ def overlap_tokens(capability: llg.Capability | None) -> OverlapTokens:
     if capability is None:
         return NOT_MEASURED
     return KDA_OVERLAP_TOKENS.get(tuple(capability), NOT_MEASURED)
+
+
+def _breakable_flag() -> bool:
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    return is_breakable_cudagraph_enabled()
 
 
 def use_kda_projection_overlap(num_tokens: int, tokens: Collection[int]) -> bool:
@@ -316,10 +339,10 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     F_B rows); ``kda_overlap_tokens``, this architecture's measured set of M
     (:func:`overlap_tokens`; empty where nothing was measured: overlap off); and, where
     the architecture measured it faster, ``aux_stream`` replaced by
-    :func:`high_priority_aux_stream`. The same with ``VLLM_USE_BREAKABLE_CUDAGRAPH``
-    on (v0.28.0's default for Kimi-K3): a decode batch is still one full CUDA graph with
-    vLLM's aux streams (v1/worker/gpu/cudagraph_utils.py:355-366); a breakable capture
-    (mixed batches) turns the overlap off per call (:func:`use_kda_projection_overlap`).
+    :func:`high_priority_aux_stream`. With ``VLLM_USE_BREAKABLE_CUDAGRAPH`` on (v0.28.0's
+    default for Kimi-K3) nothing of the overlap is set up (:data:`FLAG_DEFAULT`: measured
+    no faster there), and the log says so; a breakable capture also turns it off per call
+    (:func:`use_kda_projection_overlap`).
 
     Args:
         model: model (or sub-model) to walk; qualifying layers are changed in place.
@@ -331,6 +354,8 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     if not layers:
         return 0
     where = overlap_tokens(llg._device_capability())
+    if where.tokens and _breakable_flag():
+        where = FLAG_DEFAULT
     backend = _kda_qkvg_flashinfer_backend() if where.tokens else None
     for layer in layers:
         layer.kda_qkvg_backend = backend
