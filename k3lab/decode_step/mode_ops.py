@@ -31,15 +31,15 @@ the main arm of the shared experts' fork, so ``g_proj`` and the shared experts h
 them; here those arms are shorter (the shared experts' empty, unless ``routed="standin"``),
 which overstates both variants and any gain on the aux arm.
 
-Patched, on the FusedMoE branch: patch 0007's stacked gate and 0005's ``routed_output`` do
-not fire there (``fused_decode._moe_input_params`` answers None off MegaMoE; the runner's
-tail calls ``torch.mm`` itself); the shared experts take the GEMM dispatch and ``try_act_mul``;
-GateLinear's tier 1 is untouched by the series. Where the tree has the FusedMoE branch's own
-entries (i27-wiring: patches 0008, 0009, ``low_latency_fused_dispatch.path_enabled``), the
+Patched, on the FusedMoE branch: 0005's ``routed_output`` never fires there (the runner's
+tail is its own); the shared experts take the GEMM dispatch and ``try_act_mul``; GateLinear's
+tier 1 is untouched by the series. Patches 0008 and 0009 give the branch its own entries: the
 front (gate + ``routed_down`` + shared ``gate_up`` as one GEMM, ``try_gate_gemm``; the runner's
 shared experts then run only act-and-mul and ``down_proj``) and the tail (the latent's plain
 all-reduce, then its RMSNorm in ``up_proj``'s prologue and the shared output in its epilogue:
-``try_rmsnorm_gemm(add_to=)``) take them where the switch says so for this branch and capture.
+``try_rmsnorm_gemm(add_to=)``), each where ``low_latency_fused_dispatch.path_enabled`` says
+so for this branch and capture (a breakable one on the H200). Where the tail stays v0.28.0's,
+0009 runs its ``up_proj`` on the GEMM table (``fused_decode.latent_up_proj``).
 
 The MegaMoE branch (SM100 modes) is data only here: :class:`NotReplayable`.
 """

@@ -78,8 +78,10 @@ def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:
     return {f: values[f] for f in data["layer_fields"][layer] if f in values}
 
 
-#: v0.28.0's default CUDA-graph capture sizes up to 248 (config/vllm.py:1965-1978).
-CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8))
+#: v0.28.0's default CUDA-graph capture sizes (config/vllm.py:1965-1981): 1, 2, 4, steps
+#: of 8 below 256, steps of 16 up to the largest, which is at most 512 off SM100
+#: (min(2 x max_num_seqs x (1 + drafts), 512), config/vllm.py:1933-1942).
+CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
 def tokens_run(m: int, br: dict[str, str]) -> int:

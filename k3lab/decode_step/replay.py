@@ -135,6 +135,15 @@ def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -
     return us, len(segs), shared
 
 
+def timed_sizes(ms: list[int], per_op_ms: list[int], br: dict) -> dict[int, bool]:
+    """The graph sizes a replay of the token counts ``ms`` times under the branches ``br``,
+    in the order first met, each once (``modes.tokens_run``: M padded to its capture size),
+    mapped to whether its ops are timed one by one too: where a count of ``per_op_ms``
+    pads to it, whichever count of ``ms`` reached that size first."""
+    per_op = {modes.tokens_run(m, br) for m in per_op_ms}
+    return {size: size in per_op for size in dict.fromkeys(modes.tokens_run(m, br) for m in ms)}
+
+
 def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: list[int], copies: int,
               reps: int, bw: float, routed: str = "none") -> tuple[list[dict], list[dict]]:  # fmt: skip
     br = modes.branches(mode, layer)
@@ -152,6 +161,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
             for leaf in mode_ops.leaves([op]) or [op]:
                 for name in leaf.covers or (leaf.name,):
                     first_cover.setdefault((variant, name), op.name)
+    per_op_runs = {m for m, per_op_too in timed_sizes(ms, per_op_ms, br).items() if per_op_too}
     for m_user in ms:
         m = modes.tokens_run(m_user, br)  # the graph a step of m_user tokens replays (padded)
         if m in done_runs:  # timed already: the same graph
@@ -176,7 +186,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
             outs[variant] = done[_output_key(layer)].double()
             if variant == "patched":  # the call sites that took the stock path under capture
                 rec["patched_stock_sites"] = sorted(k for k, v in st.get("_via", {}).items() if v == "stock")
-            if m_user not in per_op_ms:
+            if m not in per_op_runs:
                 continue
             for op in (o for o in ops if not mode_ops.is_break(o)):
 
@@ -190,7 +200,7 @@ def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: li
                 nbytes = sum(stock_leaves[n].nbytes(m) for n in mine if n in stock_leaves)
                 with _capture_mode(breakable):
                     us = timing.graph_replay_us(one, one, copies, reps)
-                per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name, "us": round(us, 2),
+                per_op.append({"layer": layer, "M": m, "M_run": m, "variant": variant, "op": op.name, "us": round(us, 2),
                                "roof_us": round(nbytes / bw * 1e6, 3), "covers": mine})  # fmt: skip
         for variant in variants:
             rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)

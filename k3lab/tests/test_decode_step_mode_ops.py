@@ -286,3 +286,13 @@ def test_drop_paths_keeps_a_listed_path_off_in_one_mode_only() -> None:
                                                   "moe_tail": {("fused_moe", "breakable"): "run"}}
     with pytest.raises(ValueError, match="moe_middle"):
         replay.drop_paths_here(fused, ["moe_middle"], "fused_moe", "breakable")
+
+
+def test_each_graph_size_is_timed_once_and_per_op_wherever_a_per_op_count_pads_to_it() -> None:
+    # --m 1-16 --per-op-m 1,8,16 in the default mode: M = 5 reaches size 8 and M = 9 size 16
+    # before 8 and 16 themselves; their ops are timed one by one all the same
+    br = modes.branches("h200-default", "kda")
+    assert replay.timed_sizes(list(range(1, 17)), [1, 8, 16], br) == {1: True, 2: False, 4: False, 8: True, 16: True}
+    assert replay.timed_sizes([3], [3], br) == {4: True}
+    exact = modes.branches("h200-piecewise", "kda") | {"tokens": "exact"}
+    assert list(replay.timed_sizes([1, 3, 5], [5], exact)) == [1, 3, 5]

@@ -69,9 +69,10 @@ def test_the_h200_default_is_one_full_graph_with_forks_and_c_kernels_on_the_fuse
 
 def test_a_step_past_the_largest_capture_size_runs_no_graph() -> None:
     br = modes.branches("h200-default", "kda")
-    assert modes.tokens_run(248, br) == 248 and modes.tokens_run(17, br) == 24
+    assert modes.tokens_run(17, br) == 24 and modes.tokens_run(249, br) == 256
+    assert modes.tokens_run(257, br) == 272 and modes.tokens_run(512, br) == 512
     with pytest.raises(ValueError, match="past the largest"):
-        modes.tokens_run(249, br)
+        modes.tokens_run(513, br)
 
 
 def test_an_unknown_mode_is_one_line_with_its_own_exit_code(capsys) -> None:

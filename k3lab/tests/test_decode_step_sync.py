@@ -127,13 +127,21 @@ CHECKS = {mode: ROOT / "results" / "decode_step" / f"model_check_{mode}_2026-12-
           for mode in ("h200-default", "h200-nobreak", "h200-piecewise")}
 
 
+# Runs from before the model check took a mode name (--mode breakable / full): their mode and
+# capture were written in by hand when the modes were renamed, and they record no environment.
+RELABELLED = {"h200-nobreak", "h200-piecewise"}
+
+
 def test_each_check_ran_its_modes_environment_and_capture() -> None:
     from k3lab.decode_step import modes
 
     for mode, path in CHECKS.items():
         check = json.loads(path.read_text())
         assert check["mode"] == mode and check["capture"] == modes.branches(mode, "kda")["capture"]
-        assert check.get("env", modes.mode(mode)["env"]) == modes.mode(mode)["env"]
+        if mode in RELABELLED:
+            assert "env" not in check, f"{mode}: ran with a mode name: drop it from RELABELLED"
+        else:
+            assert check["env"] == modes.mode(mode)["env"]
 
 
 @pytest.mark.parametrize("mode", sorted(CHECKS))

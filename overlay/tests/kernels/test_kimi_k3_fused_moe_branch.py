@@ -365,8 +365,14 @@ def test_the_patched_tail_returns_ours_or_runs_the_stock_lines(monkeypatch) -> N
     monkeypatch.setattr(fused_decode, "latent_moe_tail", lambda *a: log.append("ours") or None)
     monkeypatch.setattr(runner_module, "tensor_model_parallel_all_reduce", lambda t: log.append("ar") or t)
     monkeypatch.setattr(runner_module, "aux_stream", lambda: None)
+    up = runner.routed_output_transform.up_proj
+    monkeypatch.setattr(fused_decode, "latent_up_proj",
+                        lambda x, w: log.append(("up", x, w)) or torch.mm(x, w.t()))  # fmt: skip
     final = tail(runner, latent, shared, 7)
-    assert log == ["ours", "allreduce_norm", "ar"], "v0.28.0's lines, and only those"
+    assert [e if isinstance(e, str) else e[0] for e in log] == ["ours", "allreduce_norm", "up", "ar"], (
+        "v0.28.0's lines, the up projection through the GEMM table"
+    )
+    assert log[2][1] is latent and log[2][2] is up.weight
     assert final[0] == "final" and final[1].shape == (2, H) and final[3] is True
 
 

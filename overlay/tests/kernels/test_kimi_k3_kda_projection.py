@@ -35,6 +35,13 @@ def pin_tokens(monkeypatch: pytest.MonkeyPatch, capability, tokens) -> None:
     monkeypatch.setattr(kp, "KDA_OVERLAP_TOKENS", {capability: where})
 
 
+@pytest.fixture(autouse=True)
+def breakable_flag_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opt-out, whatever this machine's environment says; a test of the default sets
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` itself."""
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+
+
 @pytest.fixture
 def warmups(monkeypatch: pytest.MonkeyPatch) -> list:
     """Record the weights whose CuTe warm-up is requested."""
