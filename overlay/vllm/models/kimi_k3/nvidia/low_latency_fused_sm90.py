@@ -38,10 +38,12 @@ FUSED_SM90 = {
         # at M = 16; in the replay's "ours" at every M 1..16.
         # At M = 1, 2 our GEMV with the norm in its prologue (gemv_rmsnorm), at the config
         # the plain GEMV won at alone (gemv_pdl_sweep_sm90.json: 13.46 / 14.51 µs). In the
-        # replay of the default H200 mode (H200, 2026-12-04, one lease, code of commit
-        # d73e6fd): routed_expert_norm + routed_up + shared add at M = 1 15.0-15.3 µs
-        # against 15.8-15.9 with swap_ab_rmsnorm (decode_step_h200-piecewise_2026-12-04_gemv_norm.json
-        # against _gemv_nonorm.json).
+        # replay of the breakable H200 mode (h200-piecewise; H200, 2026-12-04, one lease,
+        # code of commit d73e6fd): routed_expert_norm + routed_up + shared add at M = 1
+        # 15.0-15.3 µs against 15.8-15.9 with swap_ab_rmsnorm
+        # (decode_step_h200-piecewise_2026-12-04_gemv_norm.json against _gemv_nonorm.json,
+        # the latter in git history: git show 26687a0:results/decode_step/...). This row
+        # serves moe_tail, which runs under a breakable capture only (MEASURED_MODES).
         (7168, 3584): (("gemv_rmsnorm", (64, 4, 7), (1, 2)),
                        ("swap_ab_rmsnorm", (64, 256, 1, 4, 4, 55), DECODE[2:])),
         # q_a_layernorm -> q_b_proj (TP8): sweep 6.46 µs vs plain 5.01 at M = 16; in the
@@ -97,8 +99,11 @@ FUSED_SM90 = {
         # the same run; clusters of 4: 3.37-3.82 (faster at M = 16 only), of 2: 4.61-4.88
         # (H200, 2026-12-04, python -m k3lab.decode_step.attn_res_bench --kinds ours,cluster
         # --apply-best, code of commit a3ad5dd: results/decode_step/attn_res_bench_2026-12-04_cluster.json).
-        # In the replay of the default H200 mode, same lease: decode_step_h200-piecewise_2026-12-04_cluster.json
-        # against _tile.json. Where the cluster build cannot run the tile kernel does (8, 0, True).
+        # In the replay of the breakable H200 mode (h200-piecewise), same lease:
+        # decode_step_h200-piecewise_2026-12-04_cluster.json against _tile.json; in the
+        # default mode's full graph, 3.0 µs a call at M = 1
+        # (decode_step_h200-default_2026-12-04_upproj.json). Where the cluster build cannot
+        # run, the tile kernel does (8, 0, True).
         (7168,): ("pdl_attn_res", ("cluster", 8), DECODE),
     },
 }
