@@ -128,7 +128,8 @@ def _moe_stock(kn, src: str) -> list[Op]:
         st["moe_out"] = st["shared"].addmm_(st["lat_n"], w["up"].t())
 
     return [
-        Op("router_gate", "nvidia/model.py:756", gate, "cuBLAS bf16 x bf16 -> fp32 (base list; a mode's list runs GateLinear tier 1, mode_ops.py)",
+        Op("router_gate", "nvidia/model.py:756", gate,
+           "cuBLAS bf16 x bf16 -> fp32 (base list; a mode's list runs GateLinear tier 1, mode_ops.py)",
            _gemm_bytes(NE, H, 4)),
         Op("routed_down", "nvidia/model.py:779", down, "cuBLAS (its stream: the mode's, mode_ops.py)",
            _gemm_bytes(LAT, H)),
@@ -138,7 +139,8 @@ def _moe_stock(kn, src: str) -> list[Op]:
         Op("shared_down", "nvidia/model.py:289", sdown, "cuBLAS", _gemm_bytes(H, SI)),
         Op("routed_expert_norm", "nvidia/model.py:319", lat_norm, "stand-in for _C rms_norm (no PDL)",
            _norm_bytes(LAT)),
-        Op("routed_up+shared", "nvidia/model.py:321", up, "cuBLAS addmm_ (MegaMoE's beta-add; base list: a mode's list runs the FusedMoE tail, mode_ops.py)",
+        Op("routed_up+shared", "nvidia/model.py:321", up,
+           "cuBLAS addmm_ (MegaMoE's beta-add; base list: a mode's list runs the FusedMoE tail, mode_ops.py)",
            lambda m: _gemm_bytes(H, LAT)(m) + 2 * m * H),
     ]  # fmt: skip
 
@@ -234,7 +236,8 @@ def _mla_front_stock(kn, src: str) -> list[Op]:
         Op("fused_q_kv_rmsnorm", "nvidia/mla.py:499", qk_norm, "v0.28.0 Triton (PDL: wait, then trigger)",
            lambda m: 2 * (QL + KVL) + 4 * m * (QL + KVL)),
         Op("q_b_proj", "nvidia/mla.py:506", q_b, "cuBLAS", _gemm_bytes(QB, QL)),
-        Op("g_proj", "nvidia/mla.py:545", g, "cuBLAS (its stream: the mode's, mode_ops.py)", _gemm_bytes(HV, H)),
+        Op("g_proj", "nvidia/mla.py:545", g, "cuBLAS (its stream: the mode's, mode_ops.py)",
+           _gemm_bytes(HV, H)),
     ]  # fmt: skip
 
 
