@@ -278,28 +278,34 @@ def capture_mode() -> str:
     return "breakable" if BreakableCUDAGraphCapture.is_active() else "full"
 
 
+def _measured_in(path: str, branch: str) -> Mapping:
+    """``{(branch, capture mode): source}`` of ``path`` on this device, empty with the switch
+    off (no device query then); ``ValueError`` for a ``path`` or ``branch`` not in
+    :data:`PATHS` / :data:`BRANCHES` (a caller's typo)."""
+    if path not in PATHS or branch not in BRANCHES:
+        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
+    if not _enabled:
+        return {}
+    return MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
+
+
 def path_measured(path: str, branch: str) -> bool:
     """Whether ``path`` may run on the MoE ``branch`` in any capture mode on this device
     (the switch on): for what is done once at load, such as stacking weights, before the
     capture of each call is known; :func:`path_enabled` then decides per call. Silent;
     ``ValueError`` as :func:`path_enabled`."""
-    if path not in PATHS or branch not in BRANCHES:
-        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
-    measured = MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
-    return _enabled and any(b == branch for b, _ in measured)
+    return any(b == branch for b, _ in _measured_in(path, branch))
 
 
 def path_enabled(path: str, branch: str) -> bool:
-    """Whether our ``path`` may run on the MoE ``branch`` in this process's capture mode:
-    the switch on and the mode among those this device's data says it was measured in
-    (:data:`MODES_BY_CAPABILITY`). A refusal with the switch on is logged once per
-    (path, branch, mode). Never raises for a device or mode; a ``path`` or ``branch``
-    not in :data:`PATHS` / :data:`BRANCHES` raises ``ValueError`` (a caller's typo)."""
-    if path not in PATHS or branch not in BRANCHES:
-        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
+    """Whether our ``path`` may run on the MoE ``branch`` in this call's capture
+    (:func:`capture_mode`): the switch on and the mode among those this device's data says
+    it was measured in (:data:`MODES_BY_CAPABILITY`). A refusal with the switch on is
+    logged once per (path, branch, mode). Never raises for a device or mode; a ``path`` or
+    ``branch`` not in :data:`PATHS` / :data:`BRANCHES` raises ``ValueError`` (a caller's typo)."""
+    measured = _measured_in(path, branch)
     if not _enabled:
         return False
-    measured = MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
     mode = capture_mode()
     if (branch, mode) in measured:
         return True
