@@ -13,8 +13,8 @@ kernels do not run on the H200 (data only).
 
 What runs (TP8 local shapes, M = 1..16 tokens, each at the size of the graph the mode
 replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`): (a) the
-MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, each op in the order the mode runs it, on the stream it runs
-on, with the mode's graph breaks (:mod:`k3lab.decode_step.mode_ops`: which op is which
+MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, each op in the order the
+mode runs it, on the stream it runs on, with the mode's graph breaks (:mod:`k3lab.decode_step.mode_ops`: which op is which
 kernel, stand-ins named; the JSON's ``ops`` lists them per layer and variant). Left out,
 their outputs fixed random tensors: the MLA attention core, the KDA core, the routed
 experts (top-k, grouped GEMMs) and every collective (the latent and shared all-reduces,
@@ -26,8 +26,8 @@ Timing: each variant is the layer over ``--copies`` rotated weight copies (>= 4x
 60 MiB L2), captured as the mode captures it: under breakable capture one CUDA graph
 per segment between the cores (consecutive copies' segments joined as consecutive layers
 are), replayed back to back (no PDL across a break); under full capture one graph. Median
-of ``--reps`` replays, µs per layer. Per op: one graph per op over the copies (at
-``--per-op-m``). Roof: the stock ops' fewest bytes (weights + activations in and out,
+of ``--reps`` replays, µs per layer. Per op: one graph per op over the copies (at the
+graph sizes ``--per-op-m`` pads to; a per-op record's ``M`` is that size). Roof: the stock ops' fewest bytes (weights + activations in and out,
 ``layers.Op.nbytes``) over the read bandwidth of a bf16 reduction over 4 GiB measured in
 the same run. ``stand_ins``: each stand-in timed once against the closest real kernel
 (:mod:`k3lab.decode_step.standins`).
@@ -114,7 +114,7 @@ def _capture_mode(breakable: bool):
         capture._tls.active = prev
 
 
-def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -> tuple[float, int, dict]:
+def _step_us(torch, ops: list, ws: list, st: dict, reps: int) -> tuple[float, int, dict]:
     """µs per layer of ``ops`` over the weight copies: one CUDA graph for a full capture,
     one per segment between breaks for a breakable one (replayed in order). Returns (µs,
     graphs, the state the replays left: the last copy's outputs, as the graphs computed them)."""
@@ -129,8 +129,7 @@ def _step_us(torch, ops: list, ws: list, st: dict, reps: int, breakable: bool) -
         return run
 
     fns = [seg_fn(seg) for seg in segs]
-    with _capture_mode(breakable):
-        us = timing.segments_replay_us(lambda: [f() for f in fns], fns, len(ws), reps)
+    us = timing.segments_replay_us(lambda: [f() for f in fns], fns, len(ws), reps)
     torch.cuda.synchronize()
     return us, len(segs), shared
 
@@ -147,72 +146,67 @@ def timed_sizes(ms: list[int], per_op_ms: list[int], br: dict) -> dict[int, bool
 def run_layer(torch, kn, pk, layer: str, mode: str, ms: list[int], per_op_ms: list[int], copies: int,
               reps: int, bw: float, routed: str = "none") -> tuple[list[dict], list[dict]]:  # fmt: skip
     br = modes.branches(mode, layer)
-    breakable = br["capture"] == "breakable"
     gen = torch.Generator(device="cuda").manual_seed(21)
     ws = [layers.weights(layer, "cuda", gen, routed == "standin") for _ in range(copies)]
     enabled = None if pk is None else patched.enable(pk, ws)  # before the lists: the switches read it
-    with _capture_mode(breakable):  # the switches read the capture as the model's call sites do
+    # Lists, warm-up runs and captures in the mode's capture: the switches read it as the
+    # model's call sites do.
+    with _capture_mode(br["capture"] == "breakable"):
         variants = mode_ops.lists(kn, pk, layer, mode, routed)
-    stock_leaves = {op.name: op for op in mode_ops.leaves(variants["stock"])}
-    steps, per_op, done_runs = [], [], {}
-    first_cover = {}  # (variant, stock op) -> the variant's first top-level op that covers it
-    for variant, ops in variants.items():
-        for op in ops:
-            for leaf in mode_ops.leaves([op]) or [op]:
-                for name in leaf.covers or (leaf.name,):
-                    first_cover.setdefault((variant, name), op.name)
-    per_op_runs = {m for m, per_op_too in timed_sizes(ms, per_op_ms, br).items() if per_op_too}
-    for m_user in ms:
-        m = modes.tokens_run(m_user, br)  # the graph a step of m_user tokens replays (padded)
-        if m in done_runs:  # timed already: the same graph
-            rec = {**done_runs[m], "M": m_user}
-            print(json.dumps(rec), flush=True)
-            steps.append(rec)
-            continue
-        st0 = layers.inputs(layer, m, "cuda", gen)
-        roof = mode_ops.roof_bytes(variants["stock"], m)
-        rec = {"layer": layer, "M": m_user, "M_run": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
-        outs = {}
+        stock_leaves = {op.name: op for op in mode_ops.leaves(variants["stock"])}
+        first_cover = {}  # (variant, stock op) -> the variant's first top-level op that covers it
         for variant, ops in variants.items():
-            st = {k: v.clone() for k, v in st0.items()}
-            with _capture_mode(breakable):
+            for op in ops:
+                for leaf in mode_ops.leaves([op]) or [op]:
+                    for name in leaf.covers or (leaf.name,):
+                        first_cover.setdefault((variant, name), op.name)
+        timed, per_op = {}, []  # graph size -> its record; per-op records at graph sizes
+        for m, per_op_too in timed_sizes(ms, per_op_ms, br).items():
+            st0 = layers.inputs(layer, m, "cuda", gen)
+            roof = mode_ops.roof_bytes(variants["stock"], m)
+            rec = {"layer": layer, "M_run": m, "roof_bytes": roof, "roof_us": round(roof / bw * 1e6, 2)}
+            outs = {}
+            for variant, ops in variants.items():
+                st = {k: v.clone() for k, v in st0.items()}
                 for op in ops:  # eager once: compiles, fills the state for the graphs
                     op.run(st, ws[0])
-            torch.cuda.synchronize()
-            st.get("_via", {}).clear()  # the record below is of the captured step, not this run
-            us, rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps, breakable)
-            rec[f"{variant}_us"] = round(us, 2)
-            # the captured step's output (last weight copy; both variants replay the same copies)
-            outs[variant] = done[_output_key(layer)].double()
-            if variant == "patched":  # the call sites that took the stock path under capture
-                rec["patched_stock_sites"] = sorted(k for k, v in st.get("_via", {}).items() if v == "stock")
-            if m not in per_op_runs:
-                continue
-            for op in (o for o in ops if not mode_ops.is_break(o)):
+                torch.cuda.synchronize()
+                st.get("_via", {}).clear()  # the record below is of the captured step, not this run
+                us, rec["graphs_per_step"], done = _step_us(torch, ops, ws, st, reps)
+                rec[f"{variant}_us"] = round(us, 2)
+                # the captured step's output (last weight copy; both variants replay the same copies)
+                outs[variant] = done[_output_key(layer)].double()
+                if variant == "patched":  # the call sites that took the stock path under capture
+                    via = st.get("_via", {})
+                    rec["patched_stock_sites"] = sorted(k for k, v in via.items() if v == "stock")
+                if not per_op_too:
+                    continue
+                for op in (o for o in ops if not mode_ops.is_break(o)):
 
-                def one(op=op, st=st):
-                    s2 = dict(st)
-                    for w in ws:
-                        op.run(s2, w)
+                    def one(op=op, st=st):
+                        s2 = dict(st)
+                        for w in ws:
+                            op.run(s2, w)
 
-                mine = [n for leaf in mode_ops.leaves([op]) or [op] for n in (leaf.covers or (leaf.name,))
-                        if first_cover.get((variant, n)) == op.name]  # fmt: skip
-                nbytes = sum(stock_leaves[n].nbytes(m) for n in mine if n in stock_leaves)
-                with _capture_mode(breakable):
+                    mine = [n for leaf in mode_ops.leaves([op]) or [op] for n in (leaf.covers or (leaf.name,))
+                            if first_cover.get((variant, n)) == op.name]  # fmt: skip
+                    nbytes = sum(stock_leaves[n].nbytes(m) for n in mine if n in stock_leaves)
                     us = timing.graph_replay_us(one, one, copies, reps)
-                per_op.append({"layer": layer, "M": m, "M_run": m, "variant": variant, "op": op.name, "us": round(us, 2),
-                               "roof_us": round(nbytes / bw * 1e6, 3), "covers": mine})  # fmt: skip
-        for variant in variants:
-            rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)
-        if "patched" in variants:
-            diff = (outs["patched"] - outs["stock"]).norm() / outs["stock"].norm()
-            rec["rel_diff_patched_vs_stock"] = float(diff)
-            rec["speedup_patched"] = round(rec["stock_us"] / rec["patched_us"], 3)
-        print(json.dumps(rec), flush=True)
-        steps.append(rec)
-        done_runs[m] = rec
+                    per_op.append({"layer": layer, "M": m, "variant": variant, "op": op.name,
+                                   "us": round(us, 2), "roof_us": round(nbytes / bw * 1e6, 3),
+                                   "covers": mine})  # fmt: skip
+            for variant in variants:
+                rec[f"frac_roof_{variant}"] = round(rec["roof_us"] / rec[f"{variant}_us"], 3)
+            if "patched" in variants:
+                diff = (outs["patched"] - outs["stock"]).norm() / outs["stock"].norm()
+                rec["rel_diff_patched_vs_stock"] = float(diff)
+                rec["speedup_patched"] = round(rec["stock_us"] / rec["patched_us"], 3)
+            print(json.dumps(rec), flush=True)
+            timed[m] = rec
     ws.clear()  # free the copies before the next layer
     torch.cuda.empty_cache()
+    # one record per requested M: the record of the graph it replays
+    steps = [{"layer": layer, "M": m, **timed[modes.tokens_run(m, br)]} for m in ms]
     return steps, per_op, enabled
 
 

@@ -296,3 +296,33 @@ def test_each_graph_size_is_timed_once_and_per_op_wherever_a_per_op_count_pads_t
     assert replay.timed_sizes([3], [3], br) == {4: True}
     exact = modes.branches("h200-piecewise", "kda") | {"tokens": "exact"}
     assert list(replay.timed_sizes([1, 3, 5], [5], exact)) == [1, 3, 5]
+
+
+def test_run_layer_times_each_graph_size_once_and_gives_every_m_its_record(monkeypatch) -> None:
+    """The layer loop on the CPU with its GPU parts stood in: one timing per graph size, per-op
+    figures at every size a --per-op-m count pads to, and a record per requested M."""
+    import types
+
+    import torch
+
+    timed = []
+    fake = types.SimpleNamespace(Generator=lambda device=None: types.SimpleNamespace(manual_seed=lambda s: None),
+                                 cuda=types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None))
+
+    def op(st, w):
+        st["moe_out"] = st["m"]
+
+    monkeypatch.setattr(layers, "weights", lambda *a, **k: {})
+    monkeypatch.setattr(layers, "inputs", lambda layer, m, dev, gen: {"m": torch.tensor([float(m)])})
+    monkeypatch.setattr(mode_ops, "lists", lambda *a: {v: [layers.Op("a", "x.py:1", op, "r", lambda m: 100 * m)]
+                                                       for v in ("stock", "patched")})  # fmt: skip
+    monkeypatch.setattr(replay, "_step_us", lambda torch, ops, ws, st, reps: timed.append(st["m"].item())
+                        or (10.0, 1, dict(st, moe_out=st["m"] + 1)))  # fmt: skip
+    monkeypatch.setattr(replay.timing, "graph_replay_us", lambda *a: 1.0)
+    steps, per_op, _ = replay.run_layer(fake, None, None, "kda", "h200-default", list(range(1, 17)), [1, 8, 16],
+                                        2, 3, 1e12)  # fmt: skip
+    assert timed == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16], "each size once, both variants"
+    assert [s["M"] for s in steps] == list(range(1, 17))
+    assert [s["M_run"] for s in steps] == [1, 2, 4, 4, *[8] * 4, *[16] * 8]
+    assert sorted({p["M"] for p in per_op}) == [1, 8, 16] and len(per_op) == 6
+    assert all(s["layer"] == "kda" and s["speedup_patched"] == 1.0 for s in steps)
