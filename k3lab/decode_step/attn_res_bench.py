@@ -50,8 +50,9 @@ GRID = {  # kind -> list of option dicts
              for c, w, st in itertools.product((1024,), (4, 8, 16), (4, 8))]
             + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
             + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
-    # the row over a cluster of 2, 4 or 8 CTAs (the portable sizes)
-    "cluster": [dict(cluster=c) for c in (2, 4, 8)],
+    # the row over a cluster of 4 or 8 CTAs (2 lost by 1.5 us on 2026-12-04), its sums
+    # through the cluster once (the Gram matrix) or twice (the output norm's after the mix)
+    "cluster": [dict(cluster=c, one_exchange=o) for c in (4, 8) for o in (True, False)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
