@@ -5,8 +5,10 @@ patch 0010 routes to; options: its meta-parameters ``num_warps``, ``block_s``, `
 ``pdl``), ``loop``, the same module's ``variant="loop"`` (options ``chunk``,
 ``num_warps``, ``num_stages``), ``cluster``, ``attn_res_cluster.attn_res_cluster``
 (``overlay/.../nvidia/attn_res_cluster.py``, CuTe DSL: the row over a thread-block cluster;
-option ``cluster``, its size), and the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
-``row``, ``spin``), which lost.
+option ``cluster``, its size), the earlier attempts of ``k3lab/experiments/attn_res_split.py`` (``last``,
+``row``, ``spin``), which lost, and ``floor`` (``k3lab/experiments/attn_res_floor.py``: the
+cluster kernel's loads and store without its math, options ``cluster`` and ``sync``, one
+cluster barrier; its output is not attn-res, so only its time counts).
 
 ``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
 [--kinds ours,loop,cluster,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
@@ -50,13 +52,14 @@ GRID = {  # kind -> list of option dicts
              for c, w, st in itertools.product((1024,), (4, 8, 16), (4, 8))]
             + [dict(variant="loop", chunk=2048, num_warps=8, num_stages=st) for st in (3, 4)]
             + [dict(variant="loop", chunk=512, num_warps=w, num_stages=8) for w in (4, 8)],
-    # the row over a cluster of 4 or 8 CTAs (2 lost by 1.5 us on 2026-12-04), its sums
-    # through the cluster once (the Gram matrix) or twice (the output norm's after the mix)
-    "cluster": [dict(cluster=c, one_exchange=o) for c in (4, 8) for o in (True, False)],
+    # the row over a cluster of 2, 4 or 8 CTAs (the portable sizes)
+    "cluster": [dict(cluster=c) for c in (2, 4, 8)],
     "last": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024), (4, 8))],
     "row": [dict(chunk=c, num_warps=w, unroll=u)
             for c, w, u in itertools.product((512, 1024, 2048), (8, 16), (False, True))],
     "spin": [dict(chunk=c, num_warps=w) for c, w in itertools.product((256, 512, 1024, 2048), (4, 8))],
+    # not attn-res: the cluster kernel's loads and store alone, and with one cluster barrier
+    "floor": [dict(cluster=c, sync=s) for c in (4, 8) for s in (False, True)],
 }  # fmt: skip
 
 
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from k3lab.experiments import attn_res_floor
     from k3lab.experiments import attn_res_split as split
 
     one_launch = imports.overlay("attn_res")
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     def cluster_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
         return cluster_launcher.attn_res_cluster(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
 
-    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn, "cluster": cluster_fn}
+    def floor_fn(prefix, delta, blocks, nw, qw, ow, nb, eps, out_eps, **opts):
+        return attn_res_floor.floor(prefix, delta, blocks, nw, qw, ow, nb, -1, eps, out_eps, **opts)
+
+    kind_fns = {**split.KINDS, "ours": ours_fn, "loop": ours_fn, "cluster": cluster_fn, "floor": floor_fn}
 
     def v028(prefix, delta, blocks, nw, qw, ow):
         return stock.attn_res(prefix, delta, blocks, nw, qw, ow, num_blocks=NB, block_write_idx=-1,

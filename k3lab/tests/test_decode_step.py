@@ -226,7 +226,7 @@ def _bench_rows(us: dict) -> list[dict]:
     for (kind, warps), times in us.items():
         opts = {} if kind == "v028" else (
             dict(variant="loop", chunk=1024, num_warps=warps, num_stages=4) if kind == "loop"
-            else dict(cluster=warps) if kind == "cluster"
+            else dict(cluster=warps) if kind in ("cluster", "floor")
             else dict(num_warps=warps, block_s=None, reload=True))  # fmt: skip
         rows += [{"M": m, "kind": kind, "opts": opts, "us": t, "rel_err": 4e-3, "prefix_equal": True}
                  for m, t in zip((1, 2), times)]  # fmt: skip
@@ -254,6 +254,8 @@ def test_attn_res_apply_best_writes_the_fastest_winner_or_turns_ours_off(tmp_pat
                         ("cluster", 4): [3.4, 3.4]})  # fmt: skip
     assert bench.apply_best(rows, [1, 2], table)["config"] == ["cluster", 8]
     assert '("pdl_attn_res", (\'cluster\', 8), DECODE)' in table.read_text()
+    rows += _bench_rows({("floor", 8): [1.0, 1.0]})  # not attn-res: never a winner
+    assert bench.choose(rows, [1, 2])["kind"] == "cluster"
 
 
 def test_attn_res_row_pattern_matches_the_shipped_table() -> None:

@@ -11,18 +11,13 @@ Why a cluster: the one-CTA-per-row kernel (:mod:`attn_res`, 5.6-6.1 µs on the H
 the ``C`` CTAs of one cluster (``C`` = 2, 4 or 8, the portable cluster sizes), each CTA
 holding ``H / C`` columns of every source in registers, 8 columns (one 16-byte load per
 source) per thread. The row needs two sums over all of its columns, the scores' (per
-source, the sum of squares and the dot) and the output norm's. The second depends on the
-softmax, so it would need a second trip through the cluster; instead each CTA also sums the
-sources' Gram matrix (``G[s, t]``, every pair's dot over its columns: 45 more sums at NB = 8),
-and the output norm's sum of squares is ``p^T G p`` once the softmax ``p`` is known. Each CTA
-reduces its sums (a butterfly over the warp: 31 shuffles a group of 32 sums, then shared
-memory) and pushes them into every CTA of the cluster with ``st.async`` into distributed
-shared memory, whose bytes complete an ``mbarrier`` there (``complete_tx``): one one-way
-trip through the cluster, no global memory, no spin on a counter. Every CTA adds the C
-parts in rank order, so all of them compute the same softmax bit for bit. The launch needs a
-cluster of ``C`` co-resident CTAs per row, which the hardware schedules as a unit: no
-grid-wide co-residency assumption. ``one_exchange=False`` keeps the earlier two trips (the
-output norm's sum pushed after the mix), for the benchmark's comparison in one run.
+source, the sum of squares and the dot) and the output norm's; each CTA reduces its part
+(warp shuffles, then shared memory) and pushes it into every CTA of the cluster with
+``st.async`` into distributed shared memory, whose bytes complete an ``mbarrier`` there
+(``complete_tx``): one one-way trip through the cluster, no global memory, no spin on a
+counter. Every CTA adds the C parts in rank order, so all of them compute the same
+softmax bit for bit. The launch needs a cluster of ``C`` co-resident CTAs per row, which
+the hardware schedules as a unit: no grid-wide co-residency assumption.
 
 PDL: the next kernel may launch at once; the three weight vectors (written by no kernel)
 load before ``griddepcontrol.wait``, ``prefix``, ``delta`` and ``blocks`` after it.
@@ -51,7 +46,6 @@ class Build(NamedTuple):
     write_block: bool
     out_norm: bool
     pdl: bool
-    one_exchange: bool = True
 
 
 def shape_error(h: int, cluster: int) -> str | None:
@@ -89,47 +83,6 @@ def _make_kernel(b: Build):
         t = cute.local_tile(t1d, (VEC,), (v,))
         return cute.make_tensor(t.iterator.align(16), t.layout)
 
-    # The sums a CTA pushes, in push order: per source its dot with norm_w * qk_w, then the
-    # sources' Gram matrix (upper triangle; only its diagonal, the sums of squares, without
-    # the output norm). The output norm's sum of squares is p^T G p once the softmax p is
-    # known, so the row needs one trip through the cluster, not two.
-    sums = [("dot", s, s) for s in range(nsrc)]
-    sums += [("gram", s, t) for s in range(nsrc) for t in range(s, nsrc) if b.out_norm or s == t]
-    at = {key: j for j, key in enumerate(sums)}
-    nval = len(sums) if b.one_exchange else nsum
-
-    def columns_of(r_u, r_b, r_nw, r_qw):
-        """This thread's 8 columns of every source (the blocks, then u) and of norm_w * qk_w,
-        as float32. (Plain Python, traced inline: the kernel's own comprehensions are not.)"""
-        xs = [[(r_u[i] if s == b.num_blocks else r_b[i, s]).to(f32) for i in range(VEC)] for s in range(nsrc)]
-        return xs, [r_nw[i].to(f32) * r_qw[i].to(f32) for i in range(VEC)]
-
-    def parts_of(keys, xs, wq):
-        """This thread's part of each sum in ``keys`` over its 8 columns."""
-        out = []
-        for kind, s, t in keys:
-            acc = xs[s][0] * (wq[0] if kind == "dot" else xs[t][0])
-            for i in range(1, VEC):
-                acc = acc + xs[s][i] * (wq[i] if kind == "dot" else xs[t][i])
-            out.append(acc)
-        return out
-
-    def bfly_scatter(vals, lane):
-        """The warp's sums of 32 values, lane ``L`` returning the sum of ``vals[L]``: a
-        butterfly that halves the values a lane carries at every step, 31 shuffles for the
-        32 sums where one reduction each takes 160."""
-        k = 16
-        while k:
-            upper = (lane & k) != 0
-            half = len(vals) // 2
-            nxt = []
-            for j in range(half):
-                send = f32(cutlass.select_(upper, vals[j], vals[j + half]))
-                keep = f32(cutlass.select_(upper, vals[j + half], vals[j]))
-                nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=k))
-            vals, k = nxt, k // 2
-        return vals[0]
-
     class _K:
         @cute.jit
         def __call__(self, mP, mD, mB, mNW, mQW, mOW, mOut, write_idx: i32, eps: f32,
@@ -147,11 +100,11 @@ def _make_kernel(b: Build):
             lane = tidx % 32
 
             smem = cutlass.utils.SmemAllocator()
-            s_warp = smem.allocate_tensor(f32, cute.make_layout((warps, nval + 1), stride=(nval + 1, 1)), 16)
-            s_own = smem.allocate_tensor(f32, cute.make_layout((nval + c,)), 16)  # pushed values
-            s_recv = smem.allocate_tensor(f32, cute.make_layout((c, nval), stride=(nval, 1)), 16)
+            s_warp = smem.allocate_tensor(f32, cute.make_layout((warps, nsum + 1), stride=(nsum + 1, 1)), 16)
+            s_own = smem.allocate_tensor(f32, cute.make_layout((nsum + c,)), 16)  # pushed values
+            s_recv = smem.allocate_tensor(f32, cute.make_layout((c, nsum), stride=(nsum, 1)), 16)
             s_recv_q = smem.allocate_tensor(f32, cute.make_layout((c,)), 16)
-            s_tot = smem.allocate_tensor(f32, cute.make_layout((nval,)), 16)
+            s_tot = smem.allocate_tensor(f32, cute.make_layout((nsum,)), 16)
             mbar = smem.allocate_array(cutlass.Int64, 2)
             own_bits = cute.make_tensor(cute.recast_ptr(s_own.iterator, dtype=i32), s_own.layout)
 
@@ -208,152 +161,84 @@ def _make_kernel(b: Build):
                 if cutlass.const_expr(b.write_block):
                     cute.autovec_copy(r_u, vec_of(mB[row, write_idx, None], v))
 
+            # This thread's part of every source's sum of squares and dot (zeros when idle).
+            part = cute.make_rmem_tensor(cute.make_layout((nsum,)), f32)
+            for s in cutlass.range_constexpr(nsrc):
+                ss = f32(0.0)
+                dt = f32(0.0)
+                for i in cutlass.range_constexpr(VEC):
+                    x = r_u[i].to(f32) if s == b.num_blocks else r_b[i, s].to(f32)
+                    ss = ss + x * x
+                    dt = dt + x * (r_nw[i].to(f32) * r_qw[i].to(f32))
+                part[2 * s] = cute.arch.warp_reduction_sum(ss)
+                part[2 * s + 1] = cute.arch.warp_reduction_sum(dt)
+            if lane == 0:
+                for j in cutlass.range_constexpr(nsum):
+                    s_warp[warp, j] = part[j]
+            cute.arch.sync_threads()
+            cute.arch.cluster_wait()  # every CTA's mbarriers are initialised by now
+
+            # The CTA's sums (warps in order), pushed into slot `rank` of every CTA.
+            if tidx < nsum:
+                tot = s_warp[0, tidx]
+                for w in cutlass.range_constexpr(1, warps):
+                    tot = tot + s_warp[w, tidx]
+                s_own[tidx] = tot
+                for dst in cutlass.range_constexpr(c):
+                    cute.arch.store_async_dsmem(
+                        cute.domain_offset((rank, tidx), s_recv).iterator, own_bits[tidx], mbar, dst)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, c * nsum * 4)
+            cute.arch.mbarrier_wait(mbar, 0)
+            if tidx < nsum:
+                tot = s_recv[0, tidx]
+                for r in cutlass.range_constexpr(1, c):  # rank order: the same sum in every CTA
+                    tot = tot + s_recv[r, tidx]
+                s_tot[tidx] = tot
+            cute.arch.sync_threads()
+
+            # Softmax over the sources' logits, then the mix of this thread's columns.
+            logit = cute.make_rmem_tensor(cute.make_layout((nsrc,)), f32)
+            top = f32(-3.0e38)
+            for s in cutlass.range_constexpr(nsrc):
+                logit[s] = s_tot[2 * s + 1] * cute.math.rsqrt(s_tot[2 * s] * inv_h + eps)
+                top = cute.math.max(top, logit[s]) if s > 0 else logit[s]
+            den = f32(0.0)
+            for s in cutlass.range_constexpr(nsrc):
+                logit[s] = cute.math.exp(logit[s] - top)
+                den = den + logit[s]
+            inv_den = 1.0 / den
             mixed = cute.make_rmem_tensor(cute.make_layout((VEC,)), f32)
+            q = f32(0.0)
+            for i in cutlass.range_constexpr(VEC):
+                acc = logit[b.num_blocks] * r_u[i].to(f32)
+                for s in cutlass.range_constexpr(b.num_blocks):
+                    acc = acc + logit[s] * r_b[i, s].to(f32)
+                mixed[i] = acc * inv_den
+                q = q + mixed[i] * mixed[i]
+
             scale = f32(1.0)
-            if cutlass.const_expr(b.one_exchange):
-                # This thread's part of every sum (zeros when idle), 32 sums at a time.
-                xs, wq = columns_of(r_u, r_b, r_nw, r_qw)
-                for g in cutlass.range_constexpr(0, nval, 32):
-                    group = parts_of(sums[g:g + 32], xs, wq)
-                    if cutlass.const_expr(len(group) >= 7):  # the butterfly, zeros padding it
-                        group += [f32(0.0)] * (32 - len(group))
-                        tot = bfly_scatter(group, lane)
-                        if g + lane < nval:
-                            s_warp[warp, g + lane] = tot
-                    else:  # a short tail: one reduction each is cheaper than the padding
-                        for j in cutlass.range_constexpr(len(group)):
-                            tot = cute.arch.warp_reduction_sum(group[j])
-                            if lane == 0:
-                                s_warp[warp, g + j] = tot
-                cute.arch.sync_threads()
-                cute.arch.cluster_wait()  # every CTA's mbarriers are initialised by now
-
-                # The CTA's sums (warps in order), pushed into slot `rank` of every CTA.
-                for j0 in cutlass.range_constexpr(0, nval, threads):
-                    j = j0 + tidx
-                    if j < nval:
-                        tot = s_warp[0, j]
-                        for w in cutlass.range_constexpr(1, warps):
-                            tot = tot + s_warp[w, j]
-                        s_own[j] = tot
-                        for dst in cutlass.range_constexpr(c):
-                            cute.arch.store_async_dsmem(
-                                cute.domain_offset((rank, j), s_recv).iterator, own_bits[j], mbar, dst)
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, c * nval * 4)
-                cute.arch.mbarrier_wait(mbar, 0)
-                for j0 in cutlass.range_constexpr(0, nval, threads):
-                    j = j0 + tidx
-                    if j < nval:
-                        tot = s_recv[0, j]
-                        for r in cutlass.range_constexpr(1, c):  # rank order: the same sum in every CTA
-                            tot = tot + s_recv[r, j]
-                        s_tot[j] = tot
-                cute.arch.sync_threads()
-
-                # Softmax over the sources' logits, the mix of this thread's columns, and the
-                # output norm's sum of squares as p^T G p / den^2.
-                logit = cute.make_rmem_tensor(cute.make_layout((nsrc,)), f32)
-                top = f32(-3.0e38)
-                for s in cutlass.range_constexpr(nsrc):
-                    sq = s_tot[at[("gram", s, s)]]
-                    logit[s] = s_tot[at[("dot", s, s)]] * cute.math.rsqrt(sq * inv_h + eps)
-                    top = cute.math.max(top, logit[s]) if s > 0 else logit[s]
-                den = f32(0.0)
-                for s in cutlass.range_constexpr(nsrc):
-                    logit[s] = cute.math.exp(logit[s] - top)
-                    den = den + logit[s]
-                inv_den = 1.0 / den
-                for i in cutlass.range_constexpr(VEC):
-                    acc = logit[b.num_blocks] * xs[b.num_blocks][i]
-                    for s in cutlass.range_constexpr(b.num_blocks):
-                        acc = acc + logit[s] * xs[s][i]
-                    mixed[i] = acc * inv_den
-                if cutlass.const_expr(b.out_norm):
-                    q = f32(0.0)
-                    for s in cutlass.range_constexpr(nsrc):
-                        row_s = logit[s] * s_tot[at[("gram", s, s)]]
-                        for t in cutlass.range_constexpr(s + 1, nsrc):
-                            row_s = row_s + 2.0 * logit[t] * s_tot[at[("gram", s, t)]]
-                        q = q + logit[s] * row_s
-                    scale = cute.math.rsqrt(q * inv_den * inv_den * inv_h + out_eps)
-            else:
-                # This thread's part of every source's sum of squares and dot (zeros when idle).
-                part = cute.make_rmem_tensor(cute.make_layout((nsum,)), f32)
-                for s in cutlass.range_constexpr(nsrc):
-                    ss = f32(0.0)
-                    dt = f32(0.0)
-                    for i in cutlass.range_constexpr(VEC):
-                        x = r_u[i].to(f32) if s == b.num_blocks else r_b[i, s].to(f32)
-                        ss = ss + x * x
-                        dt = dt + x * (r_nw[i].to(f32) * r_qw[i].to(f32))
-                    part[2 * s] = cute.arch.warp_reduction_sum(ss)
-                    part[2 * s + 1] = cute.arch.warp_reduction_sum(dt)
+            if cutlass.const_expr(b.out_norm):
+                # The output norm's sum of squares: the same push, one float a CTA.
+                q = cute.arch.warp_reduction_sum(q)
                 if lane == 0:
-                    for j in cutlass.range_constexpr(nsum):
-                        s_warp[warp, j] = part[j]
+                    s_warp[warp, nsum] = q
                 cute.arch.sync_threads()
-                cute.arch.cluster_wait()  # every CTA's mbarriers are initialised by now
-
-                # The CTA's sums (warps in order), pushed into slot `rank` of every CTA.
-                if tidx < nsum:
-                    tot = s_warp[0, tidx]
+                if tidx < c:
+                    qc = s_warp[0, nsum]
                     for w in cutlass.range_constexpr(1, warps):
-                        tot = tot + s_warp[w, tidx]
-                    s_own[tidx] = tot
-                    for dst in cutlass.range_constexpr(c):
-                        cute.arch.store_async_dsmem(
-                            cute.domain_offset((rank, tidx), s_recv).iterator, own_bits[tidx], mbar, dst)
+                        qc = qc + s_warp[w, nsum]
+                    s_own[nsum + tidx] = qc
+                    cute.arch.store_async_dsmem(
+                        cute.domain_offset((rank,), s_recv_q).iterator, own_bits[nsum + tidx],
+                        mbar + 1, tidx)  # fmt: skip
                 if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, c * nsum * 4)
-                cute.arch.mbarrier_wait(mbar, 0)
-                if tidx < nsum:
-                    tot = s_recv[0, tidx]
-                    for r in cutlass.range_constexpr(1, c):  # rank order: the same sum in every CTA
-                        tot = tot + s_recv[r, tidx]
-                    s_tot[tidx] = tot
-                cute.arch.sync_threads()
-
-                # Softmax over the sources' logits, then the mix of this thread's columns.
-                logit = cute.make_rmem_tensor(cute.make_layout((nsrc,)), f32)
-                top = f32(-3.0e38)
-                for s in cutlass.range_constexpr(nsrc):
-                    logit[s] = s_tot[2 * s + 1] * cute.math.rsqrt(s_tot[2 * s] * inv_h + eps)
-                    top = cute.math.max(top, logit[s]) if s > 0 else logit[s]
-                den = f32(0.0)
-                for s in cutlass.range_constexpr(nsrc):
-                    logit[s] = cute.math.exp(logit[s] - top)
-                    den = den + logit[s]
-                inv_den = 1.0 / den
-                q = f32(0.0)
-                for i in cutlass.range_constexpr(VEC):
-                    acc = logit[b.num_blocks] * r_u[i].to(f32)
-                    for s in cutlass.range_constexpr(b.num_blocks):
-                        acc = acc + logit[s] * r_b[i, s].to(f32)
-                    mixed[i] = acc * inv_den
-                    q = q + mixed[i] * mixed[i]
-
-                if cutlass.const_expr(b.out_norm):
-                    # The output norm's sum of squares: the same push, one float a CTA.
-                    q = cute.arch.warp_reduction_sum(q)
-                    if lane == 0:
-                        s_warp[warp, nsum] = q
-                    cute.arch.sync_threads()
-                    if tidx < c:
-                        qc = s_warp[0, nsum]
-                        for w in cutlass.range_constexpr(1, warps):
-                            qc = qc + s_warp[w, nsum]
-                        s_own[nsum + tidx] = qc
-                        cute.arch.store_async_dsmem(
-                            cute.domain_offset((rank,), s_recv_q).iterator, own_bits[nsum + tidx],
-                            mbar + 1, tidx)  # fmt: skip
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, c * 4)
-                    cute.arch.mbarrier_wait(mbar + 1, 0)
-                    qt = s_recv_q[0]
-                    for r in cutlass.range_constexpr(1, c):
-                        qt = qt + s_recv_q[r]
-                    scale = cute.math.rsqrt(qt * inv_h + out_eps)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 1, c * 4)
+                cute.arch.mbarrier_wait(mbar + 1, 0)
+                qt = s_recv_q[0]
+                for r in cutlass.range_constexpr(1, c):
+                    qt = qt + s_recv_q[r]
+                scale = cute.math.rsqrt(qt * inv_h + out_eps)
 
             r_o = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
             for i in cutlass.range_constexpr(VEC):
@@ -393,9 +278,9 @@ _COMPILED: dict = {}
 
 
 def _build_of(prefix, delta, output_norm_weight, num_blocks: int, block_write_idx: int,
-              cluster: int, pdl: bool, one_exchange: bool = True) -> Build:  # fmt: skip
+              cluster: int, pdl: bool) -> Build:  # fmt: skip
     return Build(prefix.shape[1], num_blocks, cluster, delta is not None, block_write_idx >= 0,
-                 output_norm_weight is not None, bool(pdl), bool(one_exchange))  # fmt: skip
+                 output_norm_weight is not None, bool(pdl))  # fmt: skip
 
 
 @functools.cache
@@ -446,7 +331,7 @@ def operands_error(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
 
 def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                      num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float,
-                     *, cluster: int = 8, pdl: bool = True, one_exchange: bool = True):  # fmt: skip
+                     *, cluster: int = 8, pdl: bool = True):  # fmt: skip
     """The attn-res mix (:func:`attn_res.attn_res`'s contract and operands), one cluster of
     ``cluster`` CTAs per row; compiles its build on first use (1-4 s on a CPU).
 
@@ -465,13 +350,11 @@ def attn_res_cluster(prefix, delta, blocks, norm_weight, qk_weight, output_norm_
     if why:
         raise ValueError(f"attn_res cluster variant: {why}")
     return launch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks,
-                  block_write_idx, eps, output_norm_eps, cluster=cluster, pdl=pdl,
-                  one_exchange=one_exchange)  # fmt: skip
+                  block_write_idx, eps, output_norm_eps, cluster=cluster, pdl=pdl)  # fmt: skip
 
 
 def launch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, num_blocks: int,
-           block_write_idx: int, eps: float, output_norm_eps: float, *, cluster: int, pdl: bool,
-           one_exchange: bool = True):  # fmt: skip
+           block_write_idx: int, eps: float, output_norm_eps: float, *, cluster: int, pdl: bool):  # fmt: skip
     """:func:`attn_res_cluster` on operands both checks already passed (the backend's path:
     its ``operands_ok`` ran ``check_operands``, its ``launch`` :func:`operands_error`)."""
     import torch
@@ -481,7 +364,7 @@ def launch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, nu
     out = torch.empty((m, h), dtype=prefix.dtype, device=prefix.device)
     if m == 0:
         return out
-    b = _build_of(prefix, delta, output_norm_weight, num_blocks, block_write_idx, cluster, pdl, one_exchange)
+    b = _build_of(prefix, delta, output_norm_weight, num_blocks, block_write_idx, cluster, pdl)
     if b not in _COMPILED:
         _COMPILED[b] = compile_build(b)
     uses_blocks = num_blocks > 0 or block_write_idx >= 0
