@@ -17,8 +17,9 @@ fused_q_kv_rmsnorm+q_b     ``try_rmsnorm_gemm`` (q_a_layernorm in q_b_proj's pro
                            ``try_rms_norm`` (kv_a_layernorm, else vLLM's norm) (0006)
 gate_sigmoid_mul           ``try_sigmoid_mul`` (0006)
 in_proj_qkvgfab, f_b_proj  ``kda_projection.run_kda_projection_overlap`` at the token counts
-                           of ``overlap_tokens`` (0003, under graph capture: two streams),
-                           else the two projections through the dispatch
+                           of ``deployment_overlap_tokens`` (0003: none with the breakable
+                           flag on; under graph capture, two streams), else the two
+                           projections through the dispatch
 router_gate+routed_down+shared_gate_up
                            ``try_gate_gemm`` on the load-time stack (0007), else the three
                            (the gate on cuBLAS fp32, the other two through the dispatch)
@@ -247,12 +248,12 @@ def kda_ops(pk, kn) -> list[Op]:
 
     def proj(st, w):
         if not streams:
-            streams["tokens"] = pk.kda.overlap_tokens(pk.llg._device_capability()).tokens
+            # the model's set in this process (the mode's environment): empty with the flag on
+            streams["tokens"] = pk.kda.deployment_overlap_tokens(pk.llg._device_capability()).tokens
             streams["aux"] = pk.kda.high_priority_aux_stream(st["hn"].device)
             streams["events"] = (torch.cuda.Event(), torch.cuda.Event())
         m = st["hn"].shape[0]
         two = pk.kda.use_kda_projection_overlap(m, streams["tokens"])
-        _via(st, "in_proj_qkvgfab", two)
         if two:
             # The patched KDA layer reads qkvg and g1 (beta is a view it reads later).
             qkvg, st["g1"], _beta = pk.kda.run_kda_projection_overlap(

@@ -161,6 +161,19 @@ def test_every_measured_set_is_decode_sized_with_a_source() -> None:
         assert kp.overlap_tokens(capability) is where
 
 
+@pytest.mark.parametrize("flag, capability, want", [("1", SM90, "flag"), ("0", SM90, "measured"),
+                                                     (None, SM90, "measured"), ("1", SM100, "none")])
+def test_the_process_set_is_the_measured_one_unless_the_breakable_flag_is_on(monkeypatch, flag, capability,
+                                                                              want) -> None:  # fmt: skip
+    """What the layers get and the decode-step replay of a mode runs (the mode's environment)."""
+    if flag is None:
+        monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", flag)
+    expected = {"flag": kp.FLAG_DEFAULT, "measured": kp.overlap_tokens(SM90), "none": kp.NOT_MEASURED}[want]
+    assert kp.deployment_overlap_tokens(capability) is expected
+
+
 def test_sm90_set_names_the_h200_run() -> None:
     where = kp.overlap_tokens(SM90)
     assert where.tokens == frozenset(kp.SM90_OVERLAP_TOKENS)

@@ -139,6 +139,14 @@ def overlap_tokens(capability: llg.Capability | None) -> OverlapTokens:
     return KDA_OVERLAP_TOKENS.get(tuple(capability), NOT_MEASURED)
 
 
+def deployment_overlap_tokens(capability: llg.Capability | None) -> OverlapTokens:
+    """Where the overlap runs in this process: :func:`overlap_tokens`, or :data:`FLAG_DEFAULT`
+    where that set is not empty and ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is on. What
+    :func:`autotune_kda_qkvg` gives the layers, and what the decode-step replay of a mode runs."""
+    where = overlap_tokens(capability)
+    return FLAG_DEFAULT if where.tokens and _breakable_flag() else where
+
+
 def _breakable_flag() -> bool:
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
@@ -353,9 +361,7 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     layers = list(qualifying_layers(model))
     if not layers:
         return 0
-    where = overlap_tokens(llg._device_capability())
-    if where.tokens and _breakable_flag():
-        where = FLAG_DEFAULT
+    where = deployment_overlap_tokens(llg._device_capability())
     backend = _kda_qkvg_flashinfer_backend() if where.tokens else None
     for layer in layers:
         layer.kda_qkvg_backend = backend
