@@ -28,10 +28,10 @@ from k3lab import tune_cache
 
 RESULTS = ROOT / "results" / "sm90" / "decode_gemm_sm90.json"  # issue 12's all-backend run
 TABLE = ROOT / "overlay" / "vllm" / "models" / "kimi_k3" / "nvidia" / "low_latency_gemm_sm90.py"
-# Rows taken from other runs (render_table --add): the f_b_proj shapes from the CuTe
-# tuner's run (their input is always a strided slice of the packed KDA projection's
-# output, which only the CuTe kernel takes), then the two KDA row views from their own run.
-TUNER_RESULTS = ROOT / "results" / "sm90" / "tune_sm90.json"
+# Rows taken from other runs (render_table --add): the two KDA row views from their own run.
+# The f_b_proj shapes (their input a strided slice of the packed KDA projection's output)
+# came from the CuTe tuner's run until swap-AB took that slice (2026-12-04); they are this
+# run's rows now.
 F_B_SHAPES = {(1536, 128), (3072, 128), (768, 128)}
 KDA_RESULTS = ROOT / "results" / "sm90" / "tune_sm90_kda.json"
 KDA_SHAPES = {(6144, 7168), (144, 7168)}
@@ -40,18 +40,22 @@ KDA_SHAPES = {(6144, 7168), (144, 7168)}
 # replaces the skinny_pdl sweep's rows (768x7168, 1152x1536 at M 1..4, timed again there).
 GEMV_RESULTS = ROOT / "results" / "sm90" / "gemv_pdl_sweep_sm90.json"
 GEMV_SHAPES = {(r["N"], r["K"]) for r in json.loads(GEMV_RESULTS.read_text())["rows"]} - {(6288, 7168)}
-# Every timing of those runs: the tuner's cache as git keeps it (one file per GPU), and the
-# KDA run's own cache, a small raw run kept as test data.
-TUNER_CACHE = ROOT / "results" / "tune_cache"
+# Every timing of the KDA run: its own cache, a small raw run kept as test data.
 KDA_CACHE = ROOT / "k3lab" / "tests" / "data" / "tune_cache_kda"
 # The benchmark of the call that tuned them (the KDA figures are a later run's).
 KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-kda.json"
 
 
 def _added() -> tuple:
-    return ((json.loads(TUNER_RESULTS.read_text()), "results/sm90/tune_sm90.json", F_B_SHAPES),
-            (json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
+    return ((json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
             (json.loads(GEMV_RESULTS.read_text()), "results/sm90/gemv_pdl_sweep_sm90.json", GEMV_SHAPES))
+
+
+def test_the_f_b_shapes_take_swap_ab_on_their_strided_input_at_every_m():
+    rows = _table()["ROWS"]
+    for n, k in F_B_SHAPES:
+        assert {backend for backend, _ in rows[(n, k)].values()} == {"swap_ab"}, (n, k)
+        assert set(rows[(n, k)]) == set(range(1, 17)), (n, k)
 
 
 def test_committed_sm90_table_is_rendered_from_the_committed_runs():
@@ -94,8 +98,7 @@ def test_every_routed_row_beat_cublas_by_5_percent_in_both_passes_of_that_run():
     assert run["summary"]["routed_slower_than_cublas"] == []
 
 
-@pytest.mark.parametrize("path, cache, shapes", [(TUNER_RESULTS, TUNER_CACHE, F_B_SHAPES),
-                                                 (KDA_RESULTS, KDA_CACHE, KDA_SHAPES)])
+@pytest.mark.parametrize("path, cache, shapes", [(KDA_RESULTS, KDA_CACHE, KDA_SHAPES)])
 def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, cache, shapes):
     run = json.loads(path.read_text())
     rows = _table()["ROWS"]
@@ -126,10 +129,9 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     # Every row from this one run, but the shapes added from other runs, each citing its run.
     table = _table()
     sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
-    tuner_run = json.loads(TUNER_RESULTS.read_text())["provenance"]["run_id"]
     kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
     gemv_run = json.loads(GEMV_RESULTS.read_text())["provenance"]["run_id"]
-    assert sources == {**dict.fromkeys(F_B_SHAPES, tuner_run), **dict.fromkeys(KDA_SHAPES - GEMV_SHAPES, kda_run),
+    assert sources == {**dict.fromkeys(KDA_SHAPES - GEMV_SHAPES, kda_run),
                        **dict.fromkeys(GEMV_SHAPES, gemv_run)}
     assert table["PROVENANCE"]["run_id"] == p["run_id"]
 

@@ -235,6 +235,35 @@ def test_swap_ab_residual_and_pdl_chain(config, n, k):
         _check_close(out, mid, w_next, what=f"{config} PDL chain replay {i}")
 
 
+F_B_ROWS = sorted({(r.n, r.k) for r in ROWS if r.k == 128 and r.backend == "swap_ab"})
+
+
+@pytest.mark.parametrize("n,k", F_B_ROWS, ids=lambda v: str(v))
+def test_f_b_rows_take_the_strided_f_a_slice_in_a_cuda_graph(n, k):
+    """f_b_proj reads F_A, a ``[M, 128]`` slice of the packed KDA projection's ``[M, 6288]``
+    output: the dispatch routes it to swap-AB, whose warm-up (packed stride K) already
+    compiled the kernel the strided call runs, so it captures and replays correctly."""
+    for m in (1, 7, 16):
+        packed, w = _inputs(m, n, k, seed=23 * n + m)
+        proj = torch.randn(m, 6288, device="cuda", dtype=torch.bfloat16)
+        f_a = proj[:, 6144:6144 + k]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _check_close(llg.try_low_latency_gemm(packed, w), packed, w, what="packed warm-up")
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = llg.try_low_latency_gemm(f_a, w)
+        assert out is not None, "the strided F_A slice fell back"
+        for i in range(2):
+            proj.copy_(torch.randn_like(proj))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_close(out, f_a, w, what=f"F_B {n}x{k} M={m} strided, replay {i}")
+
+
 def test_enable_routes_and_falls_back(monkeypatch):
     from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 

@@ -41,15 +41,23 @@ CASES = [
     # 20 splits: the last CTA sums the partials in five rounds of four.
     (2, 40, 1280, (16, 64, 20, 1, 2), True),
 ]
+# x as a slice of wider rows (KDA's F_A in its projection's output): (M, N, K, config,
+# residual, row width, column offset); one token reads a single row, the stride unused.
+STRIDED = [
+    (16, 96, 128, (64, 128, 1, 4, 2), False, 400, 272),
+    (5, 100, 320, (32, 64, 3, 4, 2), True, 352, 16),
+    (1, 64, 128, (64, 128, 1, 4, 2), False, 400, 272),
+]
 
 _SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab
     out = []
-    for m, n, k, cfg, res, seed in json.loads(sys.argv[1]):
+    for m, n, k, cfg, res, seed, width, at in json.loads(sys.argv[1]):
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(m, k, generator=g).half()
+        rows = torch.randn(m, width or k, generator=g).half()
+        x = rows[:, at:at + k]
         w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
         r = torch.randn(m, n, generator=g).half() if res else None
         y = sab.swap_ab_gemm(x, w, sab.SwapAbConfig(*cfg), r, pdl=False)
@@ -74,8 +82,9 @@ def _interpret(cases) -> list[dict]:
 
 
 def test_interpreted_kernel_matches_float64() -> None:
-    cases = [[m, n, k, list(c), r, i] for i, (m, n, k, c, r) in enumerate(CASES)]
-    for (m, n, k, cfg, _), got in zip(CASES, _interpret(cases)):
+    cases = [[m, n, k, list(c), r, i, 0, 0] for i, (m, n, k, c, r) in enumerate(CASES)]
+    cases += [[m, n, k, list(c), r, 50 + i, w, at] for i, (m, n, k, c, r, w, at) in enumerate(STRIDED)]
+    for (m, n, k, cfg, *_), got in zip(CASES + STRIDED, _interpret(cases)):
         assert got["finite"], f"{cfg} M={m} {n}x{k}: NaN/Inf or unwritten output"
         assert got["shape"] == [m, n]
         # fp16 operands, fp32 accumulation: ~3e-4 expected; a wrong index is O(1).
@@ -117,6 +126,18 @@ def test_token_count_outside_decode_is_refused(m) -> None:
     w = torch.empty(64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="outside 1..16"):
         sab.swap_ab_gemm(x, w, sab.SwapAbConfig(64, 64, 1, 4, 2))
+
+
+@pytest.mark.parametrize("width, k, ok", [(64, 64, True), (256, 64, True), (136, 64, False), (72, 64, False),
+                                         (264, 264, True), (280, 264, True), (288, 264, False)])
+def test_x_rows_may_be_strided_as_k_is(width, k, ok) -> None:
+    """The warm-up compiles with the row stride K; a stride of K's divisibility by 16 reuses it."""
+    x = torch.empty(4, width, dtype=torch.bfloat16)[:, 8 if width > k else 0:][:, :k]
+    assert (sab.x_error(x) is None) == ok, sab.x_error(x)
+    if not ok:
+        with pytest.raises(ValueError, match="row stride"):
+            sab.swap_ab_gemm(x, torch.empty(64, k, dtype=torch.bfloat16), sab.SwapAbConfig(64, 64, 1, 4, 2))
+    assert "column stride" in sab.x_error(torch.empty(64, 4, dtype=torch.bfloat16).t())
 
 
 def test_mismatched_k_is_refused() -> None:

@@ -141,6 +141,7 @@ def _swap_ab_kernel(
     M,
     N,
     K,
+    stride_xm,
     tiles_per_split,
     split_k,
     ROWS,
@@ -167,7 +168,7 @@ def _swap_ab_kernel(
     k_lo = pid_k * tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + (k_lo + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * K + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     m_ok = offs_m[:, None] < M
 
     if USE_PDL:
@@ -316,7 +317,8 @@ def _launch(
     if pdl is None:
         pdl = x.device.type == "cuda" and _use_pdl(x.device.index or 0)
     args = (x, weight, y, x if residual is None else residual, partials, counters)
-    args += (m, n, k, per_split, splits, rows_of(config))
+    # One row has no stride to speak of: K keeps the compiled kernel the warm-up's.
+    args += (m, n, k, x.stride(0) if m > 1 else k, per_split, splits, rows_of(config))
     kwargs = dict(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -334,6 +336,19 @@ def _launch(
         _swap_ab_kernel.warmup(*args, grid=(n_tiles, splits), **kwargs)
     else:
         _swap_ab_kernel[(n_tiles, splits)](*args, **kwargs)
+
+
+def x_error(x: torch.Tensor) -> str | None:
+    """Why the kernel would not read ``x`` (``[M, K]``); None if it would: unit column
+    stride and a row stride of at least K, a multiple of 16 elements exactly when K is
+    (Triton specializes on that divisibility, and the warm-up compiles with the stride K),
+    e.g. KDA's F_A, the ``[M, 128]`` slice of the packed projection's ``[M, 6288]`` output."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        return "x needs unit column stride"
+    rows, k = x.shape
+    if rows > 1 and (x.stride(0) < k or (x.stride(0) % 16 == 0) != (k % 16 == 0)):
+        return f"x's row stride {x.stride(0)} is below K={k} or not a multiple of 16 as K is"
+    return None
 
 
 def _check(m: int, n: int, k: int, config: SwapAbConfig) -> None:
@@ -355,18 +370,23 @@ def swap_ab_gemm(
     """``x @ weight.T (+ residual)`` as a new bf16 ``[M, N]`` tensor.
 
     Args:
-        x: activation ``[M, K]``, bf16, packed row-major, 1 <= M <= 16.
+        x: activation ``[M, K]``, bf16, 1 <= M <= 16, rows as :func:`x_error` takes them
+            (packed, or a row-strided slice).
         weight: ``[N, K]``, bf16, packed row-major, on ``x``'s device.
         config: the tile and split (see :func:`config_error`).
         residual: optional bf16 ``[M, N]`` packed tensor added before rounding.
         pdl: launch with PDL; by default on SM90 and newer.
 
     Raises:
-        ValueError: M outside 1..16, mismatched K, or a config that cannot run.
+        ValueError: M outside 1..16, mismatched K, an ``x`` :func:`x_error` refuses, or
+            a config that cannot run.
     """
     m, k = x.shape
     if weight.shape[1] != k:
         raise ValueError(f"x has K={k}, weight {tuple(weight.shape)}")
+    why = x_error(x)
+    if why:
+        raise ValueError(why)
     _check(m, weight.shape[0], k, config)
     y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x, weight, y, residual, (m, weight.shape[0], k), config, pdl, warmup=False)

@@ -9,8 +9,9 @@ design and its measurements); this module only adapts it to the registry. Table 
 
 The SM90 table routes it on 326 of its 446 rows (one H200 run timing every backend
 against cuBLAS: run ``h200-20261130-figures3``, ``results/sm90/decode_gemm_sm90.json``,
-1.26x cuBLAS geo-mean over the 496 (shape, M) it ran). Operands: packed ``x`` and
-16-byte aligned pointers (the base rule). Triton compiles on first launch, so
+1.26x cuBLAS geo-mean over the 496 (shape, M) it ran). Operands: ``x`` packed or a
+row-strided slice (``swap_ab_gemm.x_error``: KDA's F_A slice, which f_b_proj reads) and
+16-byte aligned pointers. Triton compiles on first launch, so
 :meth:`SwapAb.warm_up` compiles each config before CUDA-graph capture.
 """
 
@@ -25,7 +26,7 @@ from vllm.models.kimi_k3.nvidia import swap_ab_gemm
 from vllm.models.kimi_k3.nvidia.swap_ab_gemm import SwapAbConfig
 from vllm.triton_utils import HAS_TRITON
 
-from .base import GemmBackend, WarmupCall
+from .base import DEFAULT_ALIGN_BYTES, GemmBackend, WarmupCall, aligned
 
 
 class SwapAbTable:
@@ -52,6 +53,14 @@ class SwapAb(SwapAbTable, GemmBackend):
     """Our Triton swap-AB split-K kernel."""
 
     name = "swap_ab"
+
+    def operands_ok(self, config: SwapAbConfig, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """The base rule with ``x``'s rows strided as :func:`swap_ab_gemm.x_error` allows."""
+        return (
+            swap_ab_gemm.x_error(x) is None
+            and aligned(x, DEFAULT_ALIGN_BYTES)
+            and aligned(weight, DEFAULT_ALIGN_BYTES)
+        )
 
     def launch(self, config: SwapAbConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return swap_ab_gemm.swap_ab_gemm(x, weight, config)
