@@ -166,23 +166,25 @@ def _routed_tokens(n: int, k: int) -> list[int]:
     return sorted(r.num_tokens for r in llg.routed_rows() if (r.n, r.k) == (n, k) and not r.has_residual)
 
 
-def test_strided_f_a_takes_the_cute_kernel(weights, monkeypatch):
+def test_strided_f_a_takes_the_swap_ab_kernel(weights, monkeypatch):
+    """F_A is a row-strided slice of the packed projection's output; swap-AB reads it as it
+    is (no copy, no cuBLAS fallback) at every M the table routes."""
     packed, f_b = weights
     routed = _routed_tokens(PROJ, HEAD_DIM)
     if not routed:
         pytest.skip("the table routes no F_B row on this GPU")
-    from vllm.models.kimi_k3.nvidia.gemm_backends import cute_skinny
+    from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab
 
     launched = []
-    real = cute_skinny._launch_rows
-    monkeypatch.setattr(cute_skinny, "_launch_rows", lambda *a: launched.append(a[1].shape) or real(*a))
+    real = sab.swap_ab_gemm
+    monkeypatch.setattr(sab, "swap_ab_gemm", lambda x, *a, **k: launched.append(x.stride(0)) or real(x, *a, **k))
     for m in routed:
         fab = _x(m, seed=7 * m, k=HEAD_DIM + HEADS + PAD)
         f_a = fab[:, :HEAD_DIM]
         out = llg.try_low_latency_gemm(f_a, f_b)
         assert out is not None, f"M={m}: strided F_A fell back"
         assert _rel(out, f_a.double() @ f_b.double().t()) <= REL_TOL
-    assert len(launched) == len(routed)
+    assert launched == [HEAD_DIM + HEADS + PAD] * len(routed), "every call on swap-AB, x as strided"
 
 
 # Views at element offsets: (x offset, weight offset); bf16, so offset 4 = 8 bytes, 8 = 16.
