@@ -9,7 +9,7 @@ A later run that tuned only some shapes (``tune.py --shape``) is added with
 ``--add RUN.json``: every shape it covers takes its rows from that run, and the
 module's ``ROW_PROVENANCE`` names that run for those shapes (``PROVENANCE`` stays the
 first run's). ``--add RUN.json@NxK,NxK`` takes only the named shapes from that run (e.g.
-the F_B shapes, whose input is always a strided slice that only the CuTe kernel takes).
+the GEMV sweep's shapes but one).
 
 Usage: ``python -m k3lab.render_table RESULTS.json [--add RUN.json[@NxK,...] ...] [OUT.py]``
 (default OUT: ``overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py``);
