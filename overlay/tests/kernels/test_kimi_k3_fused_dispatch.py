@@ -883,6 +883,14 @@ def test_patch_0007_stacks_the_moe_input_projections_and_calls_them_as_one() -> 
     tree = ast.parse(source)
     assert "stack_moe_input_weights" in _calls_in(tree, "KimiLinearForCausalLM",
                                                   "process_weights_after_loading")  # fmt: skip
+    # v0.28.0's loader calls the model-level hook on the served model only: Kimi-K3's wrapper
+    # must pass it on to its language model, or nothing is ever stacked.
+    (wrapper,) = [n for n in ast.walk(tree)
+                  if isinstance(n, ast.ClassDef) and n.name == "KimiK3ForConditionalGeneration"]
+    (hook,) = [f for f in wrapper.body
+               if isinstance(f, ast.FunctionDef) and f.name == "process_weights_after_loading"]
+    calls = [ast.unparse(c) for c in ast.walk(hook) if isinstance(c, ast.Call)]
+    assert "self.language_model.process_weights_after_loading()" in calls
     assert "moe_input_projections" in _calls_in(tree, "KimiMoE", "_maybe_overlap_router_and_down_proj")
     (mlp,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "KimiMLP"]
     (fwd,) = [f for f in mlp.body if isinstance(f, ast.FunctionDef) and f.name == "forward"]
