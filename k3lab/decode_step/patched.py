@@ -250,6 +250,8 @@ def kda_ops(pk, kn) -> list[Op]:
         if not streams:
             # the model's set in this process (the mode's environment): empty with the flag on
             streams["tokens"] = pk.kda.deployment_overlap_tokens(pk.llg._device_capability()).tokens
+            if streams["tokens"]:  # as autotune_kda_qkvg: the three GEMMs' kernels before capture
+                pk.kda.request_overlap_warmup(w["in_proj"], w["f_b"])
             streams["aux"] = pk.kda.high_priority_aux_stream(st["hn"].device)
             streams["events"] = (torch.cuda.Event(), torch.cuda.Event())
         m = st["hn"].shape[0]

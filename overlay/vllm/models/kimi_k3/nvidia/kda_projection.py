@@ -331,8 +331,10 @@ def _tune_flashinfer_qkvg(qkvg_weight: torch.Tensor, tokens: Collection[int]) ->
             flashinfer.mm_bf16(x, qkvg_weight.t(), backend=FLASHINFER_QKVG_BACKEND)
 
 
-def _request_table_warmup(packed_weight: torch.Tensor, f_b_weight: torch.Tensor) -> None:
-    """Warm up, before graph capture, the table's kernels of the three GEMMs' rows."""
+def request_overlap_warmup(packed_weight: torch.Tensor, f_b_weight: torch.Tensor) -> None:
+    """Warm up, before graph capture, the table's kernels of the overlap's three GEMMs (QKVG
+    and F_A/beta, row views of ``packed_weight``, and F_B): a build first seen inside the
+    capture would be refused there and the GEMM would fall back to ``torch.mm``."""
     proj = f_b_weight.shape[0]
     for weight in (packed_weight[: 4 * proj], packed_weight[4 * proj :], f_b_weight):
         llg.request_low_latency_warmup(weight)
@@ -373,7 +375,7 @@ def autotune_kda_qkvg(model: nn.Module) -> int:
     if where.tokens and backend is not None:
         _tune_flashinfer_qkvg(packed[: 4 * f_b.shape[0]], where.tokens)
     elif where.tokens:
-        _request_table_warmup(packed, f_b)
+        request_overlap_warmup(packed, f_b)
     logger.info(
         "Kimi-K3 KDA projections: %d layers, overlap at M %s (%s), QKVG on %s",
         len(layers), sorted(where.tokens), where.source, backend or "the low-latency table",
