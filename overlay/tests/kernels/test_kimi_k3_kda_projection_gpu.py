@@ -11,7 +11,7 @@ zero padding rows, F_B ``[1536, 128]``):
   error (the packed GEMM and F_B on the strided F_A, as v0.28.0 runs them), M 1..16,
   and on the high-priority aux stream at M 1, 2, 9, 16;
 * the returned views have the strides ``kda.py`` and the fused KDA decode kernel check;
-* F_B on the strided F_A slice takes the CuTe kernel where the table routes it;
+* F_B on the strided F_A slice takes swap-AB, which reads it in place, at every routed M;
 * ``try_low_latency_gemm`` and the planned apply fed views at misaligned addresses
   (element offsets 1, 2, 4, 8 of x, 1 and 8 of the weight) fall back or compute the
   right product, and never raise.

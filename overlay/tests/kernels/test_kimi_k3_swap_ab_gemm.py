@@ -138,6 +138,10 @@ def test_x_rows_may_be_strided_as_k_is(width, k, ok) -> None:
         with pytest.raises(ValueError, match="row stride"):
             sab.swap_ab_gemm(x, torch.empty(64, k, dtype=torch.bfloat16), sab.SwapAbConfig(64, 64, 1, 4, 2))
     assert "column stride" in sab.x_error(torch.empty(64, 4, dtype=torch.bfloat16).t())
+    assert "2-D" in sab.x_error(torch.empty(64, dtype=torch.bfloat16))
+    huge = torch.empty_strided((2, 64), (2**31, 1), dtype=torch.bfloat16, device="meta")  # no storage
+    assert "2^31" in sab.x_error(huge)
+    assert sab.x_error(huge[:1]) is None  # one row: its stride is never used
 
 
 def test_mismatched_k_is_refused() -> None:

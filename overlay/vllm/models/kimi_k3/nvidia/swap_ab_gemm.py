@@ -42,7 +42,8 @@ Triton 3.6.0, read roof 4.196 TB/s) timed this kernel next to cuBLAS, vLLM's CuT
 skinny GEMM (the previous table's 129 CuTe rows, at their tuned configs), ``ll_bf16``
 and FlashInfer's ``tinygemm_bf16`` on every SM90 shape x M 1..16: against cuBLAS it is
 1.26x geo-mean over the 496 (shape, M), and the SM90 table rendered from that run
-routes it on 326 of its 446 rows. Where both ran, CuTe was faster on 75 of the 129 rows
+routed it on 326 of its 446 rows (401 of 458 on 2026-12-04, the GEMV sweep's and the
+F_B shapes' rows since). Where both ran, CuTe was faster on 75 of the 129 rows
 (69 of them at M <= 5; up to 108% of the roof), so the table keeps CuTe there. Over
 that run's timings of this kernel (every shape under 130 MB, M = 1, 8, 16) its time
 fits ``1.8 µs + bytes / 4.34 TB/s`` without split-K and ``3.5 µs + bytes / 4.38 TB/s``
@@ -343,11 +344,15 @@ def x_error(x: torch.Tensor) -> str | None:
     stride and a row stride of at least K, a multiple of 16 elements exactly when K is
     (Triton specializes on that divisibility, and the warm-up compiles with the stride K),
     e.g. KDA's F_A, the ``[M, 128]`` slice of the packed projection's ``[M, 6288]`` output."""
-    if x.dim() != 2 or x.stride(1) != 1:
+    if x.dim() != 2:
+        return f"x must be 2-D, got {x.dim()}-D"
+    if x.stride(1) != 1:
         return "x needs unit column stride"
     rows, k = x.shape
     if rows > 1 and (x.stride(0) < k or (x.stride(0) % 16 == 0) != (k % 16 == 0)):
         return f"x's row stride {x.stride(0)} is below K={k} or not a multiple of 16 as K is"
+    if rows > 1 and x.stride(0) * (rows - 1) + k >= 2**31:  # 32-bit offsets, one compiled type
+        return f"x's row stride {x.stride(0)} spans 2^31 elements or more"
     return None
 
 
@@ -405,7 +410,8 @@ def warmup(
 
     Call before CUDA-graph capture: Triton compiles on a kernel's first launch, and
     what it compiles depends only on ``config``, whether K is a multiple of
-    ``block_k``, the divisibility of ``n`` and ``k`` by 16, the residual and PDL.
+    ``block_k``, the divisibility of ``n`` and ``k`` by 16, the residual and PDL (x's
+    row stride is compiled as K's: :func:`x_error` admits only strides keyed alike).
 
     Raises:
         ValueError: for a config that cannot run ``n x k``.

@@ -7,7 +7,7 @@ design and its measurements); this module only adapts it to the registry. Table 
 ``(block_n, block_k, split_k, num_warps, num_stages[, rows])``, a
 :class:`~vllm.models.kimi_k3.nvidia.swap_ab_gemm.SwapAbConfig`.
 
-The SM90 table routes it on 326 of its 446 rows (one H200 run timing every backend
+The SM90 table routes it on 401 of its 458 rows (one H200 run timing every backend
 against cuBLAS: run ``h200-20261130-figures3``, ``results/sm90/decode_gemm_sm90.json``,
 1.26x cuBLAS geo-mean over the 496 (shape, M) it ran). Operands: ``x`` packed or a
 row-strided slice (``swap_ab_gemm.x_error``: KDA's F_A slice, which f_b_proj reads) and
