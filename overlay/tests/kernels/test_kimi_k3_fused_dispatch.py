@@ -1060,3 +1060,15 @@ def test_fused_swap_ab_backends_compile_once_per_shape_config_and_device(monkeyp
     assert backend.warm_up(calls, torch.bfloat16) == 3
     assert [(c.n, c.k, c.num_tokens, c.config) for c in seen] == [
         (2304, 1536, 1, a), (2304, 1536, 2, b), (7168, 3584, 4, a)]
+
+
+@pytest.mark.parametrize("width, ok", [(64, True), (256, True), (136, False), (72, False)])
+def test_fused_swap_ab_rows_take_a_stride_keyed_as_the_packed_warm_up(width, ok) -> None:
+    """The fused swap-AB kernels compile at their warm-up on packed rows (stride K); a view
+    whose row stride Triton keys otherwise (not divisible by 16 where K is) would compile
+    inside a capture, so the backends refuse it and the model's line runs."""
+    from vllm.models.kimi_k3.nvidia.gemm_backends.swap_ab_rmsnorm import rows_ok
+
+    x = torch.empty(4, width, dtype=torch.bfloat16)[:, :64]
+    assert rows_ok(x, 64) is ok
+    assert rows_ok(x[:1], 64), "one row: its stride is not passed to the kernel"
