@@ -177,7 +177,8 @@ def test_strided_f_a_takes_the_swap_ab_kernel(weights, monkeypatch):
 
     launched = []
     real = sab.swap_ab_gemm
-    monkeypatch.setattr(sab, "swap_ab_gemm", lambda x, *a, **k: launched.append(x.stride(0)) or real(x, *a, **k))
+    monkeypatch.setattr(sab, "swap_ab_gemm",
+                        lambda x, *a, **k: launched.append(x.stride(0)) or real(x, *a, **k))
     for m in routed:
         fab = _x(m, seed=7 * m, k=HEAD_DIM + HEADS + PAD)
         f_a = fab[:, :HEAD_DIM]
