@@ -339,13 +339,10 @@ def _run(
     if pdl is None:
         pdl = x.device.type == "cuda" and sab._use_pdl(x.device.index or 0)
     a = x if a is None else a
-    # One row has no stride to speak of: its width keeps the kernel a packed warm-up
-    # compiled (Triton keys an int argument on the value 1 and on divisibility by 16).
-    sx, sa = (x.stride(0), a.stride(0)) if m > 1 else (x.shape[1], a.shape[1])
     args = (x, a, x if g is None else g, x if g2 is None else g2,
             x if h_out is None else h_out, x if positions is None else positions,
             weight, y, y2, x if residual is None else residual, partials, counters,
-            m, n, k, sx, sa, half,
+            m, n, k, sab.row_stride(x), sab.row_stride(a), half,
             per_split, splits, sab.rows_of(config), tile_floats, n_fp32 or 0,
             eps, beta, 1.0 if linear_beta is None else linear_beta)  # fmt: skip
     kwargs = dict(

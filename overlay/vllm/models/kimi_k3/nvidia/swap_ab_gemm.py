@@ -318,8 +318,7 @@ def _launch(
     if pdl is None:
         pdl = x.device.type == "cuda" and _use_pdl(x.device.index or 0)
     args = (x, weight, y, x if residual is None else residual, partials, counters)
-    # One row has no stride to speak of: K keeps the compiled kernel the warm-up's.
-    args += (m, n, k, x.stride(0) if m > 1 else k, per_split, splits, rows_of(config))
+    args += (m, n, k, row_stride(x), per_split, splits, rows_of(config))
     kwargs = dict(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -337,6 +336,14 @@ def _launch(
         _swap_ab_kernel.warmup(*args, grid=(n_tiles, splits), **kwargs)
     else:
         _swap_ab_kernel[(n_tiles, splits)](*args, **kwargs)
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """The row stride a kernel of this family is launched with: ``t``'s own, or its width for
+    one row, whose stride is never used (so a one-row view keys the kernel as a packed
+    tensor of its shape would: Triton specializes an int on the value 1 and on divisibility
+    by 16)."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
 def x_error(x: torch.Tensor) -> str | None:

@@ -37,7 +37,6 @@ from .base import (
     aligned,
     bf16_on,
     is_packed_row_major,
-    is_row_major,
     is_vector_of,
 )
 from .swap_ab import SwapAbTable
@@ -47,12 +46,11 @@ def rows_ok(x: torch.Tensor, k: int) -> bool:
     """``x`` is (1..16, K) with unit column stride, 16-byte aligned rows, and a row stride
     the packed warm-up's kernel serves (``swap_ab_gemm.x_error``: divisible by 16 as K is)."""
     return (
-        is_row_major(x)
+        swap_ab_gemm.x_error(x) is None  # 2-D, unit column stride, a stride keyed as K's
         and x.shape[1] == k
         and 1 <= x.shape[0] <= swap_ab_gemm.MAX_TOKENS
         and aligned(x, DEFAULT_ALIGN_BYTES)
         and (x.shape[0] == 1 or (x.stride(0) * x.element_size()) % DEFAULT_ALIGN_BYTES == 0)
-        and swap_ab_gemm.x_error(x) is None
     )
 
 
