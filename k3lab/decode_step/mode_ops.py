@@ -41,7 +41,7 @@ all-reduce, then its RMSNorm in ``up_proj``'s prologue and the shared output in 
 so for this branch and capture (a breakable one on the H200). Where the tail stays v0.28.0's,
 0009 runs its ``up_proj`` on the GEMM table (``fused_decode.latent_up_proj``).
 
-The MegaMoE branch (SM100 modes) is data only here: :class:`NotReplayable`.
+The MegaMoE branch (SM100 modes) is data only here: :class:`modes.NotReplayable`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ CORES = {"kda": "KDA core (kda.py:532)", "mla": "MLA attention core (mla.py:566)
 _STREAMS: dict[str, torch.cuda.Stream] = {}  # one aux stream per name, made at first use
 
 
-NotReplayable = modes.NotReplayable  # raised by the op builders for a data-only branch
 
 
 def graph_break(core: str) -> Op:
@@ -325,7 +324,7 @@ REPLAYED = {"moe_branch": "fused_moe", "moe_tokens": "M", "projections": "cublas
 def _replayable(br: dict) -> None:
     other = {f: br[f] for f, v in REPLAYED.items() if br[f] != v}
     if other:
-        raise NotReplayable(f"the replay builds the H200's branches only, not {other}")
+        raise modes.NotReplayable(f"the replay builds the H200's branches only, not {other}")
 
 
 def segments(ops: list[Op], copies: int) -> list[list[Op]]:

@@ -14,23 +14,24 @@ kernels do not run on the H200 (data only).
 What runs (TP8 local shapes, M = 1..16 tokens, each at the size of the graph the mode
 replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`): (a) the
 MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, each op in the order the
-mode runs it, on the stream it runs on, with the mode's graph breaks (:mod:`k3lab.decode_step.mode_ops`: which op is which
-kernel, stand-ins named; the JSON's ``ops`` lists them per layer and variant). Left out,
-their outputs fixed random tensors: the MLA attention core, the KDA core, the routed
-experts (top-k, grouped GEMMs) and every collective (the latent and shared all-reduces,
-o_proj's). Two variants, same weights, same run: **stock** (v0.28.0) and **patched**
-(patches 0001-0007 and the overlay: each call site through its patched line's entry point,
-with its guards; ``patched_via`` says per M which took our path).
+mode runs it, on the stream it runs on, with the mode's graph breaks
+(:mod:`k3lab.decode_step.mode_ops`: which op is which kernel, stand-ins named; the JSON's
+``ops`` lists them per layer and variant). Left out, their outputs fixed random tensors:
+the MLA attention core, the KDA core, the routed experts (top-k, grouped GEMMs) and every
+collective (the latent and shared all-reduces, o_proj's). Two variants, same weights, same
+run: **stock** (v0.28.0) and **patched** (the series and the overlay: each call site
+through its patched line's entry point, with its guards; ``patched_stock_sites`` names per
+graph size the sites that took the stock path under capture).
 
-Timing: each variant is the layer over ``--copies`` rotated weight copies (>= 4x the
-60 MiB L2), captured as the mode captures it: under breakable capture one CUDA graph
-per segment between the cores (consecutive copies' segments joined as consecutive layers
-are), replayed back to back (no PDL across a break); under full capture one graph. Median
-of ``--reps`` replays, µs per layer. Per op: one graph per op over the copies (at the
-graph sizes ``--per-op-m`` pads to; a per-op record's ``M`` is that size). Roof: the stock ops' fewest bytes (weights + activations in and out,
-``layers.Op.nbytes``) over the read bandwidth of a bf16 reduction over 4 GiB measured in
-the same run. ``stand_ins``: each stand-in timed once against the closest real kernel
-(:mod:`k3lab.decode_step.standins`).
+Timing: each variant is the layer over ``--copies`` rotated weight copies (>= 4x the 60
+MiB L2), captured as the mode captures it: under breakable capture one CUDA graph per
+segment between the cores (consecutive copies' segments joined as consecutive layers are),
+replayed back to back (no PDL across a break); under full capture one graph. Median of
+``--reps`` replays, µs per layer. Per op: one graph per op over the copies (at the graph
+sizes ``--per-op-m`` pads to; a per-op record's ``M`` is that size). Roof: the stock ops'
+fewest bytes (weights + activations in and out, ``layers.Op.nbytes``) over the read
+bandwidth of a bf16 reduction over 4 GiB measured in the same run. ``stand_ins``: each
+stand-in timed once against the closest real kernel (:mod:`k3lab.decode_step.standins`).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_the_stock_router_gate_is_ll_bf16_tier_1() -> None:
 def test_a_data_only_mode_is_refused_by_the_op_builder_and_the_replay(mode, capsys) -> None:
     # SM100/SM103 modes: the tail fusion, MegaMoE or the SM103 table do not run on the H200
     for layer in modes.LAYERS:
-        with pytest.raises(mode_ops.NotReplayable):
+        with pytest.raises(modes.NotReplayable):
             mode_ops.stock_ops(_kn(), layer, modes.branches(mode, layer))
     assert replay.main(["--mode", mode, "--stock-dir", "."]) == modes.NOT_REPLAYABLE
     err = capsys.readouterr().err
