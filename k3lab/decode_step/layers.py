@@ -49,17 +49,6 @@ WEIGHTS = {"mtp": {**MTP_W, **MLA_W, **MOE_W}, "kda": {**RES_W, **KDA_W, **MOE_W
 # ours: concatenated weights (name -> the projections whose rows it stacks)
 CONCAT = {"qkv_a_g": ("qkv_a", "g"), "gate_down_sgu": ("gate", "down", "sgu")}
 
-# The ops that stay out of the replay, and where they sit (after the named op).
-LEFT_OUT = {
-    "mtp": {"g_proj": "MLA attention core (kv-cache concat, W_UK bmm, decode attention, W_UV bmm)",
-            "routed_down": "routed experts (top-k, grouped expert GEMMs, all-reduce)"},
-    "kda": {"f_b_proj": "KDA core (short conv, gated delta recurrence, gated o_norm)",
-            "routed_down": "routed experts (top-k, grouped expert GEMMs, all-reduce)"},
-    "mla": {"g_proj": "MLA attention core (kv-cache concat, W_UK bmm, decode attention, W_UV bmm)",
-            "routed_down": "routed experts (top-k, grouped expert GEMMs, all-reduce)"},
-}
-
-
 class Op(NamedTuple):
     name: str
     where: str  # file:line in vLLM v0.28.0 (vllm/models/kimi_k3/...)
