@@ -13,7 +13,8 @@ kv_c 512, k_pe 64), ``q_b`` 2304x1536, ``g_proj`` 1536x7168, ``o_proj`` 7168x153
 is our assumption, v0.28.0 reads it from the checkpoint's config), latent
 ``routed_expert_down_proj`` 3584x7168, ``routed_expert_norm`` 3584,
 ``routed_expert_up_proj`` 7168x3584, shared experts ``gate_up`` 1536x7168 / ``down``
-7168x768 (SITU, beta 1.0); MTP ``eh_proj`` 7168x14336. The KDA and MLA layers take the
+7168x768 (SITU, beta 1.0); MTP ``eh_proj`` 7168x14336, its token embedding a gather of M rows
+of a 20480x7168 vocab shard. The KDA and MLA layers take the
 attn-res path with 8 earlier blocks (a mid-depth, non-block-write layer); the MTP
 block has none (v0.28.0 clears ``attn_res_block_size`` for it).
 """
@@ -28,6 +29,9 @@ H, QL, KVL, ROPE, QB, HV = 7168, 1536, 512, 64, 2304, 1536
 KDA_IN, KDA_P, FA, FA_AT = 6288, 1536, 128, 6144
 NE, LAT, SI, NB, EPS, SITU_BETA = 384, 3584, 768, 8, 1e-6, 1.0
 TOPK = 8  # routed experts per token
+# One rank's rows of the vocab-parallel embedding at TP8: 163840 / 8, the lm_head shard
+# that v0.28.0's SM103 GEMM table lists (N = 20480, K = 7168 in nvidia/low_latency_gemm.py).
+TP, V_LOCAL = 8, 20480
 
 # The routed experts' stand-in (replay --routed-experts standin): the top-k experts of one
 # token, TP8 shards as the model check builds them (w13 2 x 768 x 3584, w2 3584 x 768).
@@ -276,8 +280,34 @@ def _mla_ours(kn, src: str, residual: str | None) -> list[Op]:
     ]
 
 
+def _shard_ids(ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # This rank's rows of the vocab-sharded table: an id outside [start, end) reads row 0
+    # and its embedding is zeroed after the gather (the all-reduce then sums the ranks').
+    inside = (ids >= start) & (ids < end)
+    return (ids - start) * inside, ~inside
+
+
+def embed_tokens_op() -> Op:
+    """The draft step's token embedding (the MTP layer's own lookup, nvidia/mtp.py:184-185):
+    the target's vocab-parallel table at TP8, rank 0's shard of ``V_LOCAL`` rows. v0.28.0
+    runs the shard mask as one Inductor kernel (``torch.compile(dynamic=True)`` on its mask
+    function), the gather, and ``masked_fill_``; its all-reduce is left out, as every
+    collective. Both variants run it: the series does not touch it."""
+    mask = torch.compile(_shard_ids, dynamic=True)
+
+    def run(st, w):
+        ids, outside = mask(st["ids"], 0, V_LOCAL)
+        st["embeds"] = torch.nn.functional.embedding(ids, st["embed_table"]).masked_fill_(outside.unsqueeze(-1), 0)
+
+    return Op("embed_tokens", "nvidia/mtp.py:185 (model_executor/layers/vocab_parallel_embedding.py:487-503)",
+              run, "v0.28.0's torch ops: the compiled shard mask (Inductor), the gather, masked_fill_",
+              lambda m: 2 * (2 * m * H) + 8 * m)  # fmt: skip
+
+
 def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
-    """(a) MTP step: mtp.py:100-145 with the MTP block's KimiDecoderLayer (MLA + MoE)."""
+    """(a) MTP step: mtp.py:100-145 with the MTP block's KimiDecoderLayer (MLA + MoE), after
+    the draft step's token embedding (:func:`embed_tokens_op`)."""
+    embed = embed_tokens_op()
 
     def mtp_in(st, w):
         st["cat"] = kn.mtp_input.fused_mtp_input(st["positions"], st["embeds"], st["prev"],
@@ -297,6 +327,7 @@ def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
                                                         pdl=False)  # fmt: skip
 
     stock = [
+        embed,
         Op("fused_mtp_input", "common/mtp.py:62 (called nvidia/mtp.py:110)", mtp_in,
            "v0.28.0 Triton (no PDL)",
            lambda m: 4 * H + 8 * m * H),
@@ -331,6 +362,7 @@ def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
     # post-attention residual r1), shared_down adds r1, so routed_up's output is the new
     # residual and both add-norms become plain PDL-aware norms.
     ours = [
+        embed._replace(covers=("embed_tokens",)),  # the stock lookup: nothing of ours replaces it
         Op("fused_mtp_input (PDL)", "", mtp_in_o, "ours", covers=("fused_mtp_input",)),
         Op("eh_proj", "", eh_o, "ours", covers=("eh_proj",)),
         Op("input_layernorm (PDL)", "", in_norm_o, "ours", covers=("input_layernorm",)),
@@ -421,8 +453,10 @@ def inputs(layer: str, m: int, device, gen: torch.Generator) -> dict:
 
     st = {"lat_out": rnd(m, LAT)}  # routed experts' output (latent)
     if layer == "mtp":
-        st.update(positions=torch.arange(1, m + 1, device=device), embeds=rnd(m, H), prev=rnd(m, H),
-                  attn_out=rnd(m, HV))  # fmt: skip
+        # ids over the whole vocabulary: about 1 in TP falls in this rank's shard
+        st.update(positions=torch.arange(1, m + 1, device=device), prev=rnd(m, H), attn_out=rnd(m, HV),
+                  ids=torch.randint(0, V_LOCAL * TP, (m,), generator=gen, device=device),
+                  embed_table=rnd(V_LOCAL, H))  # fmt: skip
     else:
         st.update(prefix=rnd(m, H), delta_in=rnd(m, H), blocks=rnd(m, NB + 1, H))
         st["attn_out" if layer == "mla" else "core_out"] = rnd(m, HV if layer == "mla" else KDA_P)

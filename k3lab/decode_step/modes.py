@@ -8,6 +8,10 @@ data says, per ``field=value``, where v0.28.0 decides it (file:line).
 
 ``python -m k3lab.decode_step.modes [NAME]`` prints the modes (or one mode's branches per
 layer). Exit codes: 0 done, 3 a mode the data does not name (:data:`UNKNOWN_MODE`).
+
+A mode's ``runs`` are the decoder layers its decode step runs: the KDA and MLA layers
+always, the MTP layer only where a ``--speculative-config`` drafts (``h200-mtp``: one draft
+token, so a step of R requests has M = R x 2 tokens, :func:`token_counts`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from functools import lru_cache
 DATA = pathlib.Path(__file__).resolve().parent / "modes.json"
 UNKNOWN_MODE = 3  # exit code: a mode name the data does not hold
 NOT_REPLAYABLE = 4  # exit code: a mode whose kernels do not run on the H200 (data only)
+NOT_RUN = 5  # exit code: a layer the mode's decode step does not run (MTP without drafting)
 LAYERS = ("kda", "mla", "mtp")
 # a file:line of v0.28.0 (or of our overlay): path.py:N, N-M or N,M lists
 WHERE = re.compile(r"[\w/]+\.py:\d+")
@@ -68,6 +73,23 @@ def replayable(name: str, data: dict | None = None) -> dict:
     return rec
 
 
+class NotRun(ValueError):
+    """A layer the mode's decode step does not run; ``exit_code`` is :data:`NOT_RUN`."""
+
+    exit_code = NOT_RUN
+
+
+def layers_run(name: str, data: dict | None = None, asked: list[str] | None = None) -> list[str]:
+    """The layers of ``asked`` (default: all the mode runs) that mode ``name``'s decode step
+    runs; :class:`NotRun` (one line) for one it does not, :class:`UnknownMode` for the mode."""
+    runs = mode(name, data)["runs"]
+    missing = [layer for layer in asked or runs if layer not in runs]
+    if missing:
+        raise NotRun(f"mode {name!r} runs no {', '.join(missing)} layer (its decode step runs {', '.join(runs)}; "
+                     "the MTP layer runs only with a --speculative-config: h200-mtp)")  # fmt: skip
+    return list(asked or runs)
+
+
 def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:
     """``{field: value}`` for each site of ``layer`` (one of :data:`LAYERS`) in mode ``name``:
     the mode's ``all`` values, then the layer's own overrides, restricted to the layer's fields.
@@ -84,16 +106,35 @@ def branches(name: str, layer: str, data: dict | None = None) -> dict[str, str]:
 CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
+def drafts(br: dict[str, str]) -> int:
+    """Draft tokens per request of a step under the branches ``br`` (``tokens``: 0, or K of
+    ``capture_sizes_drafts_K``)."""
+    value = br.get("tokens", "")
+    return int(value.removeprefix("capture_sizes_drafts_")) if value.startswith("capture_sizes_drafts_") else 0
+
+
 def tokens_run(m: int, br: dict[str, str]) -> int:
     """The token count the kernels of a step of ``m`` tokens see under the branches ``br``:
     the next capture size up (``tokens=capture_sizes``: the step runs the graph captured for
-    it, padded); ValueError past the largest (that batch runs no graph)."""
-    if br.get("tokens") != "capture_sizes":
+    it, padded); with K draft tokens the sizes are rounded up to multiples of 1 + K
+    (v1/worker/gpu/cudagraph_utils.py:238-311). ValueError past the largest (that batch runs
+    no graph) and, with drafts, for an ``m`` that is not requests x (1 + K)."""
+    if not br.get("tokens", "").startswith("capture_sizes"):
         return m
+    per = 1 + drafts(br)
+    if m % per:
+        raise ValueError(f"{m} tokens: a step with {per - 1} draft token(s) has requests x {per} tokens")
     for size in CAPTURE_SIZES:
-        if size >= m:
-            return size
+        if -(-size // per) * per >= m:
+            return -(-size // per) * per
     raise ValueError(f"{m} tokens: past the largest capture size {CAPTURE_SIZES[-1]}")
+
+
+def token_counts(name: str, most: int = 16, data: dict | None = None) -> list[int]:
+    """The token counts 1..``most`` a decode step of mode ``name`` can have (all of them
+    without drafting; requests x (1 + K) with K draft tokens)."""
+    per = 1 + max(drafts(branches(name, layer, data)) for layer in mode(name, data)["runs"])
+    return list(range(per, most + 1, per))
 
 
 def why(field: str, value: str, data: dict | None = None) -> str:
@@ -104,15 +145,18 @@ def why(field: str, value: str, data: dict | None = None) -> str:
 def problems(data: dict | None = None) -> list[str]:
     """Every way the data is incomplete or inconsistent, one line each (empty: sound).
 
-    Checked: each mode gives every field of every layer a value the field allows, each
-    ``field=value`` in use has a why with a file:line, no why is unused, and each GPU kind
-    has exactly one default mode."""
+    Checked: each mode names the layers it runs (``runs``: KDA and MLA at least), gives every field of
+    each a value the field allows, each ``field=value`` in use has a why with a file:line, no
+    why is unused, and each GPU kind has exactly one default mode."""
     data = data or load()
     out, used, defaults = [], set(), {}
     for name, rec in data["modes"].items():
         if rec.get("default"):
             defaults.setdefault(rec["arch"], []).append(name)
-        for layer in LAYERS:
+        runs = rec.get("runs", [])
+        if not {"kda", "mla"} <= set(runs) or not set(runs) <= set(LAYERS):
+            out.append(f"{name}: layers {runs} must hold kda and mla, each of {list(LAYERS)}")
+        for layer in (x for x in runs if x in LAYERS):
             got = branches(name, layer, data)
             for field in data["layer_fields"][layer]:
                 value = got.get(field)
@@ -144,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnknownMode as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    for layer in LAYERS:
+    for layer in layers_run(args.name):
         for field, value in branches(args.name, layer).items():
             print(f"{layer:4} {field:20} {value:24} {why(field, value)}")
     return 0

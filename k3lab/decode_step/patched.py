@@ -223,6 +223,7 @@ def mtp_ops(pk, kn) -> list[Op]:
     stock = {op.name: op for op in layers.mtp_ops(kn)[0]}
 
     return [
+        stock["embed_tokens"],  # the series leaves the lookup
         _pointwise(
             pk,
             "fused_mtp_input",

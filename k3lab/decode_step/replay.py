@@ -9,11 +9,14 @@ graph per decode step, vLLM's aux-stream forks, ``_C`` small ops). DIR holds
 v0.28.0's three Triton op files (``python -m k3lab.decode_step.imports extract DIR``).
 Writes ``decode_step_<mode>_<date>[tag].json`` to ``--out`` (default ``$OUT``).
 Exit codes: 0 done, 2 bad usage / no GPU / no bundle, 3 an unknown mode, 4 a mode whose
-kernels do not run on the H200 (data only).
+kernels do not run on the H200 (data only), 5 a ``--layers`` layer the mode does not run
+(the MTP layer runs only in a drafting mode: ``h200-mtp``).
 
-What runs (TP8 local shapes, M = 1..16 tokens, each at the size of the graph the mode
-replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`): (a) the
-MTP step, (b) one KDA decoder layer, (c) one MLA decoder layer, each op in the order the
+What runs (TP8 local shapes, the mode's token counts in 1..16, each at the size of the graph
+the mode replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`):
+the layers the mode's decode step runs (:func:`modes.layers_run`): one KDA decoder layer,
+one MLA decoder layer and, in a drafting mode, the MTP layer's draft step (at M = requests
+x 2 tokens; its embedding lookup first, its logits left out), each op in the order the
 mode runs it, on the stream it runs on, with the mode's graph breaks
 (:mod:`k3lab.decode_step.mode_ops`: which op is which kernel, stand-ins named; the JSON's
 ``ops`` lists them per layer and variant). Left out, their outputs fixed random tensors:
@@ -59,6 +62,20 @@ def parse_ms(text: str) -> list[int]:
     if not out or min(out) < 1 or max(out) > 16:
         raise ValueError(f"token counts {text!r} outside 1..16")
     return out
+
+
+def step_counts(mode: str, names: list[str], m: str, per_op_m: str) -> tuple[list[int], list[int]]:
+    """(token counts, token counts timed per op too) of a replay of ``mode``'s layers
+    ``names``: ``m`` / ``per_op_m`` parsed (:func:`parse_ms`), by default every count 1..16
+    the mode's steps have and (the fewest, 8, 16). ValueError (one line) for a count no step
+    of the mode has (with drafting: not requests x (1 + K))."""
+    ms = parse_ms(m) if m else modes.token_counts(mode)
+    per_op_ms = parse_ms(per_op_m) if per_op_m else sorted({ms[0], 8, 16} & set(ms))
+    for layer in names:
+        br = modes.branches(mode, layer)
+        for count in (*ms, *per_op_ms):
+            modes.tokens_run(count, br)  # ValueError: no step of this mode has that many tokens
+    return ms, per_op_ms
 
 
 def kernels(stock_dir: pathlib.Path) -> layers.Kernels:
@@ -231,7 +248,7 @@ def op_table(kn, pk, mode: str, routed: str = "none") -> dict:
     file:line (stock), what runs]; a fork's arms and a graph break are spelled out in the
     name: what the JSON and the CPU tests compare with the modes data."""
     out = {}
-    for layer in layers.LAYERS:
+    for layer in modes.layers_run(mode):
         with _capture_mode(modes.branches(mode, layer)["capture"] == "breakable"):
             lists = mode_ops.lists(kn, pk, layer, mode, routed)
         for variant, ops in lists.items():
@@ -272,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="h200-default", help="a mode of modes.json (python -m k3lab.decode_step.modes)")
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
-    ap.add_argument("--layers", default="mtp,kda,mla")
-    ap.add_argument("--m", default="1-16")
-    ap.add_argument("--per-op-m", default="1,8,16")
+    ap.add_argument("--layers", default="", help="comma list of the mode's layers (default: all it runs)")
+    ap.add_argument("--m", default="", help="token counts, e.g. 1-16 (default: every count 1..16 the mode's steps have)")
+    ap.add_argument("--per-op-m", default="", help="token counts timed per op too (default: the fewest, 8, 16)")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
@@ -293,14 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     except (modes.UnknownMode, modes.NotReplayable) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    try:
-        ms, per_op_ms = parse_ms(args.m), parse_ms(args.per_op_m)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    names = args.layers.split(",")
+    names = [n for n in args.layers.split(",") if n]
     if any(n not in layers.LAYERS for n in names):
         print(f"error: --layers {args.layers!r}: each of {sorted(layers.LAYERS)}", file=sys.stderr)
+        return 2
+    try:
+        names = modes.layers_run(args.mode, asked=names)
+    except modes.NotRun as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    try:
+        ms, per_op_ms = step_counts(args.mode, names, args.m, args.per_op_m)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
 

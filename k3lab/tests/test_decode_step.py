@@ -58,6 +58,37 @@ def test_bad_layer_name_exits_2(capsys) -> None:
     assert "--layers" in capsys.readouterr().err
 
 
+def test_a_layer_the_mode_does_not_run_is_one_line_with_its_own_exit_code(capsys) -> None:
+    from k3lab.decode_step import modes
+
+    assert replay.main(["--stock-dir", ".", "--layers", "mtp"]) == modes.NOT_RUN  # h200-default: no drafting
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs no mtp layer" in err and "h200-mtp" in err
+
+
+def test_a_token_count_no_step_of_the_mode_has_exits_2(capsys) -> None:
+    assert replay.main(["--stock-dir", ".", "--mode", "h200-mtp", "--m", "2-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "3 tokens" in err and "requests x 2" in err
+
+
+@pytest.mark.parametrize("mode,m,per_op,want", [
+    ("h200-default", "", "", (list(range(1, 17)), [1, 8, 16])),
+    ("h200-mtp", "", "", (list(range(2, 17, 2)), [2, 8, 16])),
+    ("h200-mtp", "2-4", "", ([2, 3, 4], None)),
+    ("h200-default", "1-4", "", ([1, 2, 3, 4], [1])),
+])  # fmt: skip
+def test_the_replay_takes_the_token_counts_of_the_modes_steps(mode, m, per_op, want) -> None:
+    from k3lab.decode_step import modes
+
+    names = modes.layers_run(mode)
+    if want[1] is None:
+        with pytest.raises(ValueError):
+            replay.step_counts(mode, names, m, per_op)
+    else:
+        assert replay.step_counts(mode, names, m, per_op) == want
+
+
 @pytest.mark.parametrize("layer", sorted(patched.LAYERS))
 def test_patched_covers_every_stock_op_once_in_stock_order(layer) -> None:
     # The patched variant replays v0.28.0's order call site by call site: each stock op is

@@ -32,6 +32,9 @@ def test_every_layer_of_every_mode_has_a_branch_and_a_file_line() -> None:
         (lambda d: d["why"].update({"capture=eager": "x.py:1"}), "why[capture=eager] is used by no mode"),
         (lambda d: d["modes"]["h200-nobreak"].update(default=True), "sm90: 2 default modes"),
         (lambda d: d["modes"]["h200-default"].setdefault("layers", {}).update(kda={"g_proj": "fork"}), None),
+        (lambda d: d["modes"]["h200-mtp"].update(runs=["kda", "mtp"]), "must hold kda and mla"),
+        (lambda d: d["modes"]["h200-mtp"].update(runs=["kda", "mla", "dense"]), "must hold kda and mla"),
+        (lambda d: d["modes"]["h200-mtp"]["all"].update(tokens="capture_sizes_drafts_2"), "is not one of"),
     ],
 )
 def test_problems_name_each_gap(breakage, want) -> None:
@@ -99,3 +102,38 @@ def test_the_model_check_refuses_a_mode_it_cannot_run_in_one_line(name, code, tm
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and name in err
     assert not (tmp_path / "out").exists(), "nothing written for a refused mode"
+
+
+def test_only_a_drafting_mode_runs_the_mtp_layer() -> None:
+    # v0.28.0 runs the MTP layer only with a --speculative-config (engine/arg_utils.py): the
+    # default modes' steps are the KDA and MLA layers; h200-mtp adds the draft step.
+    assert [n for n in modes.names() if "mtp" in modes.mode(n)["runs"]] == ["h200-mtp"]
+    assert modes.layers_run("h200-default") == ["kda", "mla"]
+    assert modes.layers_run("h200-mtp", asked=["mtp"]) == ["mtp"]
+    with pytest.raises(modes.NotRun, match="runs no mtp layer") as e:
+        modes.layers_run("h200-default", asked=["kda", "mtp"])
+    assert e.value.exit_code == modes.NOT_RUN and modes.NOT_RUN not in (0, 1, 2, 3, 4)
+    # the drafting mode's other branches are the default's: the same graph, forks and kernels
+    for layer in ("kda", "mla"):
+        mtp, default = modes.branches("h200-mtp", layer), modes.branches("h200-default", layer)
+        assert {f: v for f, v in mtp.items() if v != default[f]} == {"tokens": "capture_sizes_drafts_1"}
+
+
+def test_a_drafting_step_has_requests_x_2_tokens_padded_to_even_capture_sizes() -> None:
+    # K = 1: M = R x 2, full graphs at round_up(size, 2) (v1/worker/gpu/cudagraph_utils.py)
+    br = modes.branches("h200-mtp", "mtp")
+    assert modes.drafts(br) == 1 and modes.drafts(modes.branches("h200-default", "mtp")) == 0
+    assert modes.token_counts("h200-mtp") == list(range(2, 17, 2))
+    assert modes.token_counts("h200-default") == list(range(1, 17))
+    assert [modes.tokens_run(m, br) for m in range(2, 17, 2)] == [2, 4, 8, 8, 16, 16, 16, 16]
+    assert modes.tokens_run(18, br) == 24
+    for odd in (1, 3, 15):
+        with pytest.raises(ValueError, match="requests x 2 tokens"):
+            modes.tokens_run(odd, br)
+
+
+def test_the_cli_prints_only_the_layers_a_mode_runs(capsys) -> None:
+    assert modes.main(["h200-default"]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("mtp")]
+    assert modes.main(["h200-mtp"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("mtp")]
