@@ -292,16 +292,22 @@ def embed_tokens_op() -> Op:
     the target's vocab-parallel table at TP8, rank 0's shard of ``V_LOCAL`` rows. v0.28.0
     runs the shard mask as one Inductor kernel (``torch.compile(dynamic=True)`` on its mask
     function), the gather, and ``masked_fill_``; its all-reduce is left out, as every
-    collective. Both variants run it: the series does not touch it."""
+    collective. Each weight copy brings its own ids (``embed_ids``), so the rows come from
+    HBM as in a real step. Patch 0011 runs it as one launch (``patched.mtp_ops``)."""
     mask = torch.compile(_shard_ids, dynamic=True)
 
     def run(st, w):
-        ids, outside = mask(st["ids"], 0, V_LOCAL)
+        ids, outside = mask(embed_ids(st, w), 0, V_LOCAL)
         st["embeds"] = torch.nn.functional.embedding(ids, st["embed_table"]).masked_fill_(outside.unsqueeze(-1), 0)
 
-    return Op("embed_tokens", "nvidia/mtp.py:185 (model_executor/layers/vocab_parallel_embedding.py:487-503)",
+    return Op("embed_tokens", "nvidia/mtp.py:185 (model_executor/layers/vocab_parallel_embedding.py:487-507)",
               run, "v0.28.0's torch ops: the compiled shard mask (Inductor), the gather, masked_fill_",
               lambda m: 2 * (2 * m * H) + 8 * m)  # fmt: skip
+
+
+def embed_ids(st: dict, w: dict) -> torch.Tensor:
+    """The step's token ids in weight copy ``w``: its first M (M from the step's positions)."""
+    return w["embed_ids"][: st["positions"].shape[0]]
 
 
 def mtp_ops(kn) -> tuple[list[Op], list[Op]]:
@@ -453,9 +459,8 @@ def inputs(layer: str, m: int, device, gen: torch.Generator) -> dict:
 
     st = {"lat_out": rnd(m, LAT)}  # routed experts' output (latent)
     if layer == "mtp":
-        # ids over the whole vocabulary: about 1 in TP falls in this rank's shard
+        # one table for every copy (294 MB); each copy's ids pick its rows (weights' embed_ids)
         st.update(positions=torch.arange(1, m + 1, device=device), prev=rnd(m, H), attn_out=rnd(m, HV),
-                  ids=torch.randint(0, V_LOCAL * TP, (m,), generator=gen, device=device),
                   embed_table=rnd(V_LOCAL, H))  # fmt: skip
     else:
         st.update(prefix=rnd(m, H), delta_in=rnd(m, H), blocks=rnd(m, NB + 1, H))
@@ -478,4 +483,8 @@ def weights(layer: str, device, gen: torch.Generator, routed: bool = False) -> d
     for cat, parts in CONCAT.items():
         if all(p in out for p in parts):
             out[cat] = torch.cat([out[p] for p in parts]).contiguous()
+    if layer == "mtp":
+        # the draft tokens of this copy (ids over the whole vocabulary, at most 16 a step):
+        # each copy gathers other rows of the shared table, cold from HBM as in a real step
+        out["embed_ids"] = torch.randint(0, V_LOCAL * TP, (16,), generator=gen, device=device)
     return out

@@ -310,7 +310,7 @@ def patched_ops(pk, kn, layer: str, br: dict) -> list[Op]:
             ("input_layernorm", "h0", "hn", "in_norm", None, None),
             ("post_attention_layernorm", "o_out", "hn2", "post_norm", "h0", "r1"),
             ("shared_head.norm", "moe_out", "logits_h", "head_norm", "r1", "r2")))  # fmt: skip
-        attn = [stock["embed_tokens"], by["fused_mtp_input"], by["eh_proj"], by["input_layernorm"],
+        attn = [by["embed_tokens"], by["fused_mtp_input"], by["eh_proj"], by["input_layernorm"],
                 *_patched_mla(pk, kn, "hn", stock, br, brk), by["post_attention_layernorm"]]  # fmt: skip
     tail = [by["shared_head.norm"]] if layer == "mtp" else []
     return [*attn, *_patched_moe(pk, kn, "hn2", stock, br), *tail]

@@ -116,12 +116,14 @@ def drafts(br: dict[str, str]) -> int:
 def tokens_run(m: int, br: dict[str, str]) -> int:
     """The token count the kernels of a step of ``m`` tokens see under the branches ``br``:
     the next capture size up (``tokens=capture_sizes``: the step runs the graph captured for
-    it, padded); with K draft tokens the sizes are rounded up to multiples of 1 + K
+    it, padded); with K = 1 or 3 draft tokens the sizes are rounded up to multiples of 1 + K
     (v1/worker/gpu/cudagraph_utils.py:238-311). ValueError past the largest (that batch runs
-    no graph) and, with drafts, for an ``m`` that is not requests x (1 + K)."""
+    no graph), for another K, and for an ``m`` that is not requests x (1 + K)."""
     if not br.get("tokens", "").startswith("capture_sizes"):
         return m
     per = 1 + drafts(br)
+    if per not in (1, 2, 4):  # K = 2 runs some sizes in the breakable graph (cudagraph_utils.py:266-297)
+        raise ValueError(f"{per - 1} draft tokens: the capture sizes of K = 2 or K > 3 are not modelled")
     if m % per:
         raise ValueError(f"{m} tokens: a step with {per - 1} draft token(s) has requests x {per} tokens")
     for size in CAPTURE_SIZES:

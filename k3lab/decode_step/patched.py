@@ -219,11 +219,28 @@ def _norm(pk, kn, name: str, src: str, dst: str, wname: str, residual: str | Non
     return Op(name, "", run, "try_rms_norm, else stock", covers=(name,))
 
 
+def _embed_tokens(pk, stock: dict) -> Op:
+    """Patch 0011's lookup (``fused_decode.embed_tokens``): this rank's rows in one launch
+    (``try_embed_rows``; the all-reduce after it left out, as stock's), else stock's three
+    kernels; a tree without the entry: stock."""
+
+    def run(st, w):
+        try_rows = getattr(pk.fused, "try_embed_rows", None)
+        rows = None if try_rows is None else try_rows(layers.embed_ids(st, w), st["embed_table"], 0, layers.V_LOCAL)
+        _via(st, "embed_tokens", rows is not None)
+        if rows is None:
+            stock["embed_tokens"].run(st, w)
+        else:
+            st["embeds"] = rows
+
+    return Op("embed_tokens", "", run, "try_embed_rows (0011), else stock", covers=("embed_tokens",))
+
+
 def mtp_ops(pk, kn) -> list[Op]:
     stock = {op.name: op for op in layers.mtp_ops(kn)[0]}
 
     return [
-        stock["embed_tokens"],  # the series leaves the lookup
+        _embed_tokens(pk, stock),
         _pointwise(
             pk,
             "fused_mtp_input",

@@ -16,8 +16,8 @@ What runs (TP8 local shapes, the mode's token counts in 1..16, each at the size 
 the mode replays for it: ``M_run``, the next capture size up, :func:`modes.tokens_run`):
 the layers the mode's decode step runs (:func:`modes.layers_run`): one KDA decoder layer,
 one MLA decoder layer and, in a drafting mode, the MTP layer's draft step (at M = requests
-x 2 tokens; its embedding lookup first, its logits left out), each op in the order the
-mode runs it, on the stream it runs on, with the mode's graph breaks
+x 2 tokens; its embedding lookup first; its logits, 294 MB of lm_head a rank, left out),
+each op in the order the mode runs it, on the stream it runs on, with the mode's graph breaks
 (:mod:`k3lab.decode_step.mode_ops`: which op is which kernel, stand-ins named; the JSON's
 ``ops`` lists them per layer and variant). Left out, their outputs fixed random tensors:
 the MLA attention core, the KDA core, the routed experts (top-k, grouped GEMMs) and every

@@ -47,6 +47,11 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
 from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
 from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
 from vllm.models.kimi_k3.nvidia import low_latency_fused_sm90 as sm90_data
@@ -278,6 +283,51 @@ def test_try_mtp_input_answers_none_on_each_precondition(routed, why) -> None:
     assert not routed["mtp_input"].calls
 
 
+def embed_operands(m: int | None = None) -> dict:
+    """Valid ``try_embed_rows`` arguments for the first SM90 ``embed_rows`` row: rank 1's
+    shard of 64 rows."""
+    (h,), _, m0 = _a_row("embed_rows")
+    m = m or m0
+    return dict(ids=torch.arange(m) * 37, weight=bf16(64, h), start=64, end=128)
+
+
+def test_try_embed_rows_routes_its_row_with_int64_and_int32_ids(routed) -> None:
+    args = embed_operands()
+    assert fd.try_embed_rows(**args) == "out"
+    ((ids, weight, start, end),) = routed["embed_rows"].calls  # the recorder keeps the operands
+    assert ids is args["ids"] and weight is args["weight"] and (start, end) == (64, 128)
+    assert fd.try_embed_rows(**{**args, "ids": args["ids"].int()}) == "out"
+
+
+def _embed_refusals():
+    """(why, function(args) -> changed arguments of try_embed_rows) per precondition."""
+    m, h = embed_operands()["ids"].shape[0], embed_operands()["weight"].shape[1]
+    return {
+        "no ids": lambda a: dict(ids=None),
+        "2-D ids": lambda a: dict(ids=a["ids"][None]),
+        "float ids": lambda a: dict(ids=a["ids"].float()),
+        "strided ids": lambda a: dict(ids=torch.arange(2 * m)[::2]),
+        "meta ids": lambda a: dict(ids=a["ids"].to("meta")),
+        "no weight": lambda a: dict(weight=None),
+        "an fp16 weight": lambda a: dict(weight=a["weight"].half()),
+        "a weight with a column stride": lambda a: dict(weight=bf16(64, 2 * h)[:, ::2]),
+        "a shard past the weight's rows": lambda a: dict(end=a["start"] + 65),
+        "a shard ending before it starts": lambda a: dict(end=a["start"] - 1),
+        "a tensor start": lambda a: dict(start=torch.tensor(64)),
+        "an H without a row": lambda a: dict(weight=bf16(64, 64)),
+        "M = 17": lambda a: embed_operands(17),
+        "no ids at all": lambda a: dict(ids=torch.zeros(0, dtype=torch.int64)),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("why", sorted(_embed_refusals()))
+def test_try_embed_rows_answers_none_on_each_precondition(routed, why) -> None:
+    args = embed_operands()
+    args.update(_embed_refusals()[why](args))
+    assert fd.try_embed_rows(**args) is None, why
+    assert not routed["embed_rows"].calls
+
+
 def _gemm_refusals():
     """(why, function(x, g, w, residual) -> kwargs for try_rmsnorm_gemm) per precondition."""
     return {
@@ -505,6 +555,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> dict:
     entry("try_rms_norm", ("kv normed", None))
     entry("try_sigmoid_mul", "gated")
     entry("try_mtp_input", "mtp in")
+    entry("try_embed_rows", "rows")
     return seen
 
 
@@ -587,6 +638,50 @@ def test_output_gate_and_mtp_input_call_the_stock_function_unless_routed(fused_c
     assert fused_decode.output_gate(stock, x, gate) == "stock"
     assert fused_decode.mtp_input(stock, *mtp_args) == "stock"
     assert stock_calls == [(x, gate), mtp_args], "the stock function got other arguments"
+
+
+def an_embedding(tp_size: int = 8, added: int = 0, quant=None, **over) -> nn.Module:
+    """A bare vLLM ``VocabParallelEmbedding``, rank 1 of ``tp_size``: 64 vocab rows a rank,
+    ``added`` LoRA rows; its stock forward records its calls and answers a marker."""
+    shard = SimpleNamespace(org_vocab_start_index=64, org_vocab_end_index=128,
+                            added_vocab_start_index=1000, added_vocab_end_index=1000 + added)  # fmt: skip
+    attrs = dict(tp_size=tp_size, shard_indices=shard, weight=nn.Parameter(bf16(64, 7168)),
+                 quant_method=quant or UnquantizedEmbeddingMethod())  # fmt: skip
+    emb = bare(VocabParallelEmbedding, **{**attrs, **over})
+    emb.stock_calls = []
+    emb.forward = lambda ids: emb.stock_calls.append(ids) or "stock"
+    return emb
+
+
+def test_embed_tokens_looks_up_the_shard_in_one_launch_then_all_reduces(fused_calls, monkeypatch) -> None:
+    import vllm.distributed
+
+    reduced = []
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t) or "summed")
+    fused_calls["answer"]["try_embed_rows"] = "rows"
+    emb, ids = an_embedding(), torch.arange(4)
+    assert fused_decode.embed_tokens(emb, ids) == "summed" and reduced == ["rows"] and not emb.stock_calls
+    ((args, _),) = fused_calls["try_embed_rows"]
+    assert args[0] is ids and args[1] is emb.weight and args[2:] == (64, 128)
+    fused_calls["answer"]["try_embed_rows"] = None  # not routed: the stock forward, no second reduce
+    assert fused_decode.embed_tokens(emb, ids) == "stock" and emb.stock_calls == [ids] and reduced == ["rows"]
+
+
+@pytest.mark.parametrize("why, emb", [
+    ("TP 1: one gather already", lambda: an_embedding(tp_size=1)),
+    ("LoRA-added vocabulary", lambda: an_embedding(added=16)),
+    ("a quantized embedding", lambda: an_embedding(quant=object())),
+    ("no shard indices", lambda: an_embedding(shard_indices=None)),
+    ("a subclass (the LM head)", lambda: bare(ParallelLMHead, tp_size=8)),
+])  # fmt: skip
+def test_embed_tokens_runs_the_stock_module_and_launches_nothing(fused_calls, why, emb) -> None:
+    module = emb()
+    if not hasattr(module, "stock_calls"):
+        module.stock_calls = []
+        module.forward = lambda ids: module.stock_calls.append(ids) or "stock"
+    ids = torch.arange(3)
+    assert fused_decode.embed_tokens(module, ids) == "stock", why
+    assert module.stock_calls == [ids] and "try_embed_rows" not in fused_calls
 
 
 def test_shared_head_norm_takes_the_add_norm_or_runs_the_module(fused_calls) -> None:

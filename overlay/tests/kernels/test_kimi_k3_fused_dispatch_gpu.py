@@ -42,9 +42,11 @@ if TABLE is None:
 
 D, BF = torch.float64, torch.bfloat16
 EPS = 1e-6
-# attn_res (its own operands and references) is tested in test_kimi_k3_attn_res_gpu.py
+# attn_res (its own operands and references) is tested in test_kimi_k3_attn_res_gpu.py,
+# embed_rows (a copy: exact, integer ids) below
 ALL_ROWS = list(TABLE.rows())
-ROWS = [row for row in ALL_ROWS if row[0] != "attn_res"]
+ROWS = [row for row in ALL_ROWS if row[0] not in ("attn_res", "embed_rows")]
+EMBED_ROWS = [row for row in ALL_ROWS if row[0] == "embed_rows"]
 
 
 @pytest.fixture(autouse=True)
@@ -318,3 +320,32 @@ def test_fused_moe_tail_of_patch_0009_matches_the_stock_sequence(monkeypatch, m)
     unfused = (_rms(latent, norm.weight).to(BF) @ up.weight.t()).add_(shared).to(D)
     err, err_unfused = _rel(out, ref), _rel(unfused, ref)
     assert err < 1e-2 and err <= 1.5 * err_unfused + 1e-3, (err, err_unfused)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("op,shape,m,call", EMBED_ROWS,
+                         ids=[f"{r[0]}-{r[1][0]}-M{r[2]}" for r in EMBED_ROWS])  # fmt: skip
+def test_every_embed_rows_row_in_a_cuda_graph_is_the_shards_rows_exactly(op, shape, m, call, ids_dtype) -> None:
+    """Rank 1 of 4 of a 4000-token vocabulary: ids everywhere in it, the shard's rows copied
+    bit for bit, zeros for the others, fresh ids at each replay."""
+    (h,) = shape
+    gen = torch.Generator(device="cuda").manual_seed(m + h)
+    start, end = 1000, 2000
+    weight = torch.randn(end - start + 8, h, generator=gen, device="cuda").to(BF)  # padded shard
+    ids = torch.randint(0, 4000, (m,), generator=gen, device="cuda").to(ids_dtype)
+    assert fd.try_embed_rows(ids, weight, start, end) is not None, "a routed row answered None"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fd.try_embed_rows(ids, weight, start, end)
+    for i in range(3):
+        fresh = torch.randint(0, 4000, (m,), generator=gen, device="cuda")
+        fresh[0] = (start, end - 1, end)[i]  # both edges of the shard and the first id past it
+        ids.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        inside = (fresh >= start) & (fresh < end)
+        want = torch.zeros(m, h, dtype=BF, device="cuda")
+        want[inside] = weight[(fresh - start)[inside]]
+        assert out.shape == (m, h) and torch.equal(out, want), f"ids {fresh.tolist()}"
+

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from vllm.models.kimi_k3.nvidia import fused_gemm as fg  # noqa: E402
+from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 from vllm.models.kimi_k3.nvidia import swap_ab_gemm as sab  # noqa: E402
 
 # (prologue, M, N, K, config, epilogue residual): no split / split-K with an uneven
@@ -111,6 +112,13 @@ _SCRIPT = textwrap.dedent(
     pos = torch.tensor([3, 0, 1, 2, 5]); e, hd = ri, torch.randn(5, 256, generator=g).half()
     er = rms(e, gw); er[1] = 0
     rec["mtp_err"] = err(pw.mtp_input(pos, e, hd, gw, gw, 1e-6, pdl=False), torch.cat([er, rms(hd, gw)], 1))
+    # one rank's embedding rows: ids in [40, 60) read row id - 40 of a row-strided shard,
+    # the others (both edges included) are zeros; int32 ids as well as int64
+    table = torch.randn(24, 300, generator=g).half()[:, :256]
+    ids = torch.tensor([40, 59, 39, 60, 45, 0, 1000])
+    want = torch.zeros(7, 256).half(); want[[0, 1, 4]] = table[[0, 19, 5]]
+    rec["embed_exact"] = float((pw.embed_rows(ids, table, 40, 60, pdl=False) != want).sum())
+    rec["embed_exact_i32"] = float((pw.embed_rows(ids.int(), table, 40, 60, pdl=False) != want).sum())
     out.append(rec)
     print(json.dumps(out))
     """
@@ -177,6 +185,7 @@ def test_interpreted_prologues_match_float64() -> None:
             assert rec["h_err"] < 1e-3, f"{what}: new residual rel err {rec['h_err']:.2e}"
     small = got[-1]
     assert all(v < 2e-3 for v in small.values()), small
+    assert small["embed_exact"] == 0 and small["embed_exact_i32"] == 0, "a copy: every element exact"
 
 
 def test_interpreted_split_dtype_gemm_matches_float64() -> None:
@@ -192,6 +201,15 @@ def test_interpreted_split_dtype_gemm_matches_float64() -> None:
         assert rec["hi_err"] < 1e-3, f"{what}: fp16 part rel err {rec['hi_err']:.2e}"
         # what a separate fp32-out GEMM of the first n_fp32 rows gives, up to the K order
         assert rec["vs_separate"] < 1e-5, f"{what}: differs from gemm(out_dtype=fp32)"
+
+
+def test_embed_rows_refuses_a_shard_past_its_weight_and_strided_ids() -> None:
+    w = torch.empty(8, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="does not fit the weight's 8 rows"):
+        pw.embed_rows(torch.zeros(2, dtype=torch.int64), w, 0, 9)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        pw.embed_rows(torch.zeros(4, dtype=torch.int64)[::2], w, 0, 8)
+    assert pw.embed_rows(torch.zeros(0, dtype=torch.int64), w, 0, 8).shape == (0, 16)
 
 
 def test_bad_operands_are_refused_with_the_operand_named() -> None:

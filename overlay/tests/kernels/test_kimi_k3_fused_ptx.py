@@ -31,9 +31,9 @@ from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
          "chunks_per_split", "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32",
-         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx"}  # fmt: skip
+         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx", "start", "end", "stride_w"}  # fmt: skip
 _FLOATS = {"eps", "beta", "lin_beta", "out_eps"}
-_POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "x_ptr": "*bf16"}
+_POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "ids_ptr": "*i64", "x_ptr": "*bf16"}
 
 
 def _ptx(kernel, constexprs: dict, pointers: dict | None = None, options: dict | None = None,
@@ -115,7 +115,8 @@ def test_norm_triggers_first_and_reads_the_row_after_the_wait(has_add) -> None:
     (pw._act_mul_kernel, dict(BLOCK=1024, SITU=True, LIN_CLIP=False, USE_PDL=True)),
     (pw._sigmoid_mul_kernel, dict(BLOCK=1024, USE_PDL=True)),
     (pw._mtp_input_kernel, dict(BLOCK=8192, USE_PDL=True)),
-], ids=["act_mul", "sigmoid_mul", "mtp_input"])  # fmt: skip
+    (pw._embed_rows_kernel, dict(BLOCK=1024, USE_PDL=True)),
+], ids=["act_mul", "sigmoid_mul", "mtp_input", "embed_rows"])  # fmt: skip
 def test_pointwise_trigger_first_and_read_inputs_after_the_wait(kernel, constexprs) -> None:
     lines = _lines(_ptx(kernel, constexprs))
     first_gdc = next(ln for ln in lines if ln.startswith("griddepcontrol"))

@@ -24,6 +24,8 @@ function                 stock line it wraps                           fused op
 :func:`attn_res`         ``KimiDecoderLayer``: ``attn_res(...)`` in      ``attn_res``
                          ``_pre_attn_norm``, ``_post_attn_norm``
                          (patch 0010)
+:func:`embed_tokens`     MTP: ``self.embed_tokens(input_ids)``          ``embed_rows``
+                         (patch 0011)
 =======================  ============================================  ==================
 
 Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
@@ -56,6 +58,7 @@ from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
@@ -64,6 +67,7 @@ from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     routes_any,
     try_act_mul,
     try_attn_res,
+    try_embed_rows,
     try_gate_gemm,
     try_mtp_input,
     try_rms_norm,
@@ -209,6 +213,27 @@ def mtp_input(
     args = (positions, inputs_embeds, previous_hidden_states, enorm_weight, hnorm_weight, eps)
     out = try_mtp_input(*args)
     return stock(*args) if out is None else out
+
+def embed_tokens(embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """``embedding(input_ids)``, i.e. v0.28.0's ``VocabParallelEmbedding.forward``, with this
+    rank's lookup in one launch (op ``embed_rows``) where the device's table has a row: the
+    shard's rows, zeros for ids outside it, then the same all-reduce. Taken only for the
+    exact class with the unquantized method, TP > 1 (at TP 1 stock is one gather already)
+    and a shard without added (LoRA) vocabulary; otherwise the stock call. (M, H) BF16."""
+    if type(embedding) is not VocabParallelEmbedding or getattr(embedding, "tp_size", 1) <= 1:
+        return embedding(input_ids)
+    shard = getattr(embedding, "shard_indices", None)
+    if type(getattr(embedding, "quant_method", None)) is not UnquantizedEmbeddingMethod or shard is None:
+        return embedding(input_ids)
+    if shard.added_vocab_end_index != shard.added_vocab_start_index:
+        return embedding(input_ids)
+    rows = try_embed_rows(input_ids, embedding.weight, shard.org_vocab_start_index, shard.org_vocab_end_index)
+    if rows is None:
+        return embedding(input_ids)
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(rows)
+
 
 class _InputStack(NamedTuple):
     """One MoE layer's stacked weight and the parameters that are row views of it."""

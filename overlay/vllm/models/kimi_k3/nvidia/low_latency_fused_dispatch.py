@@ -17,6 +17,7 @@ op                  public entry
 ``mtp_input``       :func:`try_mtp_input`
 ``gate_gemm``       :func:`try_gate_gemm`
 ``attn_res``        :func:`try_attn_res`
+``embed_rows``      :func:`try_embed_rows`
 ==================  ===========================================================
 
 Which backend runs for an (op, shape, M) is table data per GPU architecture
@@ -54,9 +55,9 @@ from vllm.platforms import current_platform
 logger = init_logger(__name__)
 
 OPS = ("rmsnorm_gemm", "add_rmsnorm_gemm", "rmsnorm", "act_mul", "sigmoid_mul", "mtp_input",
-       "gate_gemm", "attn_res")
+       "gate_gemm", "attn_res", "embed_rows")
 # keyed by (width,), not (N, K)
-ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input", "attn_res"})
+ROW_OPS = frozenset({"rmsnorm", "act_mul", "sigmoid_mul", "mtp_input", "attn_res", "embed_rows"})
 DECODE_TOKEN_COUNTS = range(1, 17)
 
 # Device type the fused paths run on: a module constant so that CPU tests can point it
@@ -467,6 +468,30 @@ def try_mtp_input(
         return None
     checked = (positions, embeds, prev, enorm_weight, hnorm_weight)
     return _launch_routed("mtp_input", (embeds.shape[1],), embeds, checked, (*checked, float(eps)))
+
+def try_embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+    """One rank's part of a vocab-parallel embedding lookup in one launch, or None.
+
+    Args:
+        ids: (M,) int64 or int32 token ids over the whole vocabulary, contiguous, CUDA.
+        weight: (rows, H) BF16 with unit column stride: this rank's shard of the table.
+        start, end: the shard's vocabulary range; ``end - start <= rows``.
+
+    Returns:
+        A new BF16 (M, H): ``weight[id - start]`` for the ids in ``[start, end)``, zeros for
+        the others (v0.28.0's ``VocabParallelEmbedding.forward`` before its all-reduce, for
+        a shard with no added vocabulary); or None for the stock path (module docstring).
+        Never raises for those.
+    """
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 1 and isinstance(weight, torch.Tensor)):
+        return None
+    if not (isinstance(start, int) and isinstance(end, int) and _on_fast_device(weight, ids)):
+        return None
+    routed = _route("embed_rows", (weight.shape[1],), ids.shape[0])
+    if routed is None or not routed[0].operands_ok(routed[1], ids, weight, start, end):
+        return None
+    return routed[0].launch(routed[1], ids, weight, start, end)
+
 
 def try_gate_gemm(
     x: torch.Tensor,

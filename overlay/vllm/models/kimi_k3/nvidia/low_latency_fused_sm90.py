@@ -8,7 +8,7 @@
 at some M and another at others (no M in two). GEMM-kind ops (``rmsnorm_gemm``, ``add_rmsnorm_gemm``,
 ``gate_gemm``) are keyed by the weight's ``(N, K)`` (``gate_gemm``: the stacked
 weight's); row ops (``rmsnorm``, ``act_mul``, ``sigmoid_mul``, ``mtp_input``,
-``attn_res``) by ``(width,)``.
+``attn_res``, ``embed_rows``) by ``(width,)``.
 An (op, shape, M) without an entry keeps the model's stock path. Read by
 ``low_latency_fused_dispatch``, which checks every entry at import.
 
@@ -80,6 +80,13 @@ FUSED_SM90 = {
         # v0.28.0's kernel 2.40 / 2.45 / 2.72 at M = 1 / 8 / 16; in the replay's "ours" at
         # every M 1..16.
         (7168,): ("pdl_mtp_input", None, DECODE),
+    },
+    "embed_rows": {
+        # the MTP draft step's token embedding at TP8 (H = 7168, a 20480-row shard): one
+        # launch where v0.28.0 runs its compiled shard mask, the gather and masked_fill_
+        # (5.8 / 8.0 / 10.5 µs at M = 2 / 8 / 16 in the replay of h200-mtp, H200,
+        # 2026-12-04: results/decode_step/decode_step_h200-mtp_2026-12-04.json). EMBED_ROWS_RUN
+        (7168,): ("pdl_embed_rows", None, DECODE),
     },
     "gate_gemm": {
         # router gate 384 + routed_expert_down_proj 3584 + shared gate_up 1536 rows (TP8)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
-"""PDL-aware pointwise ops of the Kimi-K3 decode step (Triton): act-and-mul, sigmoid gate, MTP input.
+"""PDL-aware pointwise ops of the Kimi-K3 decode step (Triton): act-and-mul, sigmoid gate, MTP input, embedding rows.
 
 Where folding a small op into the next GEMM's prologue costs more than the op itself
 (one H200 run, ``results/decode_step/prologue_sweep_2026-12-02.json``: the SiLU/SITU-
@@ -15,7 +15,10 @@ its input. The next GEMM of ours meanwhile prefetches its weights.
   ``beta*tanh(g/beta)*sigmoid(g)`` (optionally soft-clipping ``up`` by ``linear_beta``);
 * :func:`sigmoid_mul`: ``x * sigmoid(gate)`` (MLA's output gate);
 * :func:`mtp_input`: ``[enorm(embeds) | hnorm(hidden)]`` with ``embeds`` rows zeroed
-  where ``positions == 0``, as v0.28.0's ``fused_mtp_input``.
+  where ``positions == 0``, as v0.28.0's ``fused_mtp_input``;
+* :func:`embed_rows`: one rank's part of a vocab-parallel embedding lookup in one launch
+  (the rows of the ids in its shard, zeros for the others), where v0.28.0 runs three
+  kernels (a compiled shard mask, the gather, ``masked_fill_``) before the all-reduce.
 
 bf16 in and out, fp32 math, one rounding. ``ValueError`` for mismatched shapes.
 """
@@ -94,6 +97,22 @@ def _mtp_input_kernel(pos_ptr, e_ptr, h_ptr, ge_ptr, gh_ptr, y_ptr, H, stride_e,
     tl.store(y_ptr + row * 2 * H + half * H + offs, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=["start", "end", "stride_w"])
+def _embed_rows_kernel(ids_ptr, w_ptr, y_ptr, H, start, end, stride_w, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    if USE_PDL:  # the ids are the previous kernel's output: nothing to load before the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    tok = tl.load(ids_ptr + row + offs * 0).to(tl.int64)  # a tensor: the interpreter refuses scalar masks
+    inside = (tok >= start) & (tok < end)
+    local = tl.where(inside, tok - start, 0)
+    x = tl.load(w_ptr + local * stride_w + offs, mask=ok & inside, other=0.0)
+    tl.store(y_ptr + row * H + offs, x, mask=ok)
+
+
 @functools.cache
 def _pdl_default(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -149,4 +168,25 @@ def mtp_input(positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tenso
     kw = _kw(embeds, pdl, BLOCK=triton.next_power_of_2(h))
     _mtp_input_kernel[(m, 2)](positions, embeds, hidden, enorm_weight, hnorm_weight, y, h,
                               embeds.stride(0), hidden.stride(0), eps, **kw)  # fmt: skip
+    return y
+
+
+def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int, end: int, *,
+               pdl: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """A new packed ``[M, H]``: ``weight[ids[i] - start]`` where ``start <= ids[i] < end``, else 0.
+
+    ``ids``: contiguous ``(M,)`` int32/int64 token ids over the whole vocabulary;
+    ``weight``: ``(rows, H)`` with unit column stride, this rank's shard (``end - start <=
+    rows``). What v0.28.0's ``VocabParallelEmbedding.forward`` computes before its
+    all-reduce when the shard has no added vocabulary. ``ValueError`` for other shapes."""
+    if ids.dim() != 1 or ids.stride(0) != 1 or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"ids {tuple(ids.shape)} must be contiguous (M,), weight {tuple(weight.shape)} (rows, H)")
+    if not 0 <= end - start <= weight.shape[0]:
+        raise ValueError(f"shard [{start}, {end}) does not fit the weight's {weight.shape[0]} rows")
+    m, h = ids.shape[0], weight.shape[1]
+    y = torch.empty((m, h), dtype=weight.dtype, device=weight.device)
+    if m == 0:
+        return y
+    _embed_rows_kernel[(m, triton.cdiv(h, _BLOCK))](ids, weight, y, h, start, end, weight.stride(0),
+                                                    **_kw(weight, pdl, BLOCK=_BLOCK))  # fmt: skip
     return y
