@@ -1101,6 +1101,25 @@ def test_patched_mtp_layer_takes_the_fused_input_and_head_norm(monkeypatch) -> N
     assert calls.log[-1] == ("rms_norm", ("head norm", "h", "residual"))
 
 
+def test_patched_mtp_predictor_looks_up_its_embedding_through_embed_tokens(monkeypatch) -> None:
+    """Patch 0011 in the tree's mtp.py, on a stub ``self``: without ``inputs_embeds`` the
+    embedding module and the ids go to ``fused_decode.embed_tokens``, whose result is the
+    layer's ``inputs_embeds``; given ``inputs_embeds``, no lookup runs."""
+    from vllm.models.kimi_k3.nvidia import mtp
+
+    seen = []
+    monkeypatch.setattr(fused_decode, "embed_tokens", lambda module, ids: seen.append((module, ids)) or "rows")
+    layer_calls = []
+    predictor = SimpleNamespace(embed_tokens="the embedding", num_mtp_layers=1, mtp_start_layer_idx=61,
+                                layers={"61": lambda *args: layer_calls.append(args) or "out"})  # fmt: skip
+    ids, positions, prev = torch.arange(3), torch.arange(3), bf16(3, 7168)
+    assert mtp.KimiK3MultiTokenPredictor.forward(predictor, ids, positions, prev) == "out"
+    assert seen == [("the embedding", ids)] and layer_calls[0][3] == "rows"
+    given = bf16(3, 7168)
+    mtp.KimiK3MultiTokenPredictor.forward(predictor, ids, positions, prev, given)
+    assert len(seen) == 1 and layer_calls[1][3] is given
+
+
 def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_lines() -> None:
     """The tree's mla.py and mtp.py (patched) call our call-site functions, and still hold
     the stock calls they fall back to."""
@@ -1120,7 +1139,8 @@ def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_
 
 
 @pytest.mark.parametrize("op,name", [("rmsnorm", "pdl_rmsnorm"), ("act_mul", "pdl_act_mul"),
-                                     ("sigmoid_mul", "pdl_sigmoid_mul"), ("mtp_input", "pdl_mtp_input")])
+                                     ("sigmoid_mul", "pdl_sigmoid_mul"), ("mtp_input", "pdl_mtp_input"),
+                                     ("embed_rows", "pdl_embed_rows")])
 def test_pdl_backends_compile_once_per_width_and_device_on_cuda_only(monkeypatch, op, name) -> None:
     # PdlKernel.warm_up: one compile_for per distinct (width, CUDA device), the first call
     # of each kept; meta and CPU weights (before loading, or no GPU) compile nothing.
