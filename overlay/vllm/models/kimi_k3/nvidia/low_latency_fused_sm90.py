@@ -82,10 +82,11 @@ FUSED_SM90 = {
         (7168,): ("pdl_mtp_input", None, DECODE),
     },
     "embed_rows": {
-        # the MTP draft step's token embedding at TP8 (H = 7168, a 20480-row shard): one
-        # launch where v0.28.0 runs its compiled shard mask, the gather and masked_fill_
-        # (5.8 / 8.0 / 10.5 µs at M = 2 / 8 / 16 in the replay of h200-mtp, H200,
-        # 2026-12-04: results/decode_step/decode_step_h200-mtp_2026-12-04.json). EMBED_ROWS_RUN
+        # the MTP draft step's token embedding at TP8 (H = 7168, a 20480-row shard, patch
+        # 0011): "embed_tokens" 1.99 / 2.06 / 2.12 µs against v0.28.0's compiled shard mask,
+        # gather and masked_fill_ 5.81 / 7.86 / 10.36 at M = 2 / 8 / 16 (replay of h200-mtp,
+        # H200, 2026-12-04, code of commit 77d12ba:
+        # results/decode_step/decode_step_h200-mtp_2026-12-04_embed_rows.json).
         (7168,): ("pdl_embed_rows", None, DECODE),
     },
     "gate_gemm": {
