@@ -298,7 +298,8 @@ def embed_tokens_op() -> Op:
 
     def run(st, w):
         ids, outside = mask(embed_ids(st, w), 0, V_LOCAL)
-        st["embeds"] = torch.nn.functional.embedding(ids, st["embed_table"]).masked_fill_(outside.unsqueeze(-1), 0)
+        rows = torch.nn.functional.embedding(ids, st["embed_table"])
+        st["embeds"] = rows.masked_fill_(outside.unsqueeze(-1), 0)
 
     return Op("embed_tokens", "nvidia/mtp.py:185 (model_executor/layers/vocab_parallel_embedding.py:487-507)",
               run, "v0.28.0's torch ops: the compiled shard mask (Inductor), the gather, masked_fill_",
@@ -484,7 +485,9 @@ def weights(layer: str, device, gen: torch.Generator, routed: bool = False) -> d
         if all(p in out for p in parts):
             out[cat] = torch.cat([out[p] for p in parts]).contiguous()
     if layer == "mtp":
-        # the draft tokens of this copy (ids over the whole vocabulary, at most 16 a step):
+        # the draft tokens of this copy (int32 ids over the whole vocabulary, as the V2 runner
+        # keeps them, v1/worker/gpu/input_batch.py:28; at most 16 a step):
         # each copy gathers other rows of the shared table, cold from HBM as in a real step
-        out["embed_ids"] = torch.randint(0, V_LOCAL * TP, (16,), generator=gen, device=device)
+        out["embed_ids"] = torch.randint(0, V_LOCAL * TP, (16,), generator=gen, device=device,
+                                         dtype=torch.int32)  # fmt: skip
     return out

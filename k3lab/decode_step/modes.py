@@ -85,8 +85,9 @@ def layers_run(name: str, data: dict | None = None, asked: list[str] | None = No
     runs = mode(name, data)["runs"]
     missing = [layer for layer in asked or runs if layer not in runs]
     if missing:
-        raise NotRun(f"mode {name!r} runs no {', '.join(missing)} layer (its decode step runs {', '.join(runs)}; "
-                     "the MTP layer runs only with a --speculative-config: h200-mtp)")  # fmt: skip
+        raise NotRun(f"mode {name!r} runs no {', '.join(missing)} layer (its decode step runs "
+                     f"{', '.join(runs)}; the MTP layer runs only with a --speculative-config: "
+                     "h200-mtp)")  # fmt: skip
     return list(asked or runs)
 
 
@@ -110,7 +111,8 @@ def drafts(br: dict[str, str]) -> int:
     """Draft tokens per request of a step under the branches ``br`` (``tokens``: 0, or K of
     ``capture_sizes_drafts_K``)."""
     value = br.get("tokens", "")
-    return int(value.removeprefix("capture_sizes_drafts_")) if value.startswith("capture_sizes_drafts_") else 0
+    prefix = "capture_sizes_drafts_"
+    return int(value.removeprefix(prefix)) if value.startswith(prefix) else 0
 
 
 def tokens_run(m: int, br: dict[str, str]) -> int:

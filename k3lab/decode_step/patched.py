@@ -226,7 +226,8 @@ def _embed_tokens(pk, stock: dict) -> Op:
 
     def run(st, w):
         try_rows = getattr(pk.fused, "try_embed_rows", None)
-        rows = None if try_rows is None else try_rows(layers.embed_ids(st, w), st["embed_table"], 0, layers.V_LOCAL)
+        ids = layers.embed_ids(st, w)
+        rows = None if try_rows is None else try_rows(ids, st["embed_table"], 0, layers.V_LOCAL)
         _via(st, "embed_tokens", rows is not None)
         if rows is None:
             stock["embed_tokens"].run(st, w)

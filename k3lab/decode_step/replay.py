@@ -290,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--layers", default="", help="comma list of the mode's layers (default: all it runs)")
-    ap.add_argument("--m", default="", help="token counts, e.g. 1-16 (default: every count 1..16 the mode's steps have)")
-    ap.add_argument("--per-op-m", default="", help="token counts timed per op too (default: the fewest, 8, 16)")
+    ap.add_argument("--m", default="",
+                    help="token counts, e.g. 1-16 (default: every count 1..16 the mode's steps have)")
+    ap.add_argument("--per-op-m", default="",
+                    help="token counts timed per op too (default: the fewest, 8, 16)")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")

@@ -61,7 +61,8 @@ def _expected_stock(layer: str, br: dict) -> list:
     elif layer == "mla":
         attn = ["attn_res (pre-attn)", *mla, "attn_res (post-attn)"]
     else:
-        attn = ["embed_tokens", "fused_mtp_input", "eh_proj", "input_layernorm", *mla, "post_attention_layernorm"]
+        attn = ["embed_tokens", "fused_mtp_input", "eh_proj", "input_layernorm", *mla,
+                "post_attention_layernorm"]
     gate = ["router_gate", "routed_down"] if br["gate_down"] == "in_line" else [(("router_gate",), ("routed_down",))]
     assert br["shared_experts"] == "runner_aux" and br["latent_tail"] == "allreduce_overlap"
     moe = [*gate, ((), ("shared_gate_up", "situ_and_mul", "shared_down")), "routed_expert_norm", "routed_up",

@@ -131,7 +131,8 @@ def test_a_drafting_step_has_requests_x_2_tokens_padded_to_even_capture_sizes() 
         with pytest.raises(ValueError, match="requests x 2 tokens"):
             modes.tokens_run(odd, br)
     # K = 3 pads as K = 1 does (4, 8, 16); K = 2 runs M = 12, 15 in the breakable graph
-    assert [modes.tokens_run(m, {"tokens": "capture_sizes_drafts_3"}) for m in (4, 8, 12, 16)] == [4, 8, 16, 16]
+    k3 = {"tokens": "capture_sizes_drafts_3"}
+    assert [modes.tokens_run(m, k3) for m in (4, 8, 12, 16)] == [4, 8, 16, 16]
     with pytest.raises(ValueError, match="not modelled"):
         modes.tokens_run(12, {"tokens": "capture_sizes_drafts_2"})
 

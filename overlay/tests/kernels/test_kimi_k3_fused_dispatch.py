@@ -657,7 +657,8 @@ def test_embed_tokens_looks_up_the_shard_in_one_launch_then_all_reduces(fused_ca
     import vllm.distributed
 
     reduced = []
-    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce", lambda t: reduced.append(t) or "summed")
+    monkeypatch.setattr(vllm.distributed, "tensor_model_parallel_all_reduce",
+                        lambda t: reduced.append(t) or "summed")  # fmt: skip
     fused_calls["answer"]["try_embed_rows"] = "rows"
     emb, ids = an_embedding(), torch.arange(4)
     assert fused_decode.embed_tokens(emb, ids) == "summed" and reduced == ["rows"] and not emb.stock_calls
@@ -1101,6 +1102,20 @@ def test_patched_mtp_layer_takes_the_fused_input_and_head_norm(monkeypatch) -> N
     assert calls.log[-1] == ("rms_norm", ("head norm", "h", "residual"))
 
 
+def test_embed_rows_warm_up_compiles_both_id_dtypes(monkeypatch) -> None:
+    """The drafter passes int32 ids, other callers int64; Triton compiles one kernel per
+    pointer dtype, so the warm-up before capture must launch both."""
+    from vllm.models.kimi_k3.nvidia import pointwise
+    from vllm.models.kimi_k3.nvidia.gemm_backends.base import WarmupCall
+
+    seen = []
+    monkeypatch.setattr(pointwise, "embed_rows",
+                        lambda ids, w, start, end: seen.append((ids.dtype, w.shape[1])))  # fmt: skip
+    backend = gemm_backends.backends_for("embed_rows")["pdl_embed_rows"]
+    backend.compile_for(WarmupCall(7168, 7168, 4, None, torch.device("cpu")), BF16)
+    assert sorted(map(str, seen)) == sorted(map(str, [(torch.int32, 7168), (torch.int64, 7168)]))
+
+
 def test_patched_mtp_predictor_looks_up_its_embedding_through_embed_tokens(monkeypatch) -> None:
     """Patch 0011 in the tree's mtp.py, on a stub ``self``: without ``inputs_embeds`` the
     embedding module and the ids go to ``fused_decode.embed_tokens``, whose result is the
@@ -1108,7 +1123,8 @@ def test_patched_mtp_predictor_looks_up_its_embedding_through_embed_tokens(monke
     from vllm.models.kimi_k3.nvidia import mtp
 
     seen = []
-    monkeypatch.setattr(fused_decode, "embed_tokens", lambda module, ids: seen.append((module, ids)) or "rows")
+    monkeypatch.setattr(fused_decode, "embed_tokens",
+                        lambda module, ids: seen.append((module, ids)) or "rows")  # fmt: skip
     layer_calls = []
     predictor = SimpleNamespace(embed_tokens="the embedding", num_mtp_layers=1, mtp_start_layer_idx=61,
                                 layers={"61": lambda *args: layer_calls.append(args) or "out"})  # fmt: skip

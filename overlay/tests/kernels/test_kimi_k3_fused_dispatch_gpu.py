@@ -325,7 +325,7 @@ def test_fused_moe_tail_of_patch_0009_matches_the_stock_sequence(monkeypatch, m)
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("op,shape,m,call", EMBED_ROWS,
                          ids=[f"{r[0]}-{r[1][0]}-M{r[2]}" for r in EMBED_ROWS])  # fmt: skip
-def test_every_embed_rows_row_in_a_cuda_graph_is_the_shards_rows_exactly(op, shape, m, call, ids_dtype) -> None:
+def test_every_embed_rows_row_in_a_cuda_graph_is_exact(op, shape, m, call, ids_dtype) -> None:
     """Rank 1 of 4 of a 4000-token vocabulary: ids everywhere in it, the shard's rows copied
     bit for bit, zeros for the others, fresh ids at each replay."""
     (h,) = shape

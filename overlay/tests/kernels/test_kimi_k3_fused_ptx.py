@@ -31,7 +31,8 @@ from vllm.models.kimi_k3.nvidia import pointwise as pw  # noqa: E402
 
 _INTS = {"M", "N", "K", "D", "H", "stride_x", "stride_a", "HALF", "tiles_per_split", "split_k", "ROWS",
          "chunks_per_split", "ss_off", "stride_r", "stride_g", "stride_e", "stride_h", "N_FP32",
-         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx", "start", "end", "stride_w"}  # fmt: skip
+         "stride_p", "stride_d", "stride_bm", "stride_br", "write_idx", "start", "end",
+         "stride_w"}  # fmt: skip
 _FLOATS = {"eps", "beta", "lin_beta", "out_eps"}
 _POINTERS = {"part_ptr": "*fp32", "cnt_ptr": "*i32", "pos_ptr": "*i64", "ids_ptr": "*i64", "x_ptr": "*bf16"}
 

@@ -58,7 +58,10 @@ from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
-"""PDL-aware pointwise ops of the Kimi-K3 decode step (Triton): act-and-mul, sigmoid gate, MTP input, embedding rows.
+"""PDL-aware pointwise ops of the Kimi-K3 decode step (Triton): act-and-mul, sigmoid gate, MTP input,
+embedding rows.
 
 Where folding a small op into the next GEMM's prologue costs more than the op itself
 (one H200 run, ``results/decode_step/prologue_sweep_2026-12-02.json``: the SiLU/SITU-
@@ -180,7 +181,8 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int, end: int, *,
     rows``). What v0.28.0's ``VocabParallelEmbedding.forward`` computes before its
     all-reduce when the shard has no added vocabulary. ``ValueError`` for other shapes."""
     if ids.dim() != 1 or ids.stride(0) != 1 or weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"ids {tuple(ids.shape)} must be contiguous (M,), weight {tuple(weight.shape)} (rows, H)")
+        raise ValueError(f"ids {tuple(ids.shape)} must be contiguous (M,), "
+                         f"weight {tuple(weight.shape)} (rows, H)")  # fmt: skip
     if not 0 <= end - start <= weight.shape[0]:
         raise ValueError(f"shard [{start}, {end}) does not fit the weight's {weight.shape[0]} rows")
     m, h = ids.shape[0], weight.shape[1]

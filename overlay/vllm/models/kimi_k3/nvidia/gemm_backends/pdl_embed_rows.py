@@ -35,7 +35,9 @@ class PdlEmbedRows(PdlKernel):
     name = "pdl_embed_rows"
     op: ClassVar[str] = "embed_rows"
 
-    def operands_ok(self, config: Any, ids: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> bool:
+    def operands_ok(
+        self, config: Any, ids: torch.Tensor, weight: torch.Tensor, start: int, end: int
+    ) -> bool:
         """Whether :meth:`launch` takes these operands (module docstring)."""
         return (
             ids.dim() == 1
@@ -49,14 +51,19 @@ class PdlEmbedRows(PdlKernel):
             and bf16_on(weight.device, weight)
         )
 
-    def launch(self, config: None, ids: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def launch(
+        self, config: None, ids: torch.Tensor, weight: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
         """A new packed BF16 (M, H): the shard's rows of ``ids``, zeros outside ``[start, end)``."""
         return pointwise.embed_rows(ids, weight, start, end)
 
     def compile_for(self, call: WarmupCall, dtype: torch.dtype) -> None:
-        """int64 ids, as vLLM passes them (``masked_input.long()``)."""
-        ids = torch.zeros(call.num_tokens, dtype=torch.int64, device=call.device)
-        self.launch(None, ids, torch.zeros(1, call.k, dtype=dtype, device=call.device), 0, 1)
+        """Both id dtypes: Triton compiles one kernel per pointer dtype, and the drafter's ids
+        are int32 (v1/worker/gpu/input_batch.py:28) where other callers pass int64; a
+        compile must never fall inside a CUDA-graph capture."""
+        weight = torch.zeros(1, call.k, dtype=dtype, device=call.device)
+        for ids_dtype in ID_DTYPES:
+            self.launch(None, torch.zeros(call.num_tokens, dtype=ids_dtype, device=call.device), weight, 0, 1)
 
 
 BACKEND = PdlEmbedRows()
