@@ -1136,6 +1136,20 @@ def test_patched_mtp_predictor_looks_up_its_embedding_through_embed_tokens(monke
     assert len(seen) == 1 and layer_calls[1][3] is given
 
 
+def test_patched_model_embeds_its_input_ids_through_embed_tokens(monkeypatch) -> None:
+    """Patch 0012 in the tree's model.py, on a stub ``self``: ``embed_input_ids`` (the
+    forward's and the runner's lookup) hands its embedding module and the ids to
+    ``fused_decode.embed_tokens`` and returns its result."""
+    from vllm.models.kimi_k3.nvidia import model
+
+    seen = []
+    monkeypatch.setattr(fused_decode, "embed_tokens",
+                        lambda module, ids: seen.append((module, ids)) or "rows")  # fmt: skip
+    ids = torch.arange(5)
+    got = model.KimiLinearModel.embed_input_ids(SimpleNamespace(embed_tokens="the embedding"), ids)
+    assert got == "rows" and seen == [("the embedding", ids)]
+
+
 def test_patch_0006_routes_mla_and_mtp_through_fused_decode_and_keeps_the_stock_lines() -> None:
     """The tree's mla.py and mtp.py (patched) call our call-site functions, and still hold
     the stock calls they fall back to."""

@@ -25,7 +25,8 @@ function                 stock line it wraps                           fused op
                          ``_pre_attn_norm``, ``_post_attn_norm``
                          (patch 0010)
 :func:`embed_tokens`     MTP: ``self.embed_tokens(input_ids)``          ``embed_rows``
-                         (patch 0011)
+                         (patch 0011); ``KimiLinearModel.embed_input_ids``
+                         (patch 0012)
 =======================  ============================================  ==================
 
 Patch 0007 adds one more: :func:`moe_input_projections` (op ``gate_gemm``) replaces
