@@ -56,8 +56,6 @@ CORES = {"kda": "KDA core (kda.py:532)", "mla": "MLA attention core (mla.py:566)
 _STREAMS: dict[str, torch.cuda.Stream] = {}  # one aux stream per name, made at first use
 
 
-
-
 def graph_break(core: str) -> Op:
     """Where a breakable capture ends a graph and runs ``core`` eagerly (left out here)."""
     return Op(BREAK_PREFIX + CORES[core], "compilation/breakable_cudagraph.py:57", lambda st, w: None,

@@ -129,8 +129,9 @@ def tokens_run(m: int, br: dict[str, str]) -> int:
     if m % per:
         raise ValueError(f"{m} tokens: a step with {per - 1} draft token(s) has requests x {per} tokens")
     for size in CAPTURE_SIZES:
-        if -(-size // per) * per >= m:
-            return -(-size // per) * per
+        padded = -(-size // per) * per  # the graph a step of this size is captured at
+        if padded >= m:
+            return padded
     raise ValueError(f"{m} tokens: past the largest capture size {CAPTURE_SIZES[-1]}")
 
 

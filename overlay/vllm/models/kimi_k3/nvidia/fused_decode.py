@@ -218,20 +218,28 @@ def mtp_input(
     out = try_mtp_input(*args)
     return stock(*args) if out is None else out
 
+
+def _vocab_shard(embedding: nn.Module) -> tuple[int, int] | None:
+    """``[start, end)`` of this rank's vocabulary in a vLLM ``VocabParallelEmbedding`` our
+    lookup takes: the exact class, the unquantized method, TP > 1 (at TP 1 stock is one
+    gather already), no added (LoRA) vocabulary; else None."""
+    if type(embedding) is not VocabParallelEmbedding or getattr(embedding, "tp_size", 1) <= 1:
+        return None
+    shard = getattr(embedding, "shard_indices", None)
+    if shard is None or type(getattr(embedding, "quant_method", None)) is not UnquantizedEmbeddingMethod:
+        return None
+    if shard.added_vocab_end_index != shard.added_vocab_start_index:
+        return None
+    return shard.org_vocab_start_index, shard.org_vocab_end_index
+
+
 def embed_tokens(embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """``embedding(input_ids)``, i.e. v0.28.0's ``VocabParallelEmbedding.forward``, with this
     rank's lookup in one launch (op ``embed_rows``) where the device's table has a row: the
-    shard's rows, zeros for ids outside it, then the same all-reduce. Taken only for the
-    exact class with the unquantized method, TP > 1 (at TP 1 stock is one gather already)
-    and a shard without added (LoRA) vocabulary; otherwise the stock call. (M, H) BF16."""
-    if type(embedding) is not VocabParallelEmbedding or getattr(embedding, "tp_size", 1) <= 1:
-        return embedding(input_ids)
-    shard = getattr(embedding, "shard_indices", None)
-    if type(getattr(embedding, "quant_method", None)) is not UnquantizedEmbeddingMethod or shard is None:
-        return embedding(input_ids)
-    if shard.added_vocab_end_index != shard.added_vocab_start_index:
-        return embedding(input_ids)
-    rows = try_embed_rows(input_ids, embedding.weight, shard.org_vocab_start_index, shard.org_vocab_end_index)
+    shard's rows, zeros for ids outside it, then the same all-reduce. Taken only for a
+    shard :func:`_vocab_shard` takes; otherwise the stock call. (M, H) BF16."""
+    shard = _vocab_shard(embedding)
+    rows = None if shard is None else try_embed_rows(input_ids, embedding.weight, *shard)
     if rows is None:
         return embedding(input_ids)
     from vllm.distributed import tensor_model_parallel_all_reduce

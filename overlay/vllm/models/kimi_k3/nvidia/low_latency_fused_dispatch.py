@@ -178,8 +178,8 @@ def _route(op: str, shape: tuple, num_tokens: int) -> tuple[KernelBackend, Any] 
 
 
 def _launch_routed(op: str, shape: tuple, x: torch.Tensor, checked: tuple, launched: tuple) -> Any:
-    """The routed backend's ``launch(config, *launched)`` for ``x``'s token count, where
-    its ``operands_ok(config, *checked)`` holds; None when nothing routes or it refuses."""
+    """The routed backend's ``launch(config, *launched)`` for ``x``'s token count (:func:`_tokens`),
+    where its ``operands_ok(config, *checked)`` holds; None when nothing routes or it refuses."""
     routed = _route(op, shape, _tokens(x))
     if routed is None:
         return None
@@ -208,8 +208,9 @@ def _on_fast_device(first: Any, *tensors: torch.Tensor | None) -> bool:
 
 
 def _tokens(x: Any) -> int:
-    """M of a 2-D tensor, else 0 (no table has M = 0)."""
-    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    """M: the rows of a 2-D activation or the entries of a 1-D vector of token ids, else 0
+    (no table has M = 0)."""
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() in (1, 2) else 0
 
 
 def enable_kimi_k3_fused_decode(module: nn.Module, dtype: torch.dtype) -> int:
@@ -483,14 +484,13 @@ def try_embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int, end: int
         a shard with no added vocabulary); or None for the stock path (module docstring).
         Never raises for those.
     """
-    if not (isinstance(ids, torch.Tensor) and ids.dim() == 1 and isinstance(weight, torch.Tensor)):
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 1 and isinstance(start, int)
+            and isinstance(end, int)):  # fmt: skip
         return None
-    if not (isinstance(start, int) and isinstance(end, int) and _on_fast_device(weight, ids)):
+    if not _on_fast_device(weight, ids):
         return None
-    routed = _route("embed_rows", (weight.shape[1],), ids.shape[0])
-    if routed is None or not routed[0].operands_ok(routed[1], ids, weight, start, end):
-        return None
-    return routed[0].launch(routed[1], ids, weight, start, end)
+    operands = (ids, weight, start, end)
+    return _launch_routed("embed_rows", (weight.shape[1],), ids, operands, operands)
 
 
 def try_gate_gemm(
