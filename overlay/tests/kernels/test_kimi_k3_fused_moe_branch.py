@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-k3-overlay project
-"""CPU tests of our paths on the FusedMoE branch, the one an H200 takes (vllm-k3-overlay).
+"""CPU tests of our model-level paths: the FusedMoE branch's, the one an H200 takes, and
+MLA's stacked front end (vllm-k3-overlay).
 
 * ``path_enabled``: a path runs only in a deployment mode (MoE branch, capture mode) its
   device's data says it was measured in, and says once in the log where it does not;
@@ -13,7 +14,11 @@
   output and runs one ``rmsnorm_gemm`` with the shared output in its epilogue, or answers
   None before any all-reduce; the patched ``_overlap_allreduce_tail`` returns its result,
   or runs v0.28.0's lines (and only those) on None; and, through the dispatch and the real
-  kernel under Triton's interpreter, it computes ``up_proj(norm(latent)) + shared``.
+  kernel under Triton's interpreter, it computes ``up_proj(norm(latent)) + shared``;
+* MLA's front (patch 0013): ``fused_qkv_a_proj`` and ``g_proj`` are stacked only where
+  the path was measured and the GEMM table routes the stack (today: nowhere), keep their
+  values as row views of one weight, and one GEMM's output splits into the two; the
+  patched ``mla.py`` calls both entries.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from torch import nn
 
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.models.kimi_k3.nvidia import fused_decode, gemm_backends
 from vllm.models.kimi_k3.nvidia import low_latency_fused_dispatch as fd
 
@@ -444,3 +453,146 @@ def test_the_stock_tails_up_projection_takes_the_gemm_table_else_torch_mm(monkey
     assert asked == [(latent, weight)]
     monkeypatch.setattr(fused_decode.llg, "try_low_latency_gemm", lambda x, w: None)
     assert torch.equal(fused_decode.latent_up_proj(latent, weight), torch.mm(latent, weight.t()))
+
+
+# --------------------------------------------------------- MLA's front (patch 0013)
+
+QKV = 1536 + 512 + 64  # q_lora_rank + kv_lora_rank + qk_rope_head_dim: fused_qkv_a_proj's rows
+GP = 1536  # g_proj's rows at TP8 (12 heads x 128)
+
+
+class FakeMLA(nn.Module):
+    """Stands in for v0.28.0's ``MultiHeadLatentAttention``: the attributes the stacking reads."""
+
+
+def _plain(cls, rows: int, **attrs) -> nn.Module:
+    weight = nn.Parameter(torch.randn(rows, 64).to(BF16), requires_grad=False)
+    return bare(cls, quant_method=UnquantizedLinearMethod(), bias=None, weight=weight, **attrs)
+
+
+def mla_layer() -> FakeMLA:
+    attn = FakeMLA()
+    attn.q_lora_rank, attn.kv_lora_rank, attn.qk_rope_head_dim = 1536, 512, 64
+    attn.fused_qkv_a_proj = _plain(MergedColumnParallelLinear, QKV)
+    attn.g_proj = _plain(ColumnParallelLinear, GP, gather_output=False)
+    return attn
+
+
+@pytest.fixture
+def mla_measured(launches, monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """mla_front listed for breakable capture, the GEMM table routing the stack (a CPU
+    ``x @ w.T`` in its place); ``{"gemm": [weights], "warm": [weights]}``."""
+    seen: dict[str, list] = {"gemm": [], "warm": []}
+    monkeypatch.setattr(fd, "MODES_BY_CAPABILITY", {SM90: {"mla_front": {("mla", "breakable"): "x.json"}}})
+    llg = fused_decode.llg
+    monkeypatch.setattr(llg, "routes_any", lambda shape: tuple(shape) == (QKV + GP, 64))
+    monkeypatch.setattr(llg, "request_low_latency_warmup", lambda w: seen["warm"].append(w) or True)
+    monkeypatch.setattr(llg, "try_low_latency_gemm",
+                        lambda x, w: seen["gemm"].append(w) or (x.float() @ w.float().t()).to(BF16))  # fmt: skip
+    return seen
+
+
+def test_the_mla_front_runs_in_no_mode_until_an_h200_run_lists_it(launches, logged, monkeypatch) -> None:
+    for mode in (BREAKABLE, FULL):
+        capture(monkeypatch, mode)
+        assert not fd.path_measured("mla_front", "mla")
+        assert not fd.path_enabled("mla_front", "mla")
+    assert sum("mla_front" in line for line in logged) == 2, "said once per capture mode"
+    attn = mla_layer()
+    before = [attn.fused_qkv_a_proj.weight.data_ptr(), attn.g_proj.weight.data_ptr()]
+    assert not fused_decode.stack_mla_front_weights(attn)
+    assert [attn.fused_qkv_a_proj.weight.data_ptr(), attn.g_proj.weight.data_ptr()] == before
+    assert not hasattr(attn, "_k3_front_stack")
+    assert fused_decode.mla_front(attn, bf16(2, 64)) is None
+
+
+def test_the_mla_front_stacks_views_and_splits_one_gemm_where_measured(mla_measured, logged, monkeypatch):
+    capture(monkeypatch, FULL)  # load: no capture active
+    attn = mla_layer()
+    params = (attn.fused_qkv_a_proj.weight, attn.g_proj.weight)
+    values = [p.data.clone() for p in params]
+    assert fused_decode.stack_mla_front_weights(attn)
+    stack = attn._k3_front_stack.weight
+    assert stack.shape == (QKV + GP, 64) and mla_measured["warm"] == [stack]
+    assert (attn.fused_qkv_a_proj.weight, attn.g_proj.weight) == params, "the same parameter objects"
+    for p, v, row in zip(params, values, (0, QKV)):
+        assert torch.equal(p.data, v) and p.data_ptr() == stack[row].data_ptr()
+    capture(monkeypatch, BREAKABLE)
+    x = torch.randn(3, 64).to(BF16)
+    qkv_lora, gate = fused_decode.mla_front(attn, x)
+    assert mla_measured["gemm"] == [stack]
+    assert qkv_lora.shape == (3, QKV) and gate.shape == (3, GP)
+    assert qkv_lora.stride(0) == gate.stride(0) == QKV + GP, "column views of one output"
+    assert torch.allclose(qkv_lora.float(), x.float() @ values[0].float().t(), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(gate.float(), x.float() @ values[1].float().t(), rtol=2e-2, atol=2e-2)
+    capture(monkeypatch, FULL)  # measured under breakable capture only
+    assert fused_decode.mla_front(attn, x) is None and any("mla_front" in line for line in logged)
+    capture(monkeypatch, BREAKABLE)
+    attn.g_proj.weight.data = values[1].clone()  # a reload that gave the parameter a new storage
+    assert fused_decode.mla_front(attn, x) is None
+    assert len(mla_measured["gemm"]) == 1
+
+
+def _no_gate(attn):
+    attn.g_proj = None
+
+
+def _quantized(attn):
+    attn.g_proj.quant_method = object()
+
+
+def _gathers(attn):
+    attn.g_proj.gather_output = True
+
+
+def _replicated_gate(attn):
+    attn.g_proj = _plain(MergedColumnParallelLinear, GP, gather_output=False)
+
+
+def _fp16(attn):
+    attn.g_proj.weight = nn.Parameter(attn.g_proj.weight.data.half(), requires_grad=False)
+
+
+def _other_k(attn):
+    attn.g_proj.weight = nn.Parameter(torch.randn(GP, 128).to(BF16), requires_grad=False)
+
+
+def _no_q_lora(attn):
+    attn.q_lora_rank = None
+
+
+def _strided(attn):
+    attn.g_proj.weight = nn.Parameter(torch.randn(GP, 128).to(BF16)[:, :64], requires_grad=False)
+
+
+@pytest.mark.parametrize("spoil", [_no_gate, _quantized, _gathers, _replicated_gate, _fp16, _other_k,
+                                   _no_q_lora, _strided])  # fmt: skip
+def test_no_mla_front_stack_for_a_layer_it_was_not_built_for(mla_measured, monkeypatch, spoil) -> None:
+    capture(monkeypatch, FULL)
+    attn = mla_layer()
+    spoil(attn)
+    g = getattr(attn.g_proj, "weight", None) if attn.g_proj is not None else None
+    assert not fused_decode.stack_mla_front_weights(attn)
+    assert not hasattr(attn, "_k3_front_stack") and mla_measured["warm"] == []
+    if g is not None:
+        assert attn.g_proj.weight is g
+
+
+def test_no_mla_front_stack_where_the_gemm_table_has_no_row_for_it(mla_measured, monkeypatch) -> None:
+    capture(monkeypatch, FULL)
+    monkeypatch.setattr(fused_decode.llg, "routes_any", lambda shape: False)
+    attn = mla_layer()
+    assert not fused_decode.stack_mla_front_weights(attn) and not hasattr(attn, "_k3_front_stack")
+
+
+mla = pytest.importorskip("vllm.models.kimi_k3.nvidia.mla")
+
+
+@pytest.mark.skipif(not hasattr(mla, "mla_front"), reason="mla.py without patch 0013 here")
+def test_patch_0013_stacks_at_load_and_tries_the_stacked_gemm_first() -> None:
+    tree, cls = ast.parse(Path(mla.__file__).read_text("utf-8")), "MultiHeadLatentAttention"
+    assert "stack_mla_front_weights" in _calls_in(tree, cls, "process_weights_after_loading")
+    assert "mla_front" in _calls_in(tree, cls, "forward")
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls]
+    (fn,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "_forward_attn"]
+    assert [a.arg for a in fn.args.args][-1] == "qkv_lora"

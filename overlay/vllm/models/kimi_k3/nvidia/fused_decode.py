@@ -41,6 +41,11 @@ tail by :func:`latent_moe_tail` (op ``rmsnorm_gemm`` with the shared output adde
 its epilogue). Both MoE paths run only in the deployment modes (MoE branch, capture
 mode) they were measured in (``low_latency_fused_dispatch.path_enabled``).
 
+Patch 0013 stacks MLA's two projections of the layer's input, ``fused_qkv_a_proj`` and
+``g_proj``, the same way (:func:`stack_mla_front_weights`, at the end of the layer's own
+post-load hook) and runs them as one decode GEMM (:func:`mla_front`; the GEMM table's row
+for the stacked shape), as upstream does from v0.29.0 (``fused_qkv_a_g_proj``).
+
 A module is taken only when it is exactly the vLLM class the model builds
 (``type(...) is``, as the GEMM dispatch does for methods: a subclass may compute
 something else) with the attributes that class documents; none of these functions
@@ -58,7 +63,11 @@ from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul, SituAndMul
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
@@ -360,6 +369,104 @@ def moe_input_projections(
         return None
     logits, rest = fused
     return logits, rest[:, : stack.latent_rows], rest[:, stack.latent_rows :]
+
+
+# ------------------------------------------------------------ MLA's front end (patch 0013)
+
+
+class _FrontStack(NamedTuple):
+    """One MLA layer's stacked front weight and the parameters that are row views of it."""
+
+    weight: torch.Tensor  # (Q + KV + R + G, H): fused_qkv_a_proj rows, then g_proj rows
+    qkv_rows: int  # Q + KV + R: q_lora_rank + kv_lora_rank + qk_rope_head_dim
+    params: tuple[nn.Parameter, nn.Parameter]  # fused_qkv_a_proj, g_proj
+
+
+def _mla_front_params(attn: nn.Module) -> tuple[nn.Parameter, nn.Parameter] | None:
+    """(fused_qkv_a_proj, g_proj) weights of a ``MultiHeadLatentAttention`` whose two
+    projections of its input can be one GEMM of :func:`mla_front`, else None.
+
+    The path must have been measured on this device (``path_measured``; each call then asks
+    ``path_enabled`` for its capture). The layer has a q-LoRA and an output gate;
+    ``fused_qkv_a_proj`` is vLLM's ``MergedColumnParallelLinear`` of the q-LoRA's three
+    latents (replicated: ``disable_tp``), ``g_proj`` a ``ColumnParallelLinear`` that gathers
+    nothing; both unquantized and bias-free, packed BF16 of one K on one device.
+    """
+    if not path_measured("mla_front", "mla"):
+        return None
+    qkv_a, g_proj = getattr(attn, "fused_qkv_a_proj", None), getattr(attn, "g_proj", None)
+    if type(qkv_a) is not MergedColumnParallelLinear or type(g_proj) is not ColumnParallelLinear:
+        return None
+    if getattr(g_proj, "gather_output", True):
+        return None
+    ranks = [getattr(attn, name, None) for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim")]
+    params = (_plain_linear_weight(qkv_a), _plain_linear_weight(g_proj))
+    first = params[0]
+    for p in params:
+        if not isinstance(p, nn.Parameter) or p.dim() != 2 or p.dtype is not torch.bfloat16:
+            return None
+        if p.shape[1] != first.shape[1] or p.device != first.device or p.stride() != (p.shape[1], 1):
+            return None
+    if None in ranks or first.shape[0] != sum(ranks):
+        return None
+    return params
+
+
+def stack_mla_front_weights(attn: nn.Module) -> bool:
+    """Load time, after every quant method's finalize (patch 0013 calls it at the end of
+    ``MultiHeadLatentAttention.process_weights_after_loading``, which vLLM's loader runs
+    after them): where :func:`_mla_front_params` takes the layer and the device's GEMM
+    table routes the stacked shape (2112 + 1536 = 3648 x 7168 at TP8), copy
+    ``fused_qkv_a_proj``'s and ``g_proj``'s weights into one packed tensor, q-LoRA rows
+    first, re-point each parameter's data to its row view, and warm the stacked GEMM's
+    kernels up (graph capture must not compile).
+
+    As :func:`stack_moe_input_weights`: the parameters stay the same objects, shapes and
+    values, their old storages are freed (52 MB in flight at TP8), and nothing is touched
+    where the path could not run.
+
+    Returns:
+        Whether the layer was stacked.
+    """
+    params = _mla_front_params(attn)
+    if params is None:
+        return False
+    rows = [p.shape[0] for p in params]
+    if not llg.routes_any((sum(rows), params[0].shape[1])):
+        return False
+    with torch.no_grad():
+        weight = torch.cat([p.data for p in params])
+    params[0].data, params[1].data = weight[: rows[0]], weight[rows[0] :]
+    attn._k3_front_stack = _FrontStack(weight, rows[0], params)
+    llg.request_low_latency_warmup(weight)
+    return True
+
+
+def mla_front(attn: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MLA's ``fused_qkv_a_proj(hidden_states)`` and ``g_proj(hidden_states)`` in one GEMM of
+    the stack :func:`stack_mla_front_weights` made, or None for the stock lines.
+
+    Args:
+        attn: v0.28.0's ``MultiHeadLatentAttention``.
+        hidden_states: (M, H) BF16, the layer's input.
+
+    Returns:
+        ``(qkv_lora, gate)``: (M, Q + KV + R) and (M, G) column views of one new (M, Q + KV +
+        R + G) BF16 tensor (row stride Q + KV + R + G), as upstream's split of its stacked
+        output gives them from v0.29.0; or None: not stacked, the path not measured in this
+        call's capture (``path_enabled``), a parameter no longer a view of the stack (a
+        weight reload that replaced its storage), or no routed kernel for M (M > 16
+        included) or for these operands (``try_low_latency_gemm``).
+    """
+    stack = getattr(attn, "_k3_front_stack", None)
+    if not isinstance(stack, _FrontStack) or not path_enabled("mla_front", "mla"):
+        return None
+    if not all(_is_view_of(p, stack.weight, r) for p, r in zip(stack.params, (0, stack.qkv_rows))):
+        return None
+    out = llg.try_low_latency_gemm(hidden_states, stack.weight)
+    if out is None:
+        return None
+    return out[:, : stack.qkv_rows], out[:, stack.qkv_rows :]
 
 
 # --------------------------------------- the FusedMoE branch: the runner's shared experts

@@ -23,8 +23,9 @@ op                  public entry
 Which backend runs for an (op, shape, M) is table data per GPU architecture
 (``low_latency_fused_sm90``, each row with its source); no backend is named here.
 
-The model-level paths built of these ops on the MoE (``PATHS``) also depend on the
-deployment mode: :func:`path_enabled` runs one only on the MoE branch and capture mode
+The model-level paths built of these ops (``PATHS``: on the MoE, and MLA's stacked front
+end) also depend on the deployment mode: :func:`path_enabled` runs one only on the branch
+and capture mode
 (:func:`capture_mode`) that the device's data says it was measured in
 (``MEASURED_MODES`` of ``low_latency_fused_sm90``), and logs each refusal once.
 
@@ -251,11 +252,13 @@ def disable_kimi_k3_fused_decode() -> None:
 
 # ------------------------------------------------------------- deployment modes
 
-#: Our model-level paths (each of them a few call sites of ``fused_decode``), and the MoE
-#: branches v0.28.0's ``KimiMoE`` takes: MegaMoE (``--moe-backend deep_gemm_mega_moe``,
-#: EP, SM100) or FusedMoE (``LatentMoERunner``: every other deployment, the H200's).
-PATHS = ("moe_front", "moe_tail")
-BRANCHES = ("mega_moe", "fused_moe")
+#: Our model-level paths (each of them a few call sites of ``fused_decode``), and the
+#: branches they live on: the MoE's, as v0.28.0's ``KimiMoE`` takes them, MegaMoE
+#: (``--moe-backend deep_gemm_mega_moe``, EP, SM100) or FusedMoE (``LatentMoERunner``:
+#: every other deployment, the H200's); and ``mla``, MLA's q-LoRA front end with its output
+#: gate (``mla_front``: one branch, so only the capture mode varies).
+PATHS = ("moe_front", "moe_tail", "mla_front")
+BRANCHES = ("mega_moe", "fused_moe", "mla")
 #: Per capability, ``{path: {(branch, capture mode): source}}``: where each path was measured.
 MODES_BY_CAPABILITY: Mapping[Capability, Mapping] = MappingProxyType(
     {(9, 0): MappingProxyType(_sm90_data.MEASURED_MODES)}
@@ -285,14 +288,14 @@ def _measured_in(path: str, branch: str) -> Mapping:
     off (no device query then); ``ValueError`` for a ``path`` or ``branch`` not in
     :data:`PATHS` / :data:`BRANCHES` (a caller's typo)."""
     if path not in PATHS or branch not in BRANCHES:
-        raise ValueError(f"unknown fused path {path!r} or MoE branch {branch!r}")
+        raise ValueError(f"unknown fused path {path!r} or branch {branch!r}")
     if not _enabled:
         return {}
     return MODES_BY_CAPABILITY.get(_device_capability(), {}).get(path, {})
 
 
 def path_measured(path: str, branch: str) -> bool:
-    """Whether ``path`` may run on the MoE ``branch`` in any capture mode on this device
+    """Whether ``path`` may run on ``branch`` (:data:`BRANCHES`) in any capture mode on this device
     (the switch on): for what is done once at load, such as stacking weights, before the
     capture of each call is known; :func:`path_enabled` then decides per call. Silent;
     ``ValueError`` as :func:`path_enabled`."""
@@ -300,7 +303,7 @@ def path_measured(path: str, branch: str) -> bool:
 
 
 def path_enabled(path: str, branch: str) -> bool:
-    """Whether our ``path`` may run on the MoE ``branch`` in this call's capture
+    """Whether our ``path`` may run on ``branch`` (:data:`BRANCHES`) in this call's capture
     (:func:`capture_mode`): the switch on and the mode among those this device's data says
     it was measured in (:data:`MODES_BY_CAPABILITY`). A refusal with the switch on is
     logged once per (path, branch, mode). Never raises for a device or mode; a ``path`` or

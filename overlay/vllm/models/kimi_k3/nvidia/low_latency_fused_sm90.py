@@ -144,6 +144,10 @@ MEASURED_MODES = {
         ("mega_moe", "breakable"): "gate_stack_bench_2026-12-02.json (back to back)",
         ("fused_moe", "breakable"): "decode_step_h200-piecewise_2026-12-04_routed{,_nomoe}.json",
     },
+    # MLA's fused_qkv_a_proj + g_proj as one GEMM of one stacked weight (patch 0013, path
+    # mla_front, branch "mla"): not measured on the H200 yet (no GEMM-table row for the
+    # stacked 3648x7168, no replay with it), so it runs in no mode and nothing is stacked.
+    # `replay --measure-paths mla_front` times it before a mode is listed here.
     # LatentMoERunner's small-M tail at TP > 1: all-reduce of the latent, of the shared
     # output, then one GEMM: latent norm in the prologue, up_proj, shared output added in
     # the epilogue (op rmsnorm_gemm, patch 0009). Under breakable capture stock runs the

@@ -344,6 +344,16 @@ def try_low_latency_gemm(
     return _launch_residual(config, x, weight, residual)
 
 
+def routes_any(shape: Shape) -> bool:
+    """Whether the device's table routes an ``(N, K)`` weight to a built backend at some M:
+    for load-time work that pays only if :func:`try_low_latency_gemm` can run on it (e.g.
+    stacking two weights into one). False on CPU, on a GPU without a table, for a shape
+    without a row, or with ``VLLM_BATCH_INVARIANT`` set; never raises."""
+    table = device_table()
+    spec = None if table is None or envs.VLLM_BATCH_INVARIANT else table.get(tuple(shape))
+    return spec is not None and bool(_runnable_plan(spec))
+
+
 # ------------------------------------------------------------------------ methods
 
 
