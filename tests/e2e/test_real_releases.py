@@ -83,4 +83,4 @@ def test_v0_29_0_patch_landed_and_overlay_files_are_all_ours(mirror_repo, tmp_pa
     # Every overlay file is one upstream does not have: nothing drifts, LLG is not among them.
     assert {f.status for f in report.overlay} == {"added"}
     assert LLG not in {f.path for f in report.overlay}
-    assert report.exit_code == errors.CONFLICT  # 0003/0004 meet upstream's KDA edits, 0006 its MLA ones
+    assert report.exit_code == errors.CONFLICT  # 0003/0004 meet upstream's KDA edits, 0006 and 0013 its MLA ones

@@ -51,10 +51,11 @@ def test_upstreams_dispatch_stays_theirs_and_only_the_kda_and_mla_patches_confli
     assert {f["status"] for f in report["overlay"]} == {"added"}
     statuses = {p["name"].split("-")[0]: p["status"] for p in report["patches"]}
     assert statuses["0002"] == "applied"  # the MTP layer's import line
-    # 0003/0004 meet upstream's KDA overlap, 0006 its rewritten MLA front end. The job's
+    # 0003/0004 meet upstream's KDA overlap, 0006 its rewritten MLA front end, 0013 the same
+    # front end around upstream's own stack of fused_qkv_a_proj and g_proj. The job's
     # fresh clone lacks mtp.py's blob after 0001/0002, so git am cannot 3-way 0006: git
     # names the mla.py hunk that fails (mla.py's _forward_attn), and nothing of mtp.py.
-    assert {n for n, s in statuses.items() if s == "conflict"} == {"0003", "0004", "0006"}
+    assert {n for n, s in statuses.items() if s == "conflict"} == {"0003", "0004", "0006", "0013"}
     [mla] = [p for p in report["patches"] if p["name"].startswith("0006")]
     assert mla["hunks"] and all("vllm/models/kimi_k3/nvidia/mla.py:" in h for h in mla["hunks"])
     assert not report["ok"]  # the KDA and MLA patches need a maintainer
