@@ -22,6 +22,9 @@ SHAPES: dict[tuple[int, int], tuple[str, str]] = {
     (1536, 7168): ("shared_gate_up_proj/mla_g_proj", "TP8"),
     (3072, 7168): ("shared_gate_up_proj", "TP4"),
     (2112, 7168): ("fused_qkv_a_proj", "TP8+TP16"),
+    # Patch 0013: MLA's fused_qkv_a_proj (2112 rows, replicated) and g_proj (1536 at TP8)
+    # as row views of one weight, one GEMM at decode (upstream stacks them from v0.29.0).
+    (3648, 7168): ("mla fused_qkv_a_proj+g_proj (stacked)", "TP8"),
     (2304, 1536): ("q_b_proj", "TP8"),
     (4608, 1536): ("q_b_proj", "TP4"),
     (3584, 7168): ("routed_expert_down_proj", "TP8+TP16"),
@@ -54,6 +57,7 @@ SHAPES: dict[tuple[int, int], tuple[str, str]] = {
 
 EH_PROJ: tuple[int, int] = (7168, 14336)
 KDA_SHAPES: tuple[tuple[int, int], ...] = ((6144, 7168), (144, 7168))
+MLA_FRONT: tuple[int, int] = (3648, 7168)  # patch 0013's stack; added after the sweep of 2026-11-30
 
 
 def weight_bytes(n: int, k: int) -> int:

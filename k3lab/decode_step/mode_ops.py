@@ -207,11 +207,20 @@ def stock_ops(kn, layer: str, br: dict) -> list[Op]:
     return [*attn, *_stock_moe(kn, "hn2", br), *([base["shared_head.norm"]] if layer == "mtp" else [])]
 
 
+def path_branch(path: str, moe_branch: str) -> str:
+    """The branch (``low_latency_fused_dispatch.BRANCHES``) a path of ours lives on in a mode
+    whose MoE takes ``moe_branch``: MLA's front end for ``mla_front``, else the MoE's."""
+    return "mla" if path == "mla_front" else moe_branch
+
+
 def _path_on(pk, path: str) -> bool:
-    """The tree's switch for one of the FusedMoE branch's entries, read when the op list is
-    built (the replay sets the mode's capture first); a tree without the switch: off."""
+    """The tree's switch for one of its entries on the H200's branches (the FusedMoE's, MLA's),
+    read when the op list is built (the replay sets the mode's capture first); a tree without
+    the switch, or without the path (an older overlay): off."""
     fn = getattr(pk.fused, "path_enabled", None)
-    return bool(fn is not None and fn(path, branch="fused_moe"))
+    if fn is None or path not in getattr(pk.fused, "PATHS", ()):
+        return False
+    return bool(fn(path, branch=path_branch(path, "fused_moe")))
 
 
 def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
@@ -279,8 +288,11 @@ def _patched_moe(pk, kn, src: str, stock: dict[str, Op], br: dict) -> list[Op]:
 
 def _patched_mla(pk, kn, src: str, stock: dict, br: dict, core_break: bool) -> list[Op]:
     by = {op.name: op for op in patched._mla(pk, kn, src, stock)}
-    front = [by["fused_qkv_a_proj"], by["fused_q_kv_rmsnorm+q_b_proj"]]
     back = [by["gate_sigmoid_mul"], by["o_proj"]]
+    if _path_on(pk, "mla_front"):  # patch 0013: g_proj in the stacked GEMM, before the core; no fork
+        front = [patched.mla_front(pk, src), by["fused_q_kv_rmsnorm+q_b_proj"]]
+        return [*front, *([graph_break("mla")] if core_break else []), *back]
+    front = [by["fused_qkv_a_proj"], by["fused_q_kv_rmsnorm+q_b_proj"]]
     if br["g_proj"] == "after_core":
         return [*front, *([graph_break("mla")] if core_break else []), by["g_proj"], *back]
     return [fork("attention front end || g_proj", "mla_aux", front, [by["g_proj"]], ""), *back]

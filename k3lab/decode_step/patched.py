@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import torch
 
 from k3lab.decode_step import layers
-from k3lab.decode_step.layers import EPS, FA, FA_AT, KVL, LAT, NE, QL, SITU_BETA, Op
+from k3lab.decode_step.layers import EPS, FA, FA_AT, KVL, LAT, NE, QL, ROPE, SITU_BETA, Op
 
 
 def load() -> SimpleNamespace:
@@ -202,6 +202,25 @@ def _mla(pk, kn, src: str, stock: dict) -> list[Op]:
         _pointwise(pk, "gate_sigmoid_mul", "try_sigmoid_mul", ("attn_out", "gate_o"), (), "a_gated", stock),
         _proj(pk, "o_proj", "a_gated", "o_out", "o"),
     ]  # fmt: skip
+
+
+def mla_front(pk, src: str) -> Op:
+    """Patch 0013's line (``fused_decode.mla_front``) where the tree runs path ``mla_front``:
+    ``fused_qkv_a_proj`` and ``g_proj`` as one GEMM of the load-time stack (``qkv_a_g``), its
+    output split into ``qkv`` and ``gate_o`` (row stride 3648); else the two projections
+    through the dispatch, in place."""
+
+    def run(st, w):
+        out = pk.llg.try_low_latency_gemm(st[src], w["qkv_a_g"])
+        _via(st, "fused_qkv_a_proj+g_proj", out is not None)
+        if out is None:
+            st["qkv"] = _gemm(pk, st, "fused_qkv_a_proj", st[src], w["qkv_a"])
+            st["gate_o"] = _gemm(pk, st, "g_proj", st[src], w["g"])
+            return
+        st["qkv"], st["gate_o"] = out[:, : QL + KVL + ROPE], out[:, QL + KVL + ROPE :]
+
+    return Op("fused_qkv_a_proj+g_proj", "", run, "mla_front: the stack through the dispatch "
+              "(patch 0013), else the two", covers=("fused_qkv_a_proj", "g_proj"))  # fmt: skip
 
 
 def _norm(pk, kn, name: str, src: str, dst: str, wname: str, residual: str | None, new_res: str | None,

@@ -298,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
     ap.add_argument("--measure-paths", default="",
-                    help="comma list of our model-level paths (moe_front, moe_tail) to run in this mode although "
-                         "MEASURED_MODES does not list it: how a path is measured before it is listed")
+                    help="comma list of our model-level paths (moe_front, moe_tail, mla_front) to run in "
+                         "this mode although MEASURED_MODES does not list it: how a path is measured "
+                         "before it is listed")
     ap.add_argument("--drop-paths", default="",
                     help="comma list of our model-level paths to keep off in this mode although MEASURED_MODES "
                          "lists it: the same harness without the path")
@@ -345,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag, paths, apply in (("--measure-paths", trial, measure_paths_here),
                                ("--drop-paths", dropped, drop_paths_here)):
         try:
-            if paths:
-                apply(pk.fused, paths, rec["all"]["moe_branch"], rec["all"]["capture"])
+            for path in paths:
+                branch = mode_ops.path_branch(path, rec["all"]["moe_branch"])
+                apply(pk.fused, [path], branch, rec["all"]["capture"])
         except ValueError as e:
             print(f"error: {flag}: {e}", file=sys.stderr)
             return 2

@@ -17,6 +17,7 @@
 #                        AR_ARGS: --kinds, --m, --apply-best ...), on the overlay as committed now
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
+#                        (DECODE_ARGS: more flags of figures.py, e.g. --shape 3648x7168)
 #   skinny SECONDS       issue 28: skinny_pdl and gemv_pdl on every SM90 shape at M 1..4 (SKINNY_M; SKINNY_ARGS: more flags) against the
 #                        table, CuTe and cuBLAS, alone and in the chain (k3lab.bench.skinny_pdl_sweep)
 set -uo pipefail
@@ -135,7 +136,7 @@ decode)
   lab k3lab.bench.decode_gemm.runner --out-dir "$OUT" --deadline-s $left -- \
      --sweep $R/swap_ab_sweep_sm90.json --tune $R/tune_sm90.json --tune $R/tune_sm90_kda.json \
      --cute-budget-s ${K3_CUTE_BUDGET_S:-60} \
-     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py 2>&1 \
+     --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py ${DECODE_ARGS:-} 2>&1 \
      | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
   PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
 skinny)

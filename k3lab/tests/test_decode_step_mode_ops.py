@@ -18,15 +18,23 @@ class _Any:
     def __call__(self, *a, **k):
         return self
 
+    def __iter__(self):  # an empty collection (e.g. a tree's PATHS): nothing is in it
+        return iter(())
+
 
 class _Pk:
-    """A patched tree without the FusedMoE branch's switch (today's main), or with one."""
+    """A patched tree without the paths' switch (an older overlay), or with one that lets
+    ``paths`` run; ``known``: the paths the tree has (an older one lacks ``mla_front``)."""
 
-    def __init__(self, paths=()):
+    def __init__(self, paths=(), known=("moe_front", "moe_tail", "mla_front")):
         self.llg, self.kda = _Any(), _Any()
         self.fused = _Any()
         if paths is not None:
-            self.fused = type("F", (_Any,), {"path_enabled": lambda s, p, branch: p in paths})()
+            def enabled(s, p, branch):
+                assert p in known and branch == mode_ops.path_branch(p, "fused_moe")
+                return p in paths
+
+            self.fused = type("F", (_Any,), {"path_enabled": enabled, "PATHS": known})()
         else:
             self.fused = type("F", (_Any,), {"path_enabled": None})()
 
@@ -82,17 +90,29 @@ def test_stock_ops_are_what_the_modes_data_says(mode, layer) -> None:
 
 @pytest.mark.parametrize("mode", REPLAYED)
 @pytest.mark.parametrize("layer", modes.LAYERS)
-@pytest.mark.parametrize("paths", [None, (), ("moe_front", "moe_tail")])
+@pytest.mark.parametrize("paths", [None, (), ("moe_front", "moe_tail"), ("mla_front",),
+                                   ("moe_front", "moe_tail", "mla_front")])  # fmt: skip
 def test_patched_covers_every_stock_op_once_in_stock_order(mode, layer, paths) -> None:
     br = modes.branches(mode, layer)
     stock = [op.name for op in mode_ops.leaves(mode_ops.stock_ops(_kn(), layer, br))]
     ops = mode_ops.patched_ops(_Pk(paths), _kn(), layer, br)
     covered = [c for op in mode_ops.leaves(ops) for c in (op.covers or (op.name,))]
+    front = paths is not None and "mla_front" in paths and layer != "kda"
+    if front:  # patch 0013 moves g_proj, in the stacked GEMM, ahead of the core: stock order otherwise
+        assert covered.count("g_proj") == stock.count("g_proj") == 1
+        covered, stock = ([c for c in names if c != "g_proj"] for names in (covered, stock))
     assert covered == stock
     # the same breaks and the same forks of the stream structure as stock
     assert [mode_ops.is_break(o) for o in ops].count(True) == (br["capture"] == "breakable")
     names = [o.name for o in ops]
-    assert ("attention front end || g_proj" in names) == (layer != "kda" and br["g_proj"] == "fork")
+    assert ("fused_qkv_a_proj+g_proj" in names) == front
+    fork = layer != "kda" and br["g_proj"] == "fork" and not front
+    assert ("attention front end || g_proj" in names) == fork
+    if front:  # patch 0013: the stacked GEMM before the core, the gate's consumer after it
+        at = names.index("fused_qkv_a_proj+g_proj")
+        assert names.index("gate_sigmoid_mul") > at and "g_proj" not in names
+        if br["capture"] == "breakable":
+            assert at < [mode_ops.is_break(o) for o in ops].index(True)
     assert "shared experts (runner, aux stream)" in names
     stacked = "router_gate+routed_down+shared_gate_up" in names
     assert stacked == (paths is not None and "moe_front" in paths)
@@ -327,3 +347,23 @@ def test_run_layer_times_each_graph_size_once_and_gives_every_m_its_record(monke
     assert [s["M_run"] for s in steps] == [1, 2, 4, 4, *[8] * 4, *[16] * 8]
     assert sorted({p["M"] for p in per_op}) == [1, 8, 16] and len(per_op) == 6
     assert all(s["layer"] == "kda" and s["speedup_patched"] == 1.0 for s in steps)
+
+
+def test_a_tree_without_the_mla_front_path_keeps_v0_28_0_s_front() -> None:
+    # an overlay before patch 0013: path_enabled would refuse "mla_front" as a typo
+    pk = _Pk(("moe_front",), known=("moe_front", "moe_tail"))
+    for mode in REPLAYED:
+        ops = mode_ops.patched_ops(pk, _kn(), "mla", modes.branches(mode, "mla"))
+        names = [o.name for o in mode_ops.leaves(ops)]
+        assert "fused_qkv_a_proj+g_proj" not in names and "fused_qkv_a_proj" in names
+
+
+def test_measure_paths_lists_the_mla_front_on_its_own_branch() -> None:
+    fused = type("F", (), {})()
+    fused.PATHS = ("moe_front", "moe_tail", "mla_front")
+    fused.MODES_BY_CAPABILITY = {(9, 0): {"moe_tail": {("fused_moe", "breakable"): "run"}}}
+    for path in ("mla_front", "moe_front"):
+        replay.measure_paths_here(fused, [path], mode_ops.path_branch(path, "fused_moe"), "breakable")
+    got = fused.MODES_BY_CAPABILITY[(9, 0)]
+    assert set(got["mla_front"]) == {("mla", "breakable")}
+    assert set(got["moe_front"]) == {("fused_moe", "breakable")}
