@@ -18,6 +18,9 @@
 #   decode SECONDS       issue 12: every backend on every shape x M (k3lab.bench.decode_gemm.runner:
 #                        one child process per phase, each under deadlines), done within SECONDS
 #                        (DECODE_ARGS: more flags of figures.py, e.g. --shape 3648x7168)
+#   chain                issue 28: the table's GEMMs of <= 100 MB back to back in one CUDA graph, M 1..16, per
+#                        table of CHAIN_TABLES ("NAME=PATH ...", default the overlay's as committed), with and
+#                        without a norm before each (k3lab.bench.chain; CHAIN_ARGS: more flags)
 #   skinny SECONDS       issue 28: skinny_pdl and gemv_pdl on every SM90 shape at M 1..4 (SKINNY_M; SKINNY_ARGS: more flags) against the
 #                        table, CuTe and cuBLAS, alone and in the chain (k3lab.bench.skinny_pdl_sweep)
 set -uo pipefail
@@ -139,6 +142,12 @@ decode)
      --table overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py ${DECODE_ARGS:-} 2>&1 \
      | tee "$OUT/figures.log" | grep -v "^\[kernels\]\|^\[candidates\]\|%\]$"
   PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT" timeout 30 python3 -m k3lab.bench.decode_gemm.plot "$OUT/decode_gemm_sm90.json" "$OUT/decode_gemm_sm90.png" ;;
+chain)
+  envs; shim
+  cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (its table is "now" by default)
+  tables=""; for t in ${CHAIN_TABLES:-now=overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py}; do
+    tables="$tables --table $t"; done
+  lab k3lab.bench.chain $tables --out "$OUT" ${CHAIN_ARGS:-} 2>&1 | grep -v "^\[kernels\]" | tee "$OUT/chain.log" ;;
 skinny)
   envs; shim
   cp -r overlay/vllm/. $SITE/vllm/        # the overlay as committed now (skinny_pdl, gemv_pdl included)
