@@ -103,6 +103,10 @@ def render(
     prov = _provenance(results, results_path)
     table = _routed(results)
     row_prov: dict = {}
+    # Per shape: the run whose rows it took whole (the main one unless an added run covered
+    # the shape), and the later runs of some M only that replaced rows of it, in order.
+    origin: dict = dict.fromkeys(table, results_path)
+    partial: dict = {}
     for run, path, *only in added:
         covered = {(r["N"], r["K"]) for r in run["rows"]}
         if only:
@@ -120,11 +124,21 @@ def render(
         else:
             table = {shape: row for shape, row in table.items() if shape not in covered}
             table.update({shape: row for shape, row in _routed(run).items() if shape in covered})
+            origin.update(dict.fromkeys(covered, path))
+            for shape in covered:
+                partial.pop(shape, None)
         prov_run = _provenance(run, path)
-        if run.get("covers") == "rows":  # say which M it gave; the others are the main run's
-            ms = sorted({r["M"] for r in run["rows"]})
-            prov_run["token_counts"] = f"M {ms[0]}..{ms[-1]} (other M: {results_path})"
-        row_prov.update(dict.fromkeys(covered, prov_run))
+        if run.get("covers") != "rows":
+            row_prov.update(dict.fromkeys(covered, prov_run))
+            continue
+        # Say which M it gave, and where the shape's other M come from: the earlier runs of
+        # some M, then the run that gave the shape whole.
+        ms = sorted({r["M"] for r in run["rows"]})
+        for shape in covered:
+            earlier = "".join(f"M {a}..{b}: {src}; " for a, b, src in partial.get(shape, ()))
+            other = f"other M: {origin.get(shape, results_path)}"
+            row_prov[shape] = {**prov_run, "token_counts": f"M {ms[0]}..{ms[-1]} ({earlier}{other})"}
+            partial.setdefault(shape, []).append((ms[0], ms[-1], path))
     row_prov = {shape: src for shape, src in row_prov.items() if shape in table}
     crit = results.get("criteria", {})
     lines = [

@@ -130,6 +130,26 @@ def test_an_added_run_owns_the_shapes_it_covers():
     assert "ROW_PROVENANCE" not in ns
 
 
+def test_a_row_says_which_run_each_of_its_token_counts_comes_from():
+    cfg = [32, 2, 1, 4, None]
+    first = _run("first", [(64, 128, m, cfg) for m in range(1, 9)])
+    whole = _run("whole", [(64, 128, m, cfg) for m in range(1, 9)])
+    some = {**_run("some", [(64, 128, m, cfg) for m in (1, 2)]), "covers": "rows"}
+    more = {**_run("more", [(64, 128, m, cfg) for m in (5, 6)]), "covers": "rows"}
+    ns: dict = {}
+    exec(render_table.render(first, "a.json", ((some, "c.json"),)), ns)
+    assert ns["ROW_PROVENANCE"][(64, 128)]["token_counts"] == "M 1..2 (other M: a.json)"
+    ns = {}
+    exec(render_table.render(first, "a.json", ((whole, "b.json"), (some, "c.json"), (more, "d.json"))), ns)
+    src = ns["ROW_PROVENANCE"][(64, 128)]
+    assert src["run_id"] == "more" and src["token_counts"] == "M 5..6 (M 1..2: c.json; other M: b.json)"
+    # a later run of the whole shape takes every M again
+    ns = {}
+    exec(render_table.render(first, "a.json", ((some, "c.json"), (whole, "b.json"))), ns)
+    assert ns["ROW_PROVENANCE"][(64, 128)]["run_id"] == "whole"
+    assert "token_counts" not in ns["ROW_PROVENANCE"][(64, 128)]
+
+
 # ------------------------------------------------------------ committed figures
 
 

@@ -32,7 +32,7 @@ ROW_PROVENANCE = {
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
         "run_id": "h200-20261204",
-        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+        "token_counts": "M 1..4 (other M: results/sm90/tune_sm90_kda.json)",
     },
     (768, 7168): {
         "gpu": "NVIDIA H200 (SM90)",
@@ -164,7 +164,7 @@ ROW_PROVENANCE = {
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
         "run_id": "h200-20261204",
-        "token_counts": "M 1..4 (other M: results/sm90/decode_gemm_sm90.json)",
+        "token_counts": "M 1..4 (other M: results/sm90/tune_sm90_kda.json)",
     },
     (7168, 768): {
         "gpu": "NVIDIA H200 (SM90)",
