@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 DEFAULT_OUT = "overlay/vllm/models/kimi_k3/nvidia/low_latency_gemm_sm90.py"
@@ -54,13 +55,19 @@ def _backend_comment(table: dict) -> list[str]:
 
 
 def _item(key: str, value: str, indent: str, width: int = 100) -> list[str]:
-    """``key: value,`` lines of a dict literal; a long value split at " -> " (ruff's 110)."""
+    """``key: value,`` lines of a dict literal; a long value split into adjacent string
+    literals at " -> ", " (" and after "; " (ruff's 110)."""
     line = f"{indent}{key!r}: {value!r},"
-    cut = value.find(" -> ")
-    if len(line) <= width or cut < 0:
+    pieces = [p for p in re.split(r"(?= -> )|(?= \()|(?<=; )", value) if p]
+    if len(line) <= width or len(pieces) < 2:
         return [line]
-    return [f"{indent}{key!r}: (", f"{indent}    {value[:cut]!r}", f"{indent}    {value[cut:]!r}",
-            f"{indent}),"]
+    chunks = [pieces[0]]
+    for piece in pieces[1:]:  # as few literals as fit the width
+        if len(f"{indent}    {chunks[-1] + piece!r}") <= width:
+            chunks[-1] += piece
+        else:
+            chunks.append(piece)
+    return [f"{indent}{key!r}: (", *(f"{indent}    {c!r}" for c in chunks), f"{indent}),"]
 
 
 def _provenance(results: dict, results_path: str) -> dict:

@@ -40,6 +40,9 @@ KDA_SHAPES = {(6144, 7168), (144, 7168)}
 # replaces the skinny_pdl sweep's rows (768x7168, 1152x1536 at M 1..4, timed again there).
 GEMV_RESULTS = ROOT / "results" / "sm90" / "gemv_pdl_sweep_sm90.json"
 GEMV_SHAPES = {(r["N"], r["K"]) for r in json.loads(GEMV_RESULTS.read_text())["rows"]} - {(6288, 7168)}
+# issue 28: the isolated re-measure of 2026-12-04 routed swap-AB on KDA's QKVG view at M 5..16,
+# where the KDA tuner's run (CuTe only) had left cuBLAS: those rows, kept as a run of their own.
+ISOLATED_RESULTS = ROOT / "results" / "sm90" / "decode_gemm_isolated_2026-12-04_6144x7168.json"
 # Every timing of the KDA run: its own cache, a small raw run kept as test data.
 KDA_CACHE = ROOT / "k3lab" / "tests" / "data" / "tune_cache_kda"
 # The benchmark of the call that tuned them (the KDA figures are a later run's).
@@ -48,7 +51,8 @@ KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-k
 
 def _added() -> tuple:
     return ((json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
-            (json.loads(GEMV_RESULTS.read_text()), "results/sm90/gemv_pdl_sweep_sm90.json", GEMV_SHAPES))
+            (json.loads(GEMV_RESULTS.read_text()), "results/sm90/gemv_pdl_sweep_sm90.json", GEMV_SHAPES),
+            (json.loads(ISOLATED_RESULTS.read_text()), "results/sm90/" + ISOLATED_RESULTS.name))
 
 
 def test_the_f_b_shapes_take_swap_ab_on_their_strided_input_at_every_m():
@@ -108,6 +112,7 @@ def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, cache, shape
     bar = run["criteria"]["win_both_passes"]
     later = {(r["N"], r["K"], r["M"]) for r in json.loads(GEMV_RESULTS.read_text())["rows"]
              if (r["N"], r["K"]) in GEMV_SHAPES}  # (shape, M) the gemv sweep decided again
+    later |= {(r["N"], r["K"], r["M"]) for r in json.loads(ISOLATED_RESULTS.read_text())["rows"]}
     for n, k in shapes:
         own = {m: e for m, e in rows.get((n, k), {}).items() if (n, k, m) not in later}
         assert set(own) == {m for (dn, dk, m), d in decisions.items()
@@ -118,6 +123,19 @@ def test_rows_from_an_added_run_beat_cublas_twice_in_that_run(path, cache, shape
             assert min(decision["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, twice
             assert {(n, k, m, cfg, 1), (n, k, m, cfg, 2)} <= timed
             assert space.illegal_reason(cfg, n, k, m) is None
+
+
+def test_the_isolated_runs_rows_beat_cublas_twice_and_say_where_the_other_m_come_from():
+    run = json.loads(ISOLATED_RESULTS.read_text())
+    rows, bar = _table()["ROWS"], run["criteria"]["win_both_passes"]
+    assert run["covers"] == "rows" and run["provenance"]["gpu"] == "NVIDIA H200"
+    for r in run["rows"]:
+        assert r["status"] == "routed" and min(r["winner"]["speedup"]) >= bar
+        assert all(c / u >= bar for c, u in zip(r["cublas_us"], r["winner"]["us"]))
+        assert rows[(r["N"], r["K"])][r["M"]] == (r["winner"]["backend"], tuple(r["winner"]["cfg"]))
+    counts = _table()["ROW_PROVENANCE"][(6144, 7168)]["token_counts"]
+    assert counts == ("M 5..16 (M 1..4: results/sm90/gemv_pdl_sweep_sm90.json; "
+                      "other M: results/sm90/tune_sm90_kda.json)")
 
 
 def test_the_run_is_one_h200_run_with_its_baselines():
@@ -131,8 +149,10 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     sources = {shape: src["run_id"] for shape, src in table["ROW_PROVENANCE"].items()}
     kda_run = json.loads(KDA_RESULTS.read_text())["provenance"]["run_id"]
     gemv_run = json.loads(GEMV_RESULTS.read_text())["provenance"]["run_id"]
+    isolated = json.loads(ISOLATED_RESULTS.read_text())
     assert sources == {**dict.fromkeys(KDA_SHAPES - GEMV_SHAPES, kda_run),
-                       **dict.fromkeys(GEMV_SHAPES, gemv_run)}
+                       **dict.fromkeys(GEMV_SHAPES, gemv_run),
+                       **{(r["N"], r["K"]): isolated["provenance"]["run_id"] for r in isolated["rows"]}}
     assert table["PROVENANCE"]["run_id"] == p["run_id"]
 
 

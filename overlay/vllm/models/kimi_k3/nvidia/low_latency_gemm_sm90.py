@@ -157,14 +157,17 @@ ROW_PROVENANCE = {
     (6144, 7168): {
         "gpu": "NVIDIA H200 (SM90)",
         "source": (
-            "k3lab/bench/skinny_pdl_sweep.py run h200-20261204"
-            " -> results/sm90/gemv_pdl_sweep_sm90.json"
+            "k3lab/bench/decode_gemm/figures.py run h200-20261204-figures"
+            " -> results/sm90/decode_gemm_isolated_2026-12-04_6144x7168.json"
         ),
         "date": "2026-12-04",
         "torch": "2.11.0+cu130",
         "cutlass_dsl": "4.6.2",
-        "run_id": "h200-20261204",
-        "token_counts": "M 1..4 (other M: results/sm90/tune_sm90_kda.json)",
+        "run_id": "h200-20261204-figures",
+        "token_counts": (
+            "M 5..16 (M 1..4: results/sm90/gemv_pdl_sweep_sm90.json; "
+            "other M: results/sm90/tune_sm90_kda.json)"
+        ),
     },
     (7168, 768): {
         "gpu": "NVIDIA H200 (SM90)",
@@ -479,6 +482,18 @@ ROWS = {
         2: ("gemv_pdl", (128, 4, 7)),  # 1.10x / 1.15x
         3: ("gemv_pdl", (224, 2, 4)),  # 1.07x / 1.13x
         4: ("cute", (32, 3, 1, 8, 7168)),  # 1.13x / 1.08x
+        5: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.09x / 1.15x
+        6: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.10x / 1.12x
+        7: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.12x / 1.10x
+        8: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.08x / 1.10x
+        9: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.09x / 1.11x
+        10: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.11x / 1.11x
+        11: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.11x / 1.14x
+        12: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.09x / 1.12x
+        13: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.10x / 1.09x
+        14: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.10x / 1.10x
+        15: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.10x / 1.10x
+        16: ("swap_ab", (64, 128, 1, 4, 6, 47)),  # 1.10x / 1.10x
     },
     (6288, 7168): {
         1: ("swap_ab", (64, 128, 1, 4, 6, 48)),  # 1.10x / 1.10x
