@@ -578,6 +578,54 @@ def test_no_mla_front_stack_for_a_layer_it_was_not_built_for(mla_measured, monke
         assert attn.g_proj.weight is g
 
 
+def test_a_second_post_load_hook_keeps_each_stack_where_captured_graphs_read_it(mla_measured, launches,
+                                                                               monkeypatch) -> None:  # fmt: skip
+    """vLLM's layerwise reload refreshes the weights, then runs the layer's hook again."""
+    capture(monkeypatch, FULL)
+    attn, moe = mla_layer(), fused_moe_branch_moe()
+    monkeypatch.setattr(fd, "MODES_BY_CAPABILITY", {SM90: {"mla_front": {("mla", "breakable"): "x.json"},
+                                                           "moe_front": {("fused_moe", "breakable"): "y.json"}}})
+    for stacked in (lambda: fused_decode.stack_mla_front_weights(attn) and attn._k3_front_stack,
+                    lambda: fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE)
+                    and moe._k3_input_stack):  # fmt: skip
+        first = stacked()
+        params, where = first.params, first.weight.data_ptr()
+        assert stacked().weight.data_ptr() == where, "a second hook moved the stack"
+        # a reload that gave one parameter new storage: its values go into the same stack
+        fresh = torch.randn(params[-1].shape).to(BF16)
+        params[-1].data = fresh.clone()
+        again = stacked()
+        assert again.weight.data_ptr() == where and torch.equal(params[-1].data, fresh)
+        assert params[-1].data_ptr() == again.weight[again.weight.shape[0] - fresh.shape[0]].data_ptr()
+
+
+@pytest.mark.parametrize("how", ["offloader", "uva"])
+def test_no_stack_where_vllm_offloads_weights_to_the_cpu(mla_measured, launches, monkeypatch, how) -> None:
+    capture(monkeypatch, FULL)
+    attn, moe = mla_layer(), fused_moe_branch_moe()
+    if how == "offloader":
+        from vllm.model_executor.offloader import base
+
+        monkeypatch.setattr(base, "get_offloader", lambda: object())
+    else:
+        attn.g_proj.weight._vllm_is_uva_offloaded = True
+        moe.gate.weight._vllm_is_uva_offloaded = True
+    assert not fused_decode.stack_mla_front_weights(attn) and not hasattr(attn, "_k3_front_stack")
+    assert fused_decode.stack_moe_input_weights(nn.Sequential(moe), FakeMoE) == 0
+
+
+def test_the_stock_output_gate_gets_a_packed_gate(monkeypatch) -> None:
+    """A refused gate (here: no table) of the stacked GEMM's strides reaches v0.28.0's
+    torch.compile'd expression packed, as v0.28.0 hands it over: no recompile."""
+    monkeypatch.setattr(fused_decode, "try_sigmoid_mul", lambda x, g: None)
+    got = []
+    attn_out, gate = bf16(2, GP), torch.randn(2, QKV + GP).to(BF16)[:, QKV:]
+    fused_decode.output_gate(lambda a, g: got.append(g) or "stock", attn_out, gate)
+    assert got[0].is_contiguous() and torch.equal(got[0], gate)
+    fused_decode.output_gate(lambda a, g: got.append(g) or "stock", attn_out, got[0])
+    assert got[1] is got[0], "a packed gate is handed over as it is"
+
+
 def test_no_mla_front_stack_where_the_gemm_table_has_no_row_for_it(mla_measured, monkeypatch) -> None:
     capture(monkeypatch, FULL)
     monkeypatch.setattr(fused_decode.llg, "routes_any", lambda shape: False)

@@ -73,6 +73,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
+from vllm.models.kimi_k3.nvidia.stacked_weights import is_view_of, offloaded, stack_rows
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
     path_measured,
@@ -207,7 +208,12 @@ def output_gate(stock: Callable, attn_out: torch.Tensor, gate: torch.Tensor) -> 
     sigmoid(gate)``, on our PDL-aware kernel where the device's table has a row (BF16
     both: the stock result's dtype is then BF16 too)."""
     out = try_sigmoid_mul(attn_out, gate)
-    return stock(attn_out, gate) if out is None else out
+    if out is not None:
+        return out
+    # Packed as v0.28.0 hands it over: the stock expression is torch.compile'd, and a gate
+    # of other strides (the column view patch 0013's stacked GEMM gives) would recompile
+    # it, maybe inside a CUDA-graph capture.
+    return stock(attn_out, gate if gate.is_contiguous() else gate.contiguous())
 
 
 def mtp_input(
@@ -265,10 +271,6 @@ class _InputStack(NamedTuple):
     params: tuple[nn.Parameter, nn.Parameter, nn.Parameter]  # gate, routed_down, gate_up
 
 
-def _is_view_of(param: torch.Tensor, weight: torch.Tensor, row: int) -> bool:
-    return param.data_ptr() == weight[row].data_ptr() and param.stride() == weight.stride()
-
-
 def _branch(moe: nn.Module) -> str:
     """The MoE branch v0.28.0's ``KimiMoE`` takes (``use_mega_moe``)."""
     return "mega_moe" if getattr(moe, "use_mega_moe", False) else "fused_moe"
@@ -315,7 +317,8 @@ def stack_moe_input_weights(model: nn.Module, moe_cls: type) -> int:
     The parameters stay what they were (same objects, shapes, values, names), so the stock
     lines, weight loaders and state dicts see no difference; their old storages are freed,
     so once done the model holds no extra memory (one layer's stack in flight: 79 MB at
-    TP8). Nothing is touched where the fused path could not run.
+    TP8). Nothing is touched where the fused path could not run or vLLM offloads weights;
+    a second call keeps each stack where it is (:func:`stacked_weights.stack_rows`).
 
     Returns:
         How many modules were stacked.
@@ -328,14 +331,10 @@ def stack_moe_input_weights(model: nn.Module, moe_cls: type) -> int:
         if params is None:
             continue
         rows = [p.shape[0] for p in params]
-        if not routes_any("gate_gemm", (sum(rows), params[0].shape[1])):
+        if not routes_any("gate_gemm", (sum(rows), params[0].shape[1])) or offloaded(params):
             continue
-        with torch.no_grad():
-            weight = torch.cat([p.data for p in params])
-        row = 0
-        for p, n in zip(params, rows):
-            p.data = weight[row : row + n]
-            row += n
+        old = getattr(module, "_k3_input_stack", None)
+        weight = stack_rows(old.weight if isinstance(old, _InputStack) else None, params)
         module._k3_input_stack = _InputStack(weight, rows[0], rows[1], params)
         stacked += 1
     return stacked
@@ -362,7 +361,7 @@ def moe_input_projections(
     if not isinstance(stack, _InputStack) or not path_enabled("moe_front", _branch(moe)):
         return None
     starts = (0, stack.gate_rows, stack.gate_rows + stack.latent_rows)
-    if not all(_is_view_of(p, stack.weight, r) for p, r in zip(stack.params, starts)):
+    if not all(is_view_of(p, stack.weight, r) for p, r in zip(stack.params, starts)):
         return None
     fused = try_gate_gemm(hidden_states, stack.weight, stack.gate_rows)
     if fused is None:
@@ -422,8 +421,9 @@ def stack_mla_front_weights(attn: nn.Module) -> bool:
     kernels up (graph capture must not compile).
 
     As :func:`stack_moe_input_weights`: the parameters stay the same objects, shapes and
-    values, their old storages are freed (52 MB in flight at TP8), and nothing is touched
-    where the path could not run.
+    values, their old storages are freed (52 MB in flight at TP8), nothing is touched
+    where the path could not run or vLLM offloads weights, and a second call (vLLM's
+    layerwise reload runs this hook again) keeps the stack where it is (:func:`stacked_weights.stack_rows`).
 
     Returns:
         Whether the layer was stacked.
@@ -432,11 +432,10 @@ def stack_mla_front_weights(attn: nn.Module) -> bool:
     if params is None:
         return False
     rows = [p.shape[0] for p in params]
-    if not llg.routes_any((sum(rows), params[0].shape[1])):
+    if not llg.routes_any((sum(rows), params[0].shape[1])) or offloaded(params):
         return False
-    with torch.no_grad():
-        weight = torch.cat([p.data for p in params])
-    params[0].data, params[1].data = weight[: rows[0]], weight[rows[0] :]
+    old = getattr(attn, "_k3_front_stack", None)
+    weight = stack_rows(old.weight if isinstance(old, _FrontStack) else None, params)
     attn._k3_front_stack = _FrontStack(weight, rows[0], params)
     llg.request_low_latency_warmup(weight)
     return True
@@ -461,7 +460,7 @@ def mla_front(attn: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     stack = getattr(attn, "_k3_front_stack", None)
     if not isinstance(stack, _FrontStack) or not path_enabled("mla_front", "mla"):
         return None
-    if not all(_is_view_of(p, stack.weight, r) for p, r in zip(stack.params, (0, stack.qkv_rows))):
+    if not all(is_view_of(p, stack.weight, r) for p, r in zip(stack.params, (0, stack.qkv_rows))):
         return None
     out = llg.try_low_latency_gemm(hidden_states, stack.weight)
     if out is None:
