@@ -73,7 +73,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
-from vllm.models.kimi_k3.nvidia.stacked_weights import is_view_of, offloaded, stack_rows
+from vllm.models.kimi_k3.nvidia.stacked_weights import is_view_of, offloaded, stack_rows, stackable
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
     path_measured,
@@ -298,13 +298,7 @@ def _moe_input_params(moe: nn.Module) -> tuple[nn.Parameter, nn.Parameter, nn.Pa
         _plain_linear_weight(getattr(moe, "routed_expert_down_proj", None)),
         _plain_linear_weight(getattr(shared, "gate_up_proj", None)),
     )
-    first = params[0]
-    for p in params:
-        if not isinstance(p, nn.Parameter) or p.dim() != 2 or p.dtype is not torch.bfloat16:
-            return None
-        if p.shape[1] != first.shape[1] or p.device != first.device or p.stride() != (p.shape[1], 1):
-            return None
-    return params
+    return params if stackable(params) else None
 
 
 def stack_moe_input_weights(model: nn.Module, moe_cls: type) -> int:
@@ -400,13 +394,7 @@ def _mla_front_params(attn: nn.Module) -> tuple[nn.Parameter, nn.Parameter] | No
         return None
     ranks = [getattr(attn, name, None) for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim")]
     params = (_plain_linear_weight(qkv_a), _plain_linear_weight(g_proj))
-    first = params[0]
-    for p in params:
-        if not isinstance(p, nn.Parameter) or p.dim() != 2 or p.dtype is not torch.bfloat16:
-            return None
-        if p.shape[1] != first.shape[1] or p.device != first.device or p.stride() != (p.shape[1], 1):
-            return None
-    if None in ranks or first.shape[0] != sum(ranks):
+    if not stackable(params) or None in ranks or params[0].shape[0] != sum(ranks):
         return None
     return params
 

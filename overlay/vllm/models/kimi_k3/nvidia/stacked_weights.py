@@ -13,6 +13,19 @@ Nothing is stacked where vLLM offloads weights to the CPU (:func:`offloaded`).
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+def stackable(params) -> bool:
+    """Whether ``params`` can become row views of one tensor: each an ``nn.Parameter``,
+    a packed row-major 2-D BF16 weight, all of one K on one device."""
+    first = params[0]
+    for p in params:
+        if not isinstance(p, nn.Parameter) or p.dim() != 2 or p.dtype is not torch.bfloat16:
+            return False
+        if p.shape[1] != first.shape[1] or p.device != first.device or p.stride() != (p.shape[1], 1):
+            return False
+    return True
 
 
 def is_view_of(param: torch.Tensor, weight: torch.Tensor, row: int) -> bool:
