@@ -49,6 +49,35 @@ def untracked_in_the_way(repo: Repo, paths: list[str]) -> list[str]:
             if path not in tracked and not any(t.startswith(path + "/") for t in tracked)]
 
 
+def worktree_blobs(repo: Repo, paths: list[str]) -> dict[str, str | None]:
+    """``{path: the blob id its work-tree content would have}`` for each of ``paths``: a
+    link's target, a regular file's content as ``git add`` would store it (the path's
+    filters applied, as a checkout's are undone); None where nothing, or a folder, is
+    there. What tells a file git wrote from one the user changed."""
+    from .gitobjects import blob_id
+
+    top = Path(repo.working_tree_dir)
+    width = len(run(repo, "rev-parse", "--verify", "--quiet", "HEAD").strip() or "0" * 40)
+    out: dict[str, str | None] = dict.fromkeys(paths)
+    files = []
+    for path in paths:
+        where = top / path
+        if where.is_symlink():
+            out[path] = blob_id(os.fsencode(os.readlink(where)), width=width)
+        elif where.is_file():
+            if "\n" in path:  # --stdin-paths cannot name it: unknown, so never taken for git's
+                out[path] = "?"
+            else:
+                files.append(path)
+    if files:
+        status, stdout, err = _execute(["hash-object", "--stdin-paths"], cwd=_cwd(repo),
+                                       stdin="".join(f + "\n" for f in files).encode())  # fmt: skip
+        if status != 0:
+            raise GitError(f"git hash-object failed: {first_line(_text(err))}")
+        out.update(zip(files, _text(stdout).split()))
+    return out
+
+
 def is_dirty(repo: Repo) -> bool:
     """True if ``repo`` has staged, unstaged or untracked (not ignored) changes."""
     return bool(run(repo, "status", "--porcelain", "--untracked-files=normal").strip())

@@ -5,10 +5,12 @@ The one step that writes the user's files (``apply.py`` without ``--check``, and
 and record in the checkout's config that apply.py wrote that tip (``TIP_KEY``; without
 it every later run refuses the branch as someone else's).
 
-- **A failure** part-way (a full disk, a read-only file system): whatever git wrote
-  is undone (``_undo``): new files removed (one that was there before never is),
-  changed ones restored, the index, HEAD, the branch and the record put back; then
-  the error, in one line.
+- **A failure** part-way (a full disk, a read-only file system, a file the user changed
+  while the run went on): whatever git wrote is undone (``_undo``), and only that: a
+  path the switch changes whose content is now the new commit's goes back to the old
+  one (or goes, where only the new commit has it); one that holds neither (the user's
+  edit, or the file git was writing when it failed) is left as it is and named; HEAD,
+  the branch and the record are put back; then the error, in one line.
 - **A kill** (SIGKILL, power cut): the step was recorded ahead in the journal; the
   next run finishes it (``resume.finish``) where a normal run could make the switch,
   and otherwise stops with a normal run's refusal.
@@ -51,11 +53,16 @@ def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
         except (git.GitError, OSError) as err:
             hint = _space_hint(top)  # before the undo frees it
             try:
-                _undo(repo, top, branch, before)
+                kept = _undo(repo, top, branch, before)
             except (git.GitError, OSError) as undo_err:
                 raise UsageError(f"{_reason(err)}; putting {top} back failed too ({_reason(undo_err)}): "
                                  f"free the space, then run apply.py again, which finishes it") from err
             finished.append(True)
+            if kept:  # never overwritten: the user's edits since the run started, most likely
+                named = ", ".join(kept[:3]) + (" ..." if len(kept) > 3 else "")
+                raise git.GitError(f"{err}; {top} was put back but for {len(kept)} file(s) that hold "
+                                   f"neither its old nor its new content, left as they are (edits of "
+                                   f"yours?): {named}") from err
             if hint and isinstance(err, git.GitError):  # git says only "unable to write file X"
                 raise git.GitError(f"{err} ({hint}); {top} was left as it was") from err
             raise  # git's own words: the checkout is as it was
@@ -99,25 +106,35 @@ def _state(repo: git.Repo, branch: str, sha: str) -> dict:
     removed), with the folders that exist above them."""
     head = git.resolve(repo, "HEAD")
     top = Path(repo.working_tree_dir)
-    new_only = []
+    new_only, changed, old, new = [], [], {}, {}
     if head:
         changed = git.changed_paths(repo, head, sha)
         old = git.tree_entries(repo, head, changed)
+        new = git.tree_entries(repo, sha, changed)
         new_only = [p for p in changed if p not in old]
     folders = {str(Path(p).parent) for p in new_only}
     folders |= {str(parent) for f in list(folders) for parent in Path(f).parents}
     return {"head": head, "symbolic": git.current_branch(repo), "tip": git.branch_tip(repo, branch),
             "record": [git.config_get(repo, key.format(branch)) for key in (TIP_KEY, BASE_KEY)],
-            "new_only": new_only,
+            "new_only": new_only, "changed": changed, "old": old, "new": new, "new_sha": sha,
             "there": {p for p in new_only if os.path.lexists(top / p)},
             "folders": {f for f in folders if os.path.lexists(top / f)}}
 
 
-def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
-    """Put back what ``before`` (``_state``) says: first remove the new files (freeing the
-    space the restore may need), then HEAD, the branch, index and files, and the record."""
+def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> list[str]:
+    """Put back what ``before`` (``_state``) says: first remove the new files git wrote
+    (freeing the space the restore may need), then HEAD, the branch, the files git changed
+    with their index entries, and the record. Returns the paths the switch changes that
+    hold neither content: left as they are (the run's start found the tree clean, so they
+    are the user's edits since, or the one file git was writing when it failed)."""
+    blobs = git.worktree_blobs(repo, before["changed"]) if before["head"] else {}
+    wrote = {p for p, blob in blobs.items() if p in before["new"] and blob == before["new"][p][1]}
+    odd = [p for p, blob in blobs.items() if p not in wrote and blob is not None and p not in before["there"]
+           and (p not in before["old"] or blob != before["old"][p][1])]  # there before: never touched
+    wrote |= _cut_short(repo, top, before, odd)
+    kept = sorted(p for p in odd if p not in wrote)
     for path in sorted(before["new_only"], key=lambda p: -p.count("/")):
-        if path not in before["there"] and os.path.lexists(top / path):
+        if path in wrote and path not in before["there"] and os.path.lexists(top / path):
             with contextlib.suppress(IsADirectoryError):
                 os.unlink(top / path)
     for folder in sorted({str(Path(p).parent) for p in before["new_only"]}, key=lambda f: -f.count("/")):
@@ -137,8 +154,16 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
             git.run(repo, "update-ref", f"refs/heads/{branch}", before["tip"])
         else:
             git.run(repo, "update-ref", "-d", f"refs/heads/{branch}")
-    if before["head"] and git.is_dirty(repo):
-        git.run(repo, "reset", "--hard", "--quiet", "HEAD")  # it was clean: only git's writes go
+    # Git's own writes only: what it wrote, or removed, of the paths the switch changes.
+    # The index is written last by a checkout, so a failed one left it as it was.
+    back = [p for p in before["old"] if p in wrote or (blobs.get(p) is None and p not in kept)]
+    for start in range(0, len(back), 1000):
+        git.run(repo, "checkout", "--quiet", before["head"], "--", *git.literal(back[start:start + 1000]))
+    if wrote - set(before["old"]):  # files only the new commit has, removed above: their index entries
+        git.run(repo, "rm", "--quiet", "--cached", "--ignore-unmatch", "--",
+                *git.literal(sorted(wrote - set(before["old"]))))
+    for start in range(0, len(kept), 1000):  # their index entries only: the files stay as they are
+        git.run(repo, "reset", "--quiet", before["head"], "--", *git.literal(kept[start:start + 1000]))
     for key, value in zip((TIP_KEY, BASE_KEY), before["record"]):
         if git.config_get(repo, key.format(branch)) == value:
             continue
@@ -146,6 +171,20 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> None:
             git.config_set(repo, key.format(branch), value)
         else:
             git.run(repo, "config", "--local", "--unset", key.format(branch))
+    return kept
+
+
+def _cut_short(repo: git.Repo, top: Path, before: dict, paths: list[str]) -> set[str]:
+    """Those of ``paths`` (holding neither the old nor the new content) that are a prefix
+    of the new content: what git was writing when the disk filled up, not an edit."""
+    new = git.read_files(repo, before["new_sha"], [p for p in paths if p in before["new"]])
+    cut = set()
+    for path, data in new.items():
+        where = top / path
+        with contextlib.suppress(OSError):
+            if where.is_file() and not where.is_symlink() and data.startswith(where.read_bytes()):
+                cut.add(path)
+    return cut
 
 
 def drop_stale_locks(repo: git.Repo, since: float) -> list[str]:

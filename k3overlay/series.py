@@ -346,7 +346,7 @@ def _stuck_patch(repo: git.Repo, by_subject: dict[str, Patch]) -> Patch | None:
 def _undo(repo: git.Repo, start: str) -> None:
     """End the am and put HEAD, index and work tree back at ``start`` (what am made goes)."""
     git.am_abort(repo)
-    git.run(repo, "reset", "--quiet", "--hard", start)
+    git.run(repo, "reset", "--quiet", "--keep", start)  # --keep: a user edit since the start stays
 
 
 def _am_refused(patch: Patch | None, output: str) -> str:

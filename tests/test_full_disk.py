@@ -194,3 +194,43 @@ def test_a_switch_that_cannot_be_undone_is_finished_by_the_next_run(project, ups
     assert [line for line in said if "note:" in line] == [
         f"… note: the last run was killed; it was switching {wd} to k3-overlay/9.9.9 "
         f"({g(wd, 'rev-parse', 'HEAD').strip()[:12]}): finished"]
+
+
+# ----------------------------------------------- the user's edits while the run goes on
+
+
+@pytest.mark.parametrize("when", ["before git's checkout", "after it"])
+def test_an_edit_made_while_the_run_went_on_survives_a_failed_switch(project, upstream, tmp_path,
+                                                                     monkeypatch, when):
+    """A file the switch changes, edited after the run's start-of-run check: git refuses to
+    overwrite it (before), or the switch fails once git wrote everything and the user edits
+    on top (after). Either way the edit stays byte for byte, the error names it, and
+    everything git wrote goes back."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    before = everything(wd)
+    real_set, edited = git.set_branch, {}
+
+    def set_branch(repo, name, sha):
+        # a file the switch changes, and that is there before and after it
+        victim = next(p for p in g(wd, "diff", "--name-only", "HEAD", sha).split()
+                      if (wd / p).is_file() and g(wd, "cat-file", "-t", f"{sha}:{p}").strip() == "blob")
+        edited[victim] = (wd / victim).read_bytes() + b"\n# my edit, made while apply.py ran\n"
+        if when == "after it":
+            real_set(repo, name, sha)
+            (wd / victim).write_bytes(edited[victim])
+            raise git.GitError("git checkout failed: error: unable to write file: No space left on device")
+        (wd / victim).write_bytes(edited[victim])
+        real_set(repo, name, sha)  # git: your local changes would be overwritten
+
+    monkeypatch.setattr(git, "set_branch", set_branch)
+    with pytest.raises(git.GitError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    [(victim, mine)] = edited.items()
+    assert (wd / victim).read_bytes() == mine, "the user's edit is gone"
+    assert victim in str(err.value) and "\n" not in str(err.value)
+    after = everything(wd)
+    assert {p: b for p, b in after["files"].items() if p != victim} == \
+        {p: b for p, b in before["files"].items() if p != victim}
+    assert [after[k] for k in ("refs", "head", "config")] == [before[k] for k in ("refs", "head", "config")]
+    assert g(wd, "status", "--porcelain").split() == ["M", victim]
