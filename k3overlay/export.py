@@ -14,6 +14,7 @@ Everything is checked before anything is written: a refused export leaves
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,9 @@ def export(project: Project, workdir: Path) -> ExportResult:
 
 def _export(project: Project, workdir: Path) -> ExportResult:
     _refuse_dirty_project(project)
+    # What the files export rewrites hold now (committed: the check above): an edit made
+    # while the export runs stops it before anything is written (write_all_in_tree).
+    start = _contents(project)
     repo = git.open_repo(workdir)
     op = git.operation_in_progress(repo)
     if op or git.is_dirty(repo):
@@ -103,14 +107,22 @@ def _export(project: Project, workdir: Path) -> ExportResult:
         manifest_mod.dumps(manifest_mod.Manifest(base_ref, files)), False)
     with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
         # (killed while staging: nothing in overlay/; while renaming: the next run finishes)
-        write_all_in_tree(project.root, writes, staging=STAGING,
-                          remove=tuple(_rel(project, old) for old in project.patches_dir.glob("*.patch")
-                                       if old.name not in patch_files))
+        remove = tuple(_rel(project, old) for old in project.patches_dir.glob("*.patch")
+                       if old.name not in patch_files)
+        write_all_in_tree(project.root, writes, staging=STAGING, remove=remove,
+                          unchanged={rel: start.get(rel) for rel in (*writes, *remove)})
         record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}
     result.dropped = [p.name for p in old_patches if p.subject not in kept]
     return result
+
+
+def _contents(project: Project) -> dict[str, str]:
+    """``{rel: sha256}`` of every file in ``patches/``, ``overlay/`` and ``overlay.json``."""
+    paths = [project.manifest_path, *project.patches_dir.glob("*"), *project.overlay_dir.rglob("*")]
+    return {_rel(project, p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in paths if p.is_file() and not p.is_symlink()}
 
 
 def _rel(project: Project, path: Path) -> str:

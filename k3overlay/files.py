@@ -52,7 +52,8 @@ STAGING = ".k3-tmp"  # the project's folder for an export's temporary files (its
 
 
 def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
-                      staging: str | None = None, remove: tuple[str, ...] = ()) -> None:
+                      staging: str | None = None, remove: tuple[str, ...] = (),
+                      unchanged: dict[str, str | None] | None = None) -> None:
     """Write each ``rel: (data, executable)`` under ``root`` as ``write_in_tree`` does, all or
     none: every file is first written whole to a temporary file and flushed to disk, and
     only then are they all renamed into place. A refused path, a full disk or Ctrl-C before
@@ -67,7 +68,10 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
     patches that left the series). Once all is staged, the renames and removals are
     journaled as one ``rename`` step (each path with its old and new sha256): a run
     killed part-way through them is finished by the next (``finish_renames``), never
-    left half old, half new. Raises UsageError as ``write_in_tree``.
+    left half old, half new. ``unchanged``: ``{rel: sha256, or None for nothing}`` each
+    destination and removed file held when the caller read them; one that holds anything
+    else once all is staged (the user's edit while the run went on) stops the call before
+    any rename: UsageError naming it, nothing written. Raises UsageError as ``write_in_tree``.
     """
     from . import journal  # (the journal opens its own file with ``open_regular``)
 
@@ -75,11 +79,11 @@ def write_all_in_tree(root: Path, files: dict[str, tuple[bytes, bool]], *,
     own = f"{staging}/{token}" if staging else None
     with journal.step("write", root=str(root), folders=sorted({r.rpartition("/")[0] for r in files}),
                       token=token, staging=own):
-        _write_files(root, files, token, own, remove)
+        _write_files(root, files, token, own, remove, unchanged)
 
 
 def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, own: str | None,
-                 remove: tuple[str, ...]) -> None:
+                 remove: tuple[str, ...], unchanged: dict[str, str | None] | None = None) -> None:
     from . import journal
 
     folders: dict[str, int] = {}  # folder (relative to root) -> its descriptor, opened once
@@ -98,8 +102,15 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
             staged.append((where, temp, dirfd, name))
             moves.append([f"{own or rel.rpartition('/')[0]}/{temp}".lstrip("/"), rel,
                           _digest(root, rel), hashlib.sha256(data).hexdigest()])
-        journal.point("write.staged")
         gone = [[rel, _digest(root, rel)] for rel in remove]
+        if unchanged is not None:  # the last look before the renames: an edit since the caller's read stays
+            now = {move[1]: move[2] for move in moves} | dict(gone)
+            edited = sorted(rel for rel, digest in now.items() if digest != unchanged.get(rel))
+            if edited:
+                raise UsageError(f"{edited[0]}{f' and {len(edited) - 1} more' if len(edited) > 1 else ''} "
+                                 f"changed while this run went on; nothing was written, your change is "
+                                 f"as you left it: commit or stash it, then run again")
+        journal.point("write.staged")
         name = ""
         try:
             with journal.step("rename", root=str(root), moves=moves, remove=gone), \

@@ -291,6 +291,36 @@ def test_export_refuses_uncommitted_changes_to_the_data_files(project, upstream,
                               "commit or stash them before --export")
 
 
+@pytest.mark.parametrize("what", ["a patch", "an overlay file", "the series", "overlay.json"])
+def test_an_edit_to_the_data_files_while_export_runs_is_never_overwritten(project, upstream, tmp_path,
+                                                                         monkeypatch, what):
+    """The start-of-run check passed; the user edits while the export is at work (round 5,
+    F2): the export stops before it renames anything, and the edit stays as it was."""
+    from k3overlay import export as export_mod
+
+    wd = applied_from_a_project_checkout(project, upstream, tmp_path)
+    target = {"a patch": next(project.patches_dir.glob("*.patch")),
+              "the series": project.patches_dir / "series",
+              "an overlay file": next(p for p in project.overlay_dir.rglob("*") if p.is_file()),
+              "overlay.json": project.manifest_path}[what]
+    mine = target.read_bytes() + b"\n# my note, written while --export ran\n"
+    before = {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file() and ".git" not in p.parts}
+    real = export_mod._range_diff
+
+    def range_diff(*args):  # after the check, before the write
+        target.write_bytes(mine)
+        return real(*args)
+
+    monkeypatch.setattr(export_mod, "_range_diff", range_diff)
+    with pytest.raises(errors.UsageError) as err:
+        export(project, wd)
+    assert str(err.value).startswith(target.relative_to(project.root).as_posix())
+    assert "changed while this run went on; nothing was written" in str(err.value)
+    assert target.read_bytes() == mine
+    after = {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file() and ".git" not in p.parts}
+    assert {p: b for p, b in after.items() if p != target} == {p: b for p, b in before.items() if p != target}
+
+
 def test_export_from_a_clean_project_checkout_goes_ahead(project, upstream, tmp_path):
     wd = applied_from_a_project_checkout(project, upstream, tmp_path)
     (project.root / "README.md").write_text("notes, not data\n")  # outside the data files
