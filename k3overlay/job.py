@@ -65,11 +65,20 @@ def run_apply(project: Project, opts: Options) -> Report:
     branch = work_branch(project, opts)
     workdir = (opts.workdir or project.default_workdir).resolve()
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
-                    allow_drift=opts.allow_drift)
+                    allow_drift=opts.allow_drift, **next_args(opts))
 
     with locked(workdir, check=opts.check):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
+
+
+def next_args(opts: Options) -> dict[str, str]:
+    """What the report's next commands repeat of the run's arguments: the source (without
+    credentials), the checkout and the branch, where the user gave them."""
+    from .redact import url_without_credentials
+
+    return {"vllm_repo": url_without_credentials(opts.vllm_repo) if opts.vllm_repo else "",
+            "workdir_arg": str(opts.workdir) if opts.workdir else "", "branch_arg": opts.branch or ""}
 
 
 def work_branch(project: Project, opts: Options) -> str:

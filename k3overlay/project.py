@@ -25,6 +25,11 @@ IDENTITY = {
 }
 # For applying patches: the tool commits, each patch keeps its own author.
 COMMITTER = {k: v for k, v in IDENTITY.items() if k.startswith("GIT_COMMITTER_")}
+# The identity the report's next commands give git where it knows none (CI, a fresh
+# machine) for a maintainer's own commits (a resolved conflict): never the tool's, so the
+# branch then counts as the maintainer's work until --export saved it.
+MAINTAINER = {"name": "vllm-k3-overlay maintainer",
+              "email": "k3-overlay-maintainer@users.noreply.localhost"}
 
 
 @dataclass(frozen=True)

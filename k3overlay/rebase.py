@@ -31,6 +31,7 @@ from .job import (
     commit_overlay,
     fetched,
     locked,
+    next_args,
     publish,
     record,
     refuse_merge_attributes,
@@ -128,7 +129,8 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     branch = work_branch(project, opts)
-    report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir))
+    report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir),
+                    **next_args(opts))
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
     if repo is None:

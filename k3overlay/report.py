@@ -26,7 +26,7 @@ from .gitproc import user_has_identity
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
 from .printable import for_terminal
-from .project import COMMITTER
+from .project import MAINTAINER
 from .redact import scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
@@ -59,6 +59,8 @@ class Report:
     sections: list[Section] = field(default_factory=list)
     wheel: dict | None = None
     vllm_repo: str = ""
+    workdir_arg: str = ""  # --workdir as given (the next commands repeat it); "" for the default
+    branch_arg: str = ""  # --branch as given; "" for the default
     error: str = ""
     error_code: int = errors.OK
     notes: list[str] = field(default_factory=list)
@@ -516,13 +518,17 @@ def next_commands(r: Report, has_identity: bool | None = None) -> list[str]:
     if r.error or r.exit_code == errors.ENVIRONMENT:
         return []
     source = f" --vllm-repo {shlex.quote(r.vllm_repo)}" if r.vllm_repo else ""
-    rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}"
-    git = "git -C work/vllm"
-    # git commits only with an identity: name the tool's own where git knows none (CI, a fresh
-    # machine), as every other commit on the work branch has it
+    # the checkout and branch the run was given, so that each line acts on that one
+    where = (f" --workdir {shlex.quote(r.workdir_arg)}" if r.workdir_arg else "") + (
+        f" --branch {shlex.quote(r.branch_arg)}" if r.branch_arg else "")
+    rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}{where}"
+    where_export = f" --workdir {shlex.quote(r.workdir_arg)}" if r.workdir_arg else ""
+    git = f"git -C {shlex.quote(r.workdir_arg) if r.workdir_arg else 'work/vllm'}"
+    # git commits only with an identity: where it knows none (CI, a fresh machine) name one,
+    # the maintainer's and never the tool's: a commit with the tool's identity would pass for
+    # the tool's own, and a plain run would take the branch back (safety.foreign_commits)
     committing = git if (has_identity if has_identity is not None else user_has_identity()) else (
-        f"{git} -c user.name={shlex.quote(COMMITTER['GIT_COMMITTER_NAME'])} "
-        f"-c user.email={COMMITTER['GIT_COMMITTER_EMAIL']}")
+        f"{git} -c user.name={shlex.quote(MAINTAINER['name'])} -c user.email={MAINTAINER['email']}")
     lines = [rebase]
     for p in r.conflicting_patches:
         add = f"{git} add -- {' '.join(map(shlex.quote, p.files))} && " if p.files else ""
@@ -540,8 +546,8 @@ def next_commands(r: Report, has_identity: bool | None = None) -> list[str]:
         lines.append(f"# fix what {' and '.join(found)} found (above) on the work branch")
     if len(lines) > 1 and not lines[-1].startswith(git):
         add = f"{git} add -- {' '.join(shlex.quote(f.path) for f in conflicted)} && " if conflicted else ""
-        return lines + [f"{add}{committing} commit -a && python apply.py --export"]
-    return lines + ["python apply.py --export"]
+        return lines + [f"{add}{committing} commit -a && python apply.py --export{where_export}"]
+    return lines + [f"python apply.py --export{where_export}"]
 
 
 def _details(r: Report) -> list[str]:

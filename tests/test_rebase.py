@@ -519,10 +519,18 @@ def test_the_suggested_next_commands_work_where_git_knows_no_identity(project, u
     assert report.exit_code == errors.CONFLICT and report.patches[0].files == ["pkg/model.txt"]
     (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text().split("<<<<<<<")[0] + "line 4\n")
     commands = [c for c in markdown([report]).split("```bash\n")[1].split("```")[0].splitlines()
-                if c.startswith("git -C work/vllm")]
+                if c.startswith(f"git -C {wd}")]  # the checkout this run was given, not the default
     assert commands and "-c user.name=" in commands[0] and " add -- pkg/model.txt && " in commands[0]
+    assert f"python apply.py --rebase-to v1.3.0 --vllm-repo {upstream} --workdir {wd}" in commands[0]
     git_part = commands[0].split(" && python apply.py")[0]
-    done = subprocess.run(["bash", "-c", git_part], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(["bash", "-c", git_part], cwd=project.root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not (wd / ".git/rebase-apply").exists()
-    assert g(wd, "log", "-1", "--format=%s%n%cn").splitlines() == ["model: change lines [4]", "vllm-k3-overlay"]
+    # committed as the maintainer, never as the tool: the resolution is the maintainer's work,
+    # which a plain run must not take back (round 5, F3)
+    assert g(wd, "log", "-1", "--format=%s%n%cn").splitlines() == ["model: change lines [4]",
+                                                                   "vllm-k3-overlay maintainer"]
+    from k3overlay import git as k3git, safety
+
+    tip = g(wd, "rev-parse", "HEAD").strip()
+    assert safety.foreign_commits(k3git.open_repo(wd), report.branch, tip) == [tip]
