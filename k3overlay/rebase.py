@@ -176,8 +176,12 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                 f"`git am --abort`, drop the patch from patches/series, re-run)")
             return report
     if _overlay_committed(repo, report.ref_sha, {f.path for f in manifest.files}):
+        # Checked again as it stands now: a run that stopped at verification must not
+        # come back "ok" because nothing was left to lay (round 5, F4).
+        report.verify = verify_change(repo, report.ref_sha, "HEAD")
         report.notes.append("the overlay is already committed on the branch (a resolution is "
-                            "never overwritten): run apply.py --export")
+                            "never overwritten): " + ("run apply.py --export" if report.verify.ok else
+                                                      "fix what verify found, commit, run this again"))
         return report
     report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
     laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)

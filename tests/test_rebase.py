@@ -123,6 +123,13 @@ def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path)
     assert third.ok and "the overlay is already committed on the branch (a resolution is never " \
         "overwritten): run apply.py --export" in third.notes
     assert (wd / "pkg/mod.py").read_text() == resolved and g(wd, "status", "--porcelain") == ""
+    # a resolution that breaks the tree: re-running checks it again, never "ok" (round 5, F4)
+    (wd / "pkg/mod.py").write_text(resolved + "def broken(:\n")
+    g(wd, "commit", "-qam", "a resolution that does not compile")
+    fourth = rebase_to(project, opts)
+    assert fourth.exit_code == errors.VERIFY and not fourth.ok
+    assert any(n.endswith("fix what verify found, commit, run this again") for n in fourth.notes)
+    g(wd, "reset", "-q", "--hard", "HEAD~1")
     result = export(project, wd)
     assert result.patches == ["0001-model-line-4.patch"] and result.base == "v1.3.0"
     patch = (project.patches_dir / result.patches[0]).read_text()
