@@ -98,10 +98,12 @@ def foreign_commits(repo: git.Repo, branch: str, tip: str) -> list[str]:
 
 
 def refuse_git_locks(repo: git.Repo, branch: str) -> None:
-    """UsageError if a lock file git takes to switch ``branch`` is there (``index.lock``,
-    ``HEAD.lock``, the branch's): a git command runs there (the user's ``git commit`` with
-    its editor open), or a killed one left it. The tool never deletes one it did not take."""
-    paths = ("index.lock", "HEAD.lock", f"refs/heads/{branch}.lock")
+    """UsageError if a lock file git takes to switch ``branch`` or record it is there
+    (``index.lock``, ``HEAD.lock``, the branch's, ``config.lock``): a git command runs there
+    (the user's ``git commit`` with its editor open, a ``git config``), or a killed one left
+    it (the tool's own record of the branch is a ``git config``). The tool never deletes one
+    it did not take."""
+    paths = ("index.lock", "HEAD.lock", f"refs/heads/{branch}.lock", "config.lock")
     for name in paths:
         where = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-path", name).strip())
         if where.exists() or where.is_symlink():

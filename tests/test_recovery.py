@@ -210,6 +210,21 @@ def test_a_live_index_lock_of_the_users_git_is_never_deleted(project, upstream, 
     assert lock.read_bytes() == b"the user's git commit is writing this\n"
 
 
+def test_a_config_lock_left_in_the_checkout_is_named_not_git_s_raw_error(project, upstream, tmp_path, env):
+    """Round 5 (F7): a killed `git config` (the tool records its branch with one) leaves
+    .git/config.lock; the next run said only git's 'could not lock config file'."""
+    wd = tmp_path / "wd"
+    assert run_tool(project, env, "--vllm-repo", str(upstream), "--workdir", str(wd)).returncode == 0
+    lock = wd / ".git" / "config.lock"
+    lock.write_bytes(b"")
+    run = run_tool(project, env, "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0")
+    assert run.returncode == errors.USAGE
+    assert run.stderr.splitlines()[-1] == (
+        f"apply.py: error: {lock} exists: a git command is running in {wd} (or one was killed); "
+        f"let it finish, or remove the file if no git runs there, then run again")
+    assert lock.exists()
+
+
 @pytest.fixture
 def conflicting_upstream(upstream, tmp_path) -> Path:
     """upstream plus v1.4.0: line 4 changed their way (the patch conflicts), pkg/mod.py as at
