@@ -58,7 +58,8 @@ from .gitrefs import (  # noqa: F401
 from .gitworktree import (  # noqa: F401
     operation_in_progress,
     untracked_in_the_way,
-    worktree_blobs,
+    work_tree_entries,
+    cut_short,
     is_dirty,
     _WORKTREE_PREFIX,
     NEUTRAL_ATTRIBUTES,

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,33 +50,50 @@ def untracked_in_the_way(repo: Repo, paths: list[str]) -> list[str]:
             if path not in tracked and not any(t.startswith(path + "/") for t in tracked)]
 
 
-def worktree_blobs(repo: Repo, paths: list[str]) -> dict[str, str | None]:
-    """``{path: the blob id its work-tree content would have}`` for each of ``paths``: a
-    link's target, a regular file's content as ``git add`` would store it (the path's
-    filters applied, as a checkout's are undone); None where nothing, or a folder, is
-    there. What tells a file git wrote from one the user changed."""
-    from .gitobjects import blob_id
-
+def work_tree_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
+    """``path: (mode, blob sha)`` of what the work tree holds at each of ``paths`` (a file as
+    ``git add`` would store it, its filters applied; a link's target); absent if nothing is
+    there, ``("other", "")`` for a folder or anything else. What tells a file git wrote (the
+    old or the new commit's entry) from one somebody else changed."""
     top = Path(repo.working_tree_dir)
-    width = len(run(repo, "rev-parse", "--verify", "--quiet", "HEAD").strip() or "0" * 40)
-    out: dict[str, str | None] = dict.fromkeys(paths)
+    found: dict[str, tuple[str, str]] = {}
     files = []
     for path in paths:
-        where = top / path
-        if where.is_symlink():
-            out[path] = blob_id(os.fsencode(os.readlink(where)), width=width)
-        elif where.is_file():
-            if "\n" in path:  # --stdin-paths cannot name it: unknown, so never taken for git's
-                out[path] = "?"
-            else:
-                files.append(path)
+        try:
+            info = os.lstat(top / path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            target = os.fsencode(os.readlink(top / path))
+            blob = _execute(["hash-object", "--no-filters", "--stdin"], cwd=top, stdin=target)[1]
+            found[path] = ("120000", _text(blob).strip())
+        elif stat.S_ISREG(info.st_mode):
+            files.append(path)
+            found[path] = ("100755" if info.st_mode & 0o111 else "100644", "")
+        else:
+            found[path] = ("other", "")
     if files:
-        status, stdout, err = _execute(["hash-object", "--stdin-paths"], cwd=_cwd(repo),
-                                       stdin="".join(f + "\n" for f in files).encode())  # fmt: skip
-        if status != 0:
-            raise GitError(f"git hash-object failed: {first_line(_text(err))}")
-        out.update(zip(files, _text(stdout).split()))
-    return out
+        status, out, _ = _execute(["hash-object", "--stdin-paths"], cwd=top,
+                                  stdin="".join(f"{p}\n" for p in files).encode(errors="surrogateescape"))
+        for path, blob in zip(files, _text(out).split() if status == 0 else []):
+            found[path] = (found[path][0], blob)
+    return found
+
+
+def cut_short(repo: Repo, paths: list[str], rev: str) -> set[str]:
+    """Those of ``paths`` whose work-tree file is a prefix (maybe empty) of the file commit
+    ``rev`` has there: the file git was writing when it was killed or the disk filled up."""
+    from .gitobjects import read_files
+
+    top = Path(repo.working_tree_dir)
+    cut = set()
+    for path, data in read_files(repo, rev, paths).items():
+        with contextlib.suppress(OSError):
+            info = os.lstat(top / path)
+            if stat.S_ISREG(info.st_mode) and info.st_size <= len(data) \
+                    and data.startswith((top / path).read_bytes()):
+                cut.add(path)
+    return cut
 
 
 def is_dirty(repo: Repo) -> bool:

@@ -127,11 +127,12 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> list[str]:
     with their index entries, and the record. Returns the paths the switch changes that
     hold neither content: left as they are (the run's start found the tree clean, so they
     are the user's edits since, or the one file git was writing when it failed)."""
-    blobs = git.worktree_blobs(repo, before["changed"]) if before["head"] else {}
+    entries = git.work_tree_entries(repo, before["changed"]) if before["head"] else {}
+    blobs = {p: entries[p][1] for p in before["changed"] if p in entries}  # absent: nothing there
     wrote = {p for p, blob in blobs.items() if p in before["new"] and blob == before["new"][p][1]}
-    odd = [p for p, blob in blobs.items() if p not in wrote and blob is not None and p not in before["there"]
+    odd = [p for p, blob in blobs.items() if p not in wrote and p not in before["there"]
            and (p not in before["old"] or blob != before["old"][p][1])]  # there before: never touched
-    wrote |= _cut_short(repo, top, before, odd)
+    wrote |= git.cut_short(repo, odd, before["new_sha"]) if odd else set()
     kept = sorted(p for p in odd if p not in wrote)
     for path in sorted(before["new_only"], key=lambda p: -p.count("/")):
         if path in wrote and path not in before["there"] and os.path.lexists(top / path):
@@ -172,19 +173,6 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> list[str]:
         else:
             git.run(repo, "config", "--local", "--unset", key.format(branch))
     return kept
-
-
-def _cut_short(repo: git.Repo, top: Path, before: dict, paths: list[str]) -> set[str]:
-    """Those of ``paths`` (holding neither the old nor the new content) that are a prefix
-    of the new content: what git was writing when the disk filled up, not an edit."""
-    new = git.read_files(repo, before["new_sha"], [p for p in paths if p in before["new"]])
-    cut = set()
-    for path, data in new.items():
-        where = top / path
-        with contextlib.suppress(OSError):
-            if where.is_file() and not where.is_symlink() and data.startswith(where.read_bytes()):
-                cut.add(path)
-    return cut
 
 
 def drop_stale_locks(repo: git.Repo, since: float) -> list[str]:

@@ -7,14 +7,13 @@ allowed to make it: no git lock file is there (the tool deletes none it did not 
 no am/rebase/merge is in progress, the work branch is not checked out in another
 worktree and holds no commit apply.py did not make, and every path that differs from a
 clean checkout is one the switch writes and holds either the old or the new content
-(index and work tree). Anything else stops the run with the normal run's own refusal,
+(index and work tree), or in the work tree the start of the new (the file git was
+writing when the run was killed). Anything else stops the run with the normal run's own refusal,
 after a note of what the killed run left (``LeftAlone``).
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 from . import git, safety
@@ -78,7 +77,8 @@ def _may_switch(repo: git.Repo, facts: dict) -> bool:
 
 def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> bool:
     """True if each of ``paths`` holds, in the index and in the work tree, what commit ``old``
-    or commit ``new`` has there (mode and content; absent where the commit has none)."""
+    or commit ``new`` has there (mode and content; absent where the commit has none), or in
+    the work tree a prefix of ``new``'s file (git was writing it when the run was killed)."""
     if not paths:
         return True
     trees = [git.tree_entries(repo, old, paths) if old else {}, git.tree_entries(repo, new, paths)]
@@ -87,35 +87,9 @@ def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> 
         info, path = entry.split("\t", 1)
         mode, blob, stage = info.split(" ")
         index[path] = (mode, blob) if stage == "0" and path not in index else ("conflict", "")
-    work = _work_tree_entries(repo, paths)
-    return all(index.get(p) in {t.get(p) for t in trees} and work.get(p) in {t.get(p) for t in trees}
-               for p in paths)
-
-
-def _work_tree_entries(repo: git.Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
-    """``path: (mode, blob sha)`` of what the work tree holds at each of ``paths`` (a file as
-    ``git add`` would store it, its filters applied; a link's target); absent if nothing is
-    there, ``("other", "")`` for a folder or anything else."""
-    top = Path(repo.working_tree_dir)
-    found: dict[str, tuple[str, str]] = {}
-    files = []
-    for path in paths:
-        try:
-            info = os.lstat(top / path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(info.st_mode):
-            target = os.fsencode(os.readlink(top / path))
-            blob = git._execute(["hash-object", "--no-filters", "--stdin"], cwd=top, stdin=target)[1]
-            found[path] = ("120000", git._text(blob).strip())
-        elif stat.S_ISREG(info.st_mode):
-            files.append(path)
-            found[path] = ("100755" if info.st_mode & 0o111 else "100644", "")
-        else:
-            found[path] = ("other", "")
-    if files:
-        status, out, _ = git._execute(["hash-object", "--stdin-paths"], cwd=top,
-                                      stdin="".join(f"{p}\n" for p in files).encode(errors="surrogateescape"))
-        for path, blob in zip(files, git._text(out).split() if status == 0 else []):
-            found[path] = (found[path][0], blob)
-    return found
+    work = git.work_tree_entries(repo, paths)
+    odd = [p for p in paths if work.get(p) not in {t.get(p) for t in trees}]
+    # the file git was writing when the run was killed: a prefix of the new content (F5)
+    cut = git.cut_short(repo, odd, new) if odd else set()
+    return all(index.get(p) in {t.get(p) for t in trees}
+               and (p in cut or work.get(p) in {t.get(p) for t in trees}) for p in paths)

@@ -73,6 +73,21 @@ def test_a_file_the_switch_writes_edited_since_is_never_forced_over(project, ups
     assert workdir_lock_path(wd).with_suffix(".journal").exists()  # the next run still knows
 
 
+@pytest.mark.parametrize("cut", [0, 2])
+def test_the_file_git_was_writing_when_the_run_was_killed_lets_the_switch_finish(project, upstream,
+                                                                                 tmp_path, env, cut):
+    """Round 5 (F5): killed in the middle of git's checkout, one file holds neither the old
+    nor the new content but the start of the new (git was writing it); the next run refused
+    the checkout as dirty and advised committing the half-switched files."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish.switched")
+    full = (wd / "pkg/model.txt").read_bytes()
+    (wd / "pkg/model.txt").write_bytes(full[: len(full) // cut] if cut else b"")
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0 and ": finished" in again.stderr, again.stderr
+    assert (wd / "pkg/model.txt").read_bytes() == full and g(wd, "status", "--porcelain") == ""
+
+
 def test_an_untracked_file_where_the_switch_adds_one_is_never_forced_over(project, upstream,
                                                                           tmp_path, env):
     """The switch from upstream's own tree adds pkg/new.py: the user's untracked file there
