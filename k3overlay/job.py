@@ -72,6 +72,12 @@ def run_apply(project: Project, opts: Options) -> Report:
     return report
 
 
+def overlay_folders(manifest: manifest_mod.Manifest) -> set[str]:
+    """The top folders the overlay's files live in (``vllm``, ``tests``): a checkout of the
+    project the overlay is for has them."""
+    return {f.path.split("/", 1)[0] for f in manifest.files if "/" in f.path}
+
+
 def next_args(opts: Options) -> dict[str, str]:
     """What the report's next commands repeat of the run's arguments: the source (without
     credentials), the checkout and the branch, where the user gave them."""
@@ -112,6 +118,7 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
                   report: Report) -> None:
     existing = source.open_existing(workdir)
     if existing is not None:
+        source.refuse_foreign_checkout(existing, workdir, overlay_folders(manifest))
         refuse_merge_attributes(existing)
     if existing is not None and not opts.check:
         refuse_unsafe(existing, branch)

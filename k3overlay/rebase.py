@@ -32,6 +32,7 @@ from .job import (
     fetched,
     locked,
     next_args,
+    overlay_folders,
     publish,
     record,
     refuse_merge_attributes,
@@ -135,6 +136,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     repo = source.open_existing(workdir)
     if repo is None:
         repo = source.clone(origin, workdir)
+    source.refuse_foreign_checkout(repo, workdir, overlay_folders(manifest))
     refuse_merge_attributes(repo)
     op = git.operation_in_progress(repo)
     if op:

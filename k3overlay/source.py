@@ -226,6 +226,21 @@ def open_existing(workdir: Path) -> git.Repo | None:
     return repo
 
 
+def refuse_foreign_checkout(repo: git.Repo, workdir: Path, folders: set[str]) -> None:
+    """UsageError if the git checkout at ``workdir`` is of another project: its HEAD lacks one
+    of ``folders`` (the top folders the overlay's files live in: ``vllm``, ``tests``) and no
+    branch there was written by apply.py. The tool would fetch vLLM into it and check vLLM
+    out over its files. An unborn HEAD (``git init``, no commit yet) has nothing to lose."""
+    head = git.resolve(repo, "HEAD")
+    if head is None or git.attempt(repo, "config", "--get-regexp", r"^branch\..*\.k3overlaytip$")[0]:
+        return
+    missing = sorted(f for f in folders if f not in git.tree_entries(repo, head, sorted(folders)))
+    if missing:
+        raise UsageError(f"--workdir {workdir} is a git checkout of something else (its HEAD has no "
+                         f"{', '.join(m + '/' for m in missing)}): give a clone of vLLM, a checkout "
+                         f"apply.py made, or a new folder")
+
+
 def refuse_object_format(repo: git.Repo, what: str) -> None:
     """UsageError unless ``repo`` stores SHA-1 objects, as vLLM's repository does: the
     manifest's blob ids, the release commit ids and every sha the tool records are SHA-1's,

@@ -402,3 +402,24 @@ def test_a_users_worktree_named_like_ours_is_never_removed(project, upstream, tm
     assert (mine / "my-notes.txt").read_text() == "precious\n"
     assert (mine / "pkg/model.txt").read_text() == "my edit\n"
     assert (mine.parent / "beside.txt").read_text() == "also precious\n"
+
+
+@pytest.mark.parametrize("how", ["apply", "rebase-to", "check"])
+def test_a_workdir_that_is_a_checkout_of_another_project_is_refused(project, upstream, tmp_path, how):
+    """Round 5 (F8): a clean git repository of the user's own project given as --workdir: the
+    tool fetched vLLM into it and checked vLLM out over its files."""
+    mine = tmp_path / "myproj"
+    mine.mkdir()
+    g(tmp_path, "init", "-q", str(mine))
+    (mine / "notes.md").write_text("my project\n")
+    g(mine, "add", "notes.md")
+    g(mine, "-c", "user.name=me", "-c", "user.email=me@x", "commit", "-qm", "mine")
+    before = snapshot(mine)
+    opts = Options(vllm_repo=str(upstream), workdir=mine, ref="v1.1.0" if how == "rebase-to" else None,
+                   check=how == "check")
+    with pytest.raises(errors.UsageError) as err:
+        (rebase_to if how == "rebase-to" else run_apply)(project, opts)
+    assert str(err.value).startswith(f"--workdir {mine} is a git checkout of something else")
+    assert "pkg/" in str(err.value) and "\n" not in str(err.value)
+    assert snapshot(mine) == before
+    assert len(g(mine, "branch", "--format=%(refname:short)").split()) == 1  # no work branch made
