@@ -39,6 +39,10 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
                        r"(?P<info>[^/?#\s@:]*:\S*|[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
+# ``user:password@host:path``, scp-like without a scheme: git reads it as host ``user`` and
+# fails, but what the user typed after the first colon is a password all the same.
+_SCP_PASSWORD = re.compile(r"(?<![\w.@:/\-])(?P<user>[A-Za-z0-9._\-]+):(?P<pw>[^\s@/:'\"]+)"
+                           r"@(?P<host>[A-Za-z0-9._\-]+):")
 # (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
 # ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
 _SECRET_NAME = (r"[A-Za-z0-9_.%\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
@@ -97,6 +101,7 @@ def redact(text: str) -> str:
     for literal in sorted(_REMEMBERED, key=len, reverse=True):
         text = text.replace(literal, _REMEMBERED[literal])
     text = _USERINFO.sub(_masked_userinfo, text)
+    text = _SCP_PASSWORD.sub(lambda m: f"{m['user']}:{MASK}@{m['host']}:", text)
     text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
 

@@ -74,6 +74,7 @@ def _leaks(folder: Path) -> list[str]:
     (f"X-Api-Key: {SECRET}", "X-Api-Key: ***"),
     (f"x-goog-api-key: {SECRET}", "x-goog-api-key: ***"),
     (f"Api-Key: {SECRET}", "Api-Key: ***"),
+    (f"cloning alice:{SECRET}@host:o/r.git into /w", "alice:***@host:o/r.git"),  # scp-like, round 5
 ])
 def test_each_kind_of_secret_is_masked(text, kept):
     assert SECRET not in redact(text) and kept in redact(text)
@@ -81,7 +82,8 @@ def test_each_kind_of_secret_is_masked(text, kept):
 
 @pytest.mark.parametrize("text", ["ssh://git@github.com/o/r.git", "git@github.com:o/r.git",
                                   "/tmp/a@b/up.git", "https://github.com/o/r@v1",
-                                  "pkg/model.txt:4-9", "ref 'v1.0.0' not found"])
+                                  "pkg/model.txt:4-9", "ref 'v1.0.0' not found",
+                                  "alice@host:o/r.git", "a/b:c@d:e"])
 def test_text_without_secrets_is_left_as_it_is(text):
     assert redact(text) == text
 
