@@ -116,6 +116,7 @@ def locked(workdir: Path, *, check: bool = False) -> Iterator[None]:
 def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manifest,
                   patches: list[series_mod.Patch], ref: str, branch: str, workdir: Path,
                   report: Report) -> None:
+    source.check_ref(manifest.base, what="base in overlay.json")
     existing = source.open_existing(workdir)
     if existing is not None:
         source.refuse_foreign_checkout(existing, workdir, overlay_folders(manifest))

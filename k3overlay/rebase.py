@@ -132,6 +132,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     branch = work_branch(project, opts)
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir),
                     **next_args(opts))
+    source.check_ref(manifest.base, what="base in overlay.json")
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
     if repo is None:

@@ -33,7 +33,7 @@ _NOT_FOUND = ("couldn't find remote ref", "not our ref", "no such ref", "invalid
               "does not appear to be a git repository", "does not exist", "not allowed")
 
 
-def check_ref(ref: str) -> None:
+def check_ref(ref: str, what: str = "ref") -> None:
     """Refuse a ref that does not name exactly one commit of the source (UsageError, one line).
 
     Taken: a tag, a branch (``main``, ``refs/heads/main``), ``HEAD``, a commit sha (full or
@@ -49,7 +49,7 @@ def check_ref(ref: str) -> None:
     """
     reason = _ref_refusal(ref)
     if reason:
-        raise UsageError(f"bad ref {ref!r}: {reason}; give a tag, branch or commit sha "
+        raise UsageError(f"bad {what} {ref!r}: {reason}; give a tag, branch or commit sha "
                          f"(optionally followed by ~N or ^N)")
 
 
@@ -265,7 +265,9 @@ def clone(origin: str, workdir: Path) -> git.Repo:
         workdir.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.k3-clone-", dir=workdir.parent))
     except OSError as err:
-        raise UsageError(f"cannot create --workdir {workdir}: {err.strerror}") from err
+        blocking = next((p for p in workdir.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocking} is a file, not a folder" if blocking else err.strerror
+        raise UsageError(f"cannot create --workdir {workdir}: {why}") from err
     try:
         with journal.step("clone", scratch=str(scratch), prefix=f".{workdir.name}.k3-clone-"):
             try:

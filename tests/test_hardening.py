@@ -423,3 +423,25 @@ def test_a_workdir_that_is_a_checkout_of_another_project_is_refused(project, ups
     assert "pkg/" in str(err.value) and "\n" not in str(err.value)
     assert snapshot(mine) == before
     assert len(g(mine, "branch", "--format=%(refname:short)").split()) == 1  # no work branch made
+
+
+def test_a_workdir_below_a_file_is_named_as_such(project, upstream, tmp_path):
+    """Round 5 (F8): ``--workdir FILE/sub`` said 'File exists'."""
+    (tmp_path / "plain").write_text("a file\n")
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "plain" / "sub"))
+    assert str(err.value) == (f"cannot create --workdir {tmp_path / 'plain' / 'sub'}: "
+                              f"{tmp_path / 'plain'} is a file, not a folder")
+    assert (tmp_path / "plain").read_text() == "a file\n"
+
+
+@pytest.mark.parametrize("run", [run_apply, rebase_to])
+def test_a_bad_base_in_overlay_json_is_named_where_it_comes_from(project, upstream, tmp_path, run):
+    """Round 5 (F8): the refusal of a hostile base said only "bad ref"."""
+    data = json.loads(project.manifest_path.read_text())
+    data["base"] = "--upload-pack=touch pwned"
+    project.manifest_path.write_text(json.dumps(data))
+    with pytest.raises(errors.UsageError) as err:
+        run(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd", ref="v1.1.0"))
+    assert str(err.value).startswith("bad base in overlay.json '--upload-pack=touch pwned': ")
+    assert not (tmp_path / "wd").exists() and not (tmp_path / "pwned").exists()
