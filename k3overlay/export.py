@@ -59,10 +59,11 @@ def export(project: Project, workdir: Path) -> ExportResult:
 
 
 def _export(project: Project, workdir: Path) -> ExportResult:
-    _refuse_dirty_project(project)
-    # What the files export rewrites hold now (committed: the check above): an edit made
-    # while the export runs stops it before anything is written (write_all_in_tree).
+    # What the files export rewrites hold, read before the check that they are committed
+    # (an edit in between fails that check): one made later stops the export before
+    # anything is written (write_all_in_tree's last look).
     start = _contents(project)
+    _refuse_dirty_project(project)
     repo = git.open_repo(workdir)
     op = git.operation_in_progress(repo)
     if op or git.is_dirty(repo):

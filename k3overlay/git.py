@@ -59,6 +59,7 @@ from .gitworktree import (  # noqa: F401
     operation_in_progress,
     untracked_in_the_way,
     work_tree_entries,
+    index_entries,
     cut_short,
     is_dirty,
     _WORKTREE_PREFIX,

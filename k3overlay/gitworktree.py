@@ -61,7 +61,7 @@ def work_tree_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]
     for path in paths:
         try:
             info = os.lstat(top / path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (a file where a folder on its way was)
             continue
         if stat.S_ISLNK(info.st_mode):
             target = os.fsencode(os.readlink(top / path))
@@ -80,9 +80,24 @@ def work_tree_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]
     return found
 
 
+def index_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
+    """``path: (mode, blob sha)`` of the index's entry at each of ``paths`` that has one
+    (``("conflict", "")`` for an unmerged one)."""
+    index: dict[str, tuple[str, str]] = {}
+    if not paths:
+        return index
+    for entry in _z(run(repo, "ls-files", "-s", "-z", "--", *literal(paths))):
+        info, path = entry.split("\t", 1)
+        mode, blob, stage = info.split(" ")
+        index[path] = (mode, blob) if stage == "0" and path not in index else ("conflict", "")
+    return index
+
+
 def cut_short(repo: Repo, paths: list[str], rev: str) -> set[str]:
     """Those of ``paths`` whose work-tree file is a prefix (maybe empty) of the file commit
-    ``rev`` has there: the file git was writing when it was killed or the disk filled up."""
+    ``rev`` has there: the file git was writing when it was killed or the disk filled up.
+    Callers ask only where the index still holds the old entry: git writes the index after
+    every file, so once it holds the new one a short file is somebody's edit."""
     from .gitobjects import read_files
 
     top = Path(repo.working_tree_dir)

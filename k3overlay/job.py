@@ -84,7 +84,8 @@ def next_args(opts: Options) -> dict[str, str]:
     from .redact import url_without_credentials
 
     return {"vllm_repo": url_without_credentials(opts.vllm_repo) if opts.vllm_repo else "",
-            "workdir_arg": str(opts.workdir) if opts.workdir else "", "branch_arg": opts.branch or ""}
+            "workdir_arg": str(Path(opts.workdir).resolve()) if opts.workdir else "",
+            "branch_arg": opts.branch or ""}
 
 
 def work_branch(project: Project, opts: Options) -> str:

@@ -52,8 +52,11 @@ def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
             record(repo, branch, ref)
         except (git.GitError, OSError) as err:
             hint = _space_hint(top)  # before the undo frees it
+            # git refused before writing anything (the user's change in its way): no file of
+            # the checkout is git's to put back
+            refused = isinstance(err, git.GitError) and "would be overwritten by checkout" in str(err)
             try:
-                kept = _undo(repo, top, branch, before)
+                kept = _undo(repo, top, branch, before, files=not refused)
             except (git.GitError, OSError) as undo_err:
                 raise UsageError(f"{_reason(err)}; putting {top} back failed too ({_reason(undo_err)}): "
                                  f"free the space, then run apply.py again, which finishes it") from err
@@ -121,18 +124,21 @@ def _state(repo: git.Repo, branch: str, sha: str) -> dict:
             "folders": {f for f in folders if os.path.lexists(top / f)}}
 
 
-def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> list[str]:
+def _undo(repo: git.Repo, top: Path, branch: str, before: dict, files: bool = True) -> list[str]:
     """Put back what ``before`` (``_state``) says: first remove the new files git wrote
     (freeing the space the restore may need), then HEAD, the branch, the files git changed
     with their index entries, and the record. Returns the paths the switch changes that
     hold neither content: left as they are (the run's start found the tree clean, so they
-    are the user's edits since, or the one file git was writing when it failed)."""
-    entries = git.work_tree_entries(repo, before["changed"]) if before["head"] else {}
+    are the user's edits since, or the one file git was writing when it failed). Without
+    ``files`` (git refused the checkout before it wrote any) no file is touched."""
+    entries = git.work_tree_entries(repo, before["changed"]) if before["head"] and files else {}
     blobs = {p: entries[p][1] for p in before["changed"] if p in entries}  # absent: nothing there
     wrote = {p for p, blob in blobs.items() if p in before["new"] and blob == before["new"][p][1]}
     odd = [p for p, blob in blobs.items() if p not in wrote and p not in before["there"]
            and (p not in before["old"] or blob != before["old"][p][1])]  # there before: never touched
-    wrote |= git.cut_short(repo, odd, before["new_sha"]) if odd else set()
+    index = git.index_entries(repo, odd)  # a short file is git's only while the index is old
+    short = [p for p in odd if index.get(p) == before["old"].get(p)]
+    wrote |= git.cut_short(repo, short, before["new_sha"]) if short else set()
     kept = sorted(p for p in odd if p not in wrote)
     for path in sorted(before["new_only"], key=lambda p: -p.count("/")):
         if path in wrote and path not in before["there"] and os.path.lexists(top / path):
@@ -157,7 +163,7 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict) -> list[str]:
             git.run(repo, "update-ref", "-d", f"refs/heads/{branch}")
     # Git's own writes only: what it wrote, or removed, of the paths the switch changes.
     # The index is written last by a checkout, so a failed one left it as it was.
-    back = [p for p in before["old"] if p in wrote or (blobs.get(p) is None and p not in kept)]
+    back = [p for p in before["old"] if p in wrote or (files and blobs.get(p) is None and p not in kept)]
     for start in range(0, len(back), 1000):
         git.run(repo, "checkout", "--quiet", before["head"], "--", *git.literal(back[start:start + 1000]))
     if wrote - set(before["old"]):  # files only the new commit has, removed above: their index entries

@@ -39,10 +39,9 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
                        r"(?P<info>[^/?#\s@:]*:\S*|[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
-# ``user:password@host:path``, scp-like without a scheme: git reads it as host ``user`` and
-# fails, but what the user typed after the first colon is a password all the same.
-_SCP_PASSWORD = re.compile(r"(?<![\w.@:/\-])(?P<user>[A-Za-z0-9._\-]+):(?P<pw>[^\s@/:'\"]+)"
-                           r"@(?P<host>[A-Za-z0-9._\-]+):")
+# A source without a scheme typed ``user:password@host:path``: git reads host ``user`` and
+# fails, but the rest up to the @ before the host is a password (it may hold ``: / @``).
+_SCP = re.compile(r"(?P<user>[^:/@\s]+):(?P<pw>.+)@(?P<host>[^@:/\s]+):[^@]*\Z", re.S)
 # (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
 # ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
 _SECRET_NAME = (r"[A-Za-z0-9_.%\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
@@ -79,6 +78,11 @@ def remember(url: str) -> None:
     a user name of 8 characters or more (a token), is remembered: a short login name is
     no secret, and masking it everywhere would mangle unrelated text."""
     parts = _userinfo(url)
+    scp = _SCP.match(url) if parts is None else None
+    if scp:  # remembered as typed and percent-decoded, as a URL's user info is
+        for form in {f":{scp['pw']}@", urllib.parse.unquote(f":{scp['pw']}@")}:
+            _REMEMBERED[form] = f":{MASK}@"
+        return
     if parts is None:
         return
     scheme, info, _rest = parts
@@ -101,7 +105,6 @@ def redact(text: str) -> str:
     for literal in sorted(_REMEMBERED, key=len, reverse=True):
         text = text.replace(literal, _REMEMBERED[literal])
     text = _USERINFO.sub(_masked_userinfo, text)
-    text = _SCP_PASSWORD.sub(lambda m: f"{m['user']}:{MASK}@{m['host']}:", text)
     text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
 

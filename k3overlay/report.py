@@ -59,7 +59,7 @@ class Report:
     sections: list[Section] = field(default_factory=list)
     wheel: dict | None = None
     vllm_repo: str = ""
-    workdir_arg: str = ""  # --workdir as given (the next commands repeat it); "" for the default
+    workdir_arg: str = ""  # --workdir as given, absolute (the next commands repeat it); "" for the default
     branch_arg: str = ""  # --branch as given; "" for the default
     error: str = ""
     error_code: int = errors.OK
@@ -519,10 +519,11 @@ def next_commands(r: Report, has_identity: bool | None = None) -> list[str]:
         return []
     source = f" --vllm-repo {shlex.quote(r.vllm_repo)}" if r.vllm_repo else ""
     # the checkout and branch the run was given, so that each line acts on that one
-    where = (f" --workdir {shlex.quote(r.workdir_arg)}" if r.workdir_arg else "") + (
-        f" --branch {shlex.quote(r.branch_arg)}" if r.branch_arg else "")
+    # (NAME=VALUE: a value that starts with "-" is never read as an option)
+    where = (f" --workdir={shlex.quote(r.workdir_arg)}" if r.workdir_arg else "") + (
+        f" --branch={shlex.quote(r.branch_arg)}" if r.branch_arg else "")
     rebase = f"python apply.py --rebase-to {shlex.quote(r.ref)}{source}{where}"
-    where_export = f" --workdir {shlex.quote(r.workdir_arg)}" if r.workdir_arg else ""
+    where_export = f" --workdir={shlex.quote(r.workdir_arg)}" if r.workdir_arg else ""
     git = f"git -C {shlex.quote(r.workdir_arg) if r.workdir_arg else 'work/vllm'}"
     # git commits only with an identity: where it knows none (CI, a fresh machine) name one,
     # the maintainer's and never the tool's: a commit with the tool's identity would pass for

@@ -82,14 +82,12 @@ def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> 
     if not paths:
         return True
     trees = [git.tree_entries(repo, old, paths) if old else {}, git.tree_entries(repo, new, paths)]
-    index: dict[str, tuple[str, str] | None] = {}
-    for entry in git._z(git.run(repo, "ls-files", "-s", "-z", "--", *git.literal(paths))):
-        info, path = entry.split("\t", 1)
-        mode, blob, stage = info.split(" ")
-        index[path] = (mode, blob) if stage == "0" and path not in index else ("conflict", "")
+    index = git.index_entries(repo, paths)
     work = git.work_tree_entries(repo, paths)
-    odd = [p for p in paths if work.get(p) not in {t.get(p) for t in trees}]
-    # the file git was writing when the run was killed: a prefix of the new content (F5)
+    # the file git was writing when the run was killed (F5): a prefix of the new content,
+    # and only while the index is still the old one (git writes it after every file)
+    odd = [p for p in paths
+           if work.get(p) not in {t.get(p) for t in trees} and index.get(p) == trees[0].get(p)]
     cut = git.cut_short(repo, odd, new) if odd else set()
     return all(index.get(p) in {t.get(p) for t in trees}
                and (p in cut or work.get(p) in {t.get(p) for t in trees}) for p in paths)

@@ -230,10 +230,14 @@ def refuse_foreign_checkout(repo: git.Repo, workdir: Path, folders: set[str]) ->
     """UsageError if the git checkout at ``workdir`` is of another project: its HEAD lacks one
     of ``folders`` (the top folders the overlay's files live in: ``vllm``, ``tests``) and no
     branch there was written by apply.py. The tool would fetch vLLM into it and check vLLM
-    out over its files. An unborn HEAD (``git init``, no commit yet) has nothing to lose."""
-    head = git.resolve(repo, "HEAD")
-    if head is None or git.attempt(repo, "config", "--get-regexp", r"^branch\..*\.k3overlaytip$")[0]:
+    out over its files. A repository with no commit yet (``git init``) is refused too: a
+    failed switch from it could not be undone (there is no old tree to go back to)."""
+    if git.attempt(repo, "config", "--get-regexp", r"^branch\..*\.k3overlaytip$")[0]:
         return
+    head = git.resolve(repo, "HEAD")
+    if head is None:
+        raise UsageError(f"--workdir {workdir} is a git repository with no commit yet: give a clone of "
+                         f"vLLM, a checkout apply.py made, or a new folder")
     missing = sorted(f for f in folders if f not in git.tree_entries(repo, head, sorted(folders)))
     if missing:
         raise UsageError(f"--workdir {workdir} is a git checkout of something else (its HEAD has no "

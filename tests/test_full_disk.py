@@ -176,7 +176,7 @@ def test_a_switch_that_cannot_be_undone_is_finished_by_the_next_run(project, ups
         real_set(repo, name, sha)
         raise git.GitError("git checkout failed: No space left on device")
 
-    def undo(*_args):
+    def undo(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
     real_undo = publish._undo
@@ -199,9 +199,10 @@ def test_a_switch_that_cannot_be_undone_is_finished_by_the_next_run(project, ups
 # ----------------------------------------------- the user's edits while the run goes on
 
 
+@pytest.mark.parametrize("how", ["appended", "emptied"])  # emptied: a prefix of the new content
 @pytest.mark.parametrize("when", ["before git's checkout", "after it"])
 def test_an_edit_made_while_the_run_went_on_survives_a_failed_switch(project, upstream, tmp_path,
-                                                                     monkeypatch, when):
+                                                                     monkeypatch, when, how):
     """A file the switch changes, edited after the run's start-of-run check: git refuses to
     overwrite it (before), or the switch fails once git wrote everything and the user edits
     on top (after). Either way the edit stays byte for byte, the error names it, and
@@ -215,7 +216,8 @@ def test_an_edit_made_while_the_run_went_on_survives_a_failed_switch(project, up
         # a file the switch changes, and that is there before and after it
         victim = next(p for p in g(wd, "diff", "--name-only", "HEAD", sha).split()
                       if (wd / p).is_file() and g(wd, "cat-file", "-t", f"{sha}:{p}").strip() == "blob")
-        edited[victim] = (wd / victim).read_bytes() + b"\n# my edit, made while apply.py ran\n"
+        edited[victim] = b"" if how == "emptied" else (
+            (wd / victim).read_bytes() + b"\n# my edit, made while apply.py ran\n")
         if when == "after it":
             real_set(repo, name, sha)
             (wd / victim).write_bytes(edited[victim])

@@ -445,3 +445,15 @@ def test_a_bad_base_in_overlay_json_is_named_where_it_comes_from(project, upstre
         run(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd", ref="v1.1.0"))
     assert str(err.value).startswith("bad base in overlay.json '--upload-pack=touch pwned': ")
     assert not (tmp_path / "wd").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_a_workdir_that_is_a_git_repository_with_no_commit_is_refused(project, upstream, tmp_path):
+    """A failed switch from an unborn HEAD has no old tree to go back to: refused up front."""
+    empty = tmp_path / "empty"
+    g(tmp_path, "init", "-q", str(empty))
+    (empty / "draft.txt").write_text("not committed yet\n")
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=empty))
+    assert str(err.value).startswith(f"--workdir {empty} is a git repository with no commit yet")
+    assert (empty / "draft.txt").read_text() == "not committed yet\n"
+    assert g(empty, "for-each-ref").strip() == ""

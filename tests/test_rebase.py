@@ -528,7 +528,7 @@ def test_the_suggested_next_commands_work_where_git_knows_no_identity(project, u
     commands = [c for c in markdown([report]).split("```bash\n")[1].split("```")[0].splitlines()
                 if c.startswith(f"git -C {wd}")]  # the checkout this run was given, not the default
     assert commands and "-c user.name=" in commands[0] and " add -- pkg/model.txt && " in commands[0]
-    assert f"python apply.py --rebase-to v1.3.0 --vllm-repo {upstream} --workdir {wd}" in commands[0]
+    assert f"python apply.py --rebase-to v1.3.0 --vllm-repo {upstream} --workdir={wd}" in commands[0]
     git_part = commands[0].split(" && python apply.py")[0]
     done = subprocess.run(["bash", "-c", git_part], cwd=project.root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -73,19 +73,39 @@ def test_a_file_the_switch_writes_edited_since_is_never_forced_over(project, ups
     assert workdir_lock_path(wd).with_suffix(".journal").exists()  # the next run still knows
 
 
+def _result_file(project, upstream, tmp_path, path: str) -> bytes:
+    """``path`` as the v1.1.0 result has it (a run of its own, elsewhere)."""
+    ref = tmp_path / "reference"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=ref, ref="v1.1.0")).ok
+    return (ref / path).read_bytes()
+
+
 @pytest.mark.parametrize("cut", [0, 2])
 def test_the_file_git_was_writing_when_the_run_was_killed_lets_the_switch_finish(project, upstream,
                                                                                  tmp_path, env, cut):
-    """Round 5 (F5): killed in the middle of git's checkout, one file holds neither the old
-    nor the new content but the start of the new (git was writing it); the next run refused
-    the checkout as dirty and advised committing the half-switched files."""
+    """Round 5 (F5): killed in the middle of git's checkout (HEAD and index still the old
+    ones), one file holds the start of its new content (git was writing it); the next run
+    refused the checkout as dirty and advised committing the half-switched files."""
     wd = tmp_path / "wd"
-    args = killed(project, upstream, wd, env, "publish.switched")
-    full = (wd / "pkg/model.txt").read_bytes()
+    args = killed(project, upstream, wd, env, "publish")
+    full = _result_file(project, upstream, tmp_path, "pkg/model.txt")
     (wd / "pkg/model.txt").write_bytes(full[: len(full) // cut] if cut else b"")
     again = run_tool(project, env, *args)
     assert again.returncode == 0 and ": finished" in again.stderr, again.stderr
     assert (wd / "pkg/model.txt").read_bytes() == full and g(wd, "status", "--porcelain") == ""
+
+
+def test_a_file_cut_short_after_git_wrote_the_index_is_the_users_and_is_kept(project, upstream,
+                                                                              tmp_path, env):
+    """The reviewer's case: killed once git's checkout was done (the index holds the new
+    entries); the user then deletes the file's last lines, a prefix of the new content. Git
+    writes the index after every file, so this is an edit: refused, kept."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish.switched")
+    mine = (wd / "pkg/model.txt").read_bytes()[:-3]
+    (wd / "pkg/model.txt").write_bytes(mine)
+    refused(run_tool(project, env, *args), wd, DIRTY)
+    assert (wd / "pkg/model.txt").read_bytes() == mine
 
 
 def test_an_untracked_file_where_the_switch_adds_one_is_never_forced_over(project, upstream,
