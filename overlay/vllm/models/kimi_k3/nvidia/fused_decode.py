@@ -73,7 +73,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.models.kimi_k3.nvidia import low_latency_gemm_dispatch as llg
-from vllm.models.kimi_k3.nvidia.stacked_weights import is_view_of, offloaded, stack_rows, stackable
+from vllm.models.kimi_k3.nvidia.stacked_weights import offloaded, stack_rows, stackable, views_of
 from vllm.models.kimi_k3.nvidia.low_latency_fused_dispatch import (
     path_enabled,
     path_measured,
@@ -354,8 +354,7 @@ def moe_input_projections(
     stack = getattr(moe, "_k3_input_stack", None)
     if not isinstance(stack, _InputStack) or not path_enabled("moe_front", _branch(moe)):
         return None
-    starts = (0, stack.gate_rows, stack.gate_rows + stack.latent_rows)
-    if not all(is_view_of(p, stack.weight, r) for p, r in zip(stack.params, starts)):
+    if not views_of(stack.weight, stack.params):
         return None
     fused = try_gate_gemm(hidden_states, stack.weight, stack.gate_rows)
     if fused is None:
@@ -448,7 +447,7 @@ def mla_front(attn: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     stack = getattr(attn, "_k3_front_stack", None)
     if not isinstance(stack, _FrontStack) or not path_enabled("mla_front", "mla"):
         return None
-    if not all(is_view_of(p, stack.weight, r) for p, r in zip(stack.params, (0, stack.qkv_rows))):
+    if not views_of(stack.weight, stack.params):
         return None
     out = llg.try_low_latency_gemm(hidden_states, stack.weight)
     if out is None:

@@ -6,7 +6,7 @@ Patches 0007 (the MoE's router gate, ``routed_expert_down_proj`` and shared ``ga
 and 0013 (MLA's ``fused_qkv_a_proj`` and ``g_proj``) run projections of one input as one
 decode GEMM. Their parameters become row views of one packed tensor (:func:`stack_rows`):
 the same objects, shapes and values, so vLLM's own lines, weight loaders and state dicts
-see no difference, and the fused call checks that they still are (:func:`is_view_of`).
+see no difference, and the fused call checks that they still are (:func:`views_of`).
 Nothing is stacked where vLLM offloads weights to the CPU (:func:`offloaded`).
 """
 
@@ -34,6 +34,15 @@ def is_view_of(param: torch.Tensor, weight: torch.Tensor, row: int) -> bool:
     return param.data_ptr() == weight[row].data_ptr() and param.stride() == weight.stride()
 
 
+def views_of(weight: torch.Tensor, params) -> bool:
+    """Whether ``params`` are, in order, the row views that tile ``weight`` from its first row
+    to its last (what :func:`stack_rows` made of them, and no reload has replaced since)."""
+    if sum(p.shape[0] for p in params) != weight.shape[0]:
+        return False
+    starts = [sum(p.shape[0] for p in params[:i]) for i in range(len(params))]
+    return all(is_view_of(p, weight, r) for p, r in zip(params, starts))
+
+
 def offloaded(params) -> bool:
     """Whether vLLM offloads weights to the CPU (``--cpu-offload-gb`` and kin): a stack would
     pull them into HBM for good (a UVA view copied) or be left behind on the GPU when the
@@ -57,7 +66,7 @@ def stack_rows(old: torch.Tensor | None, params) -> torch.Tensor:
     first = params[0]
     fits = old is not None and tuple(old.shape) == (sum(rows), first.shape[1])
     if fits and old.dtype == first.dtype and old.device == first.device:
-        if all(is_view_of(p, old, r) for p, r in zip(params, starts)):
+        if views_of(old, params):
             return old
         with torch.no_grad():
             for p, r, n in zip(params, starts, rows):
