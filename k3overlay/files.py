@@ -104,7 +104,7 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
                           _digest(root, rel), hashlib.sha256(data).hexdigest()])
         gone = [[rel, _digest(root, rel)] for rel in remove]
         if unchanged is not None:  # the last look before the renames: an edit since the caller's read stays
-            now = {rel: _digest(root, rel) for rel in [*files, *remove]}  # all staged: read again
+            now = {rel: _digest(root, rel) for rel in files} | dict(gone)  # all staged: read again
             edited = sorted(rel for rel, digest in now.items() if digest != unchanged.get(rel))
             if edited:
                 raise UsageError(f"{edited[0]}{f' and {len(edited) - 1} more' if len(edited) > 1 else ''} "

@@ -164,13 +164,11 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict, files: bool = Tr
     # Git's own writes only: what it wrote, or removed, of the paths the switch changes.
     # The index is written last by a checkout, so a failed one left it as it was.
     back = [p for p in before["old"] if p in wrote or (files and blobs.get(p) is None and p not in kept)]
-    for start in range(0, len(back), 1000):
-        git.run(repo, "checkout", "--quiet", before["head"], "--", *git.literal(back[start:start + 1000]))
-    if wrote - set(before["old"]):  # files only the new commit has, removed above: their index entries
-        git.run(repo, "rm", "--quiet", "--cached", "--ignore-unmatch", "--",
-                *git.literal(sorted(wrote - set(before["old"]))))
-    for start in range(0, len(kept), 1000):  # their index entries only: the files stay as they are
-        git.run(repo, "reset", "--quiet", before["head"], "--", *git.literal(kept[start:start + 1000]))
+    _per_path(repo, ("checkout", "--quiet", before["head"]), back)
+    # files only the new commit has, removed above: their index entries
+    _per_path(repo, ("rm", "--quiet", "--cached", "--ignore-unmatch"), sorted(wrote - set(before["old"])))
+    # the files left as they are: their index entries only
+    _per_path(repo, ("reset", "--quiet", before["head"]), kept)
     for key, value in zip((TIP_KEY, BASE_KEY), before["record"]):
         if git.config_get(repo, key.format(branch)) == value:
             continue
@@ -179,6 +177,13 @@ def _undo(repo: git.Repo, top: Path, branch: str, before: dict, files: bool = Tr
         else:
             git.run(repo, "config", "--local", "--unset", key.format(branch))
     return kept
+
+
+def _per_path(repo: git.Repo, command: tuple[str, ...], paths: list[str]) -> None:
+    """``git COMMAND -- PATHS`` for exactly these paths, a thousand a call (a switch of a
+    whole release changes thousands; one command line cannot hold them all)."""
+    for start in range(0, len(paths), 1000):
+        git.run(repo, *command, "--", *git.literal(paths[start:start + 1000]))
 
 
 def drop_stale_locks(repo: git.Repo, since: float) -> list[str]:

@@ -22,6 +22,7 @@ from .interrupts import deferred
 from .mirror import MIRROR_NAME, ReleaseMirror, release_of
 from .progress import step
 from .project import cache_dir
+from .publish import TIP_KEY
 from .releases import Resolved, unknown_ref_hint, upstream_release
 
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")  # SHA-1 or SHA-256
@@ -232,7 +233,8 @@ def refuse_foreign_checkout(repo: git.Repo, workdir: Path, folders: set[str]) ->
     branch there was written by apply.py. The tool would fetch vLLM into it and check vLLM
     out over its files. A repository with no commit yet (``git init``) is refused too: a
     failed switch from it could not be undone (there is no old tree to go back to)."""
-    if git.attempt(repo, "config", "--get-regexp", r"^branch\..*\.k3overlaytip$")[0]:
+    recorded = "^" + re.escape(TIP_KEY).replace(re.escape("{}"), ".*") + "$"  # any branch's record
+    if git.attempt(repo, "config", "--get-regexp", recorded)[0]:
         return
     head = git.resolve(repo, "HEAD")
     if head is None:
