@@ -1,12 +1,18 @@
 """Verify a patched tree without importing it.
 
-Two checks, both static (``ast``), so no vLLM dependency is needed:
+Three checks, all static (``ast``), so no vLLM dependency is needed:
 1. every touched ``.py`` byte-compiles (in memory; nothing is written);
 2. for every touched module, each ``from <module> import <name>`` anywhere
    in the tree still resolves to a name the module defines at top level; and
    every import of a module the tree no longer has (deleted, or renamed: git
    lists a rename as a deletion and an addition) fails, whether written
-   ``import pkg.mod``, ``from pkg.mod import x`` or ``from pkg import mod``.
+   ``import pkg.mod``, ``from pkg.mod import x`` or ``from pkg import mod``;
+3. no touched module defines a function or class twice in one body (the module's,
+   or a class's) where the change made it so: Python keeps the later one, so the
+   earlier is dead code that compiles, imports and fails nothing. A patch that
+   applies cleanly beside a method upstream added since (a 3-way merge, or a
+   conflict resolved by keeping both sides) does exactly that (vLLM v0.34.0
+   added ``process_weights_after_loading`` to the Kimi-K3 classes patch 0007 hooks).
 Only regular files are read: a link (dangling, or pointing out of the tree), a
 FIFO or an unreadable file is skipped, never followed or waited on.
 """
@@ -14,6 +20,7 @@ FIFO or an unreadable file is skipped, never followed or waited on.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,6 +109,8 @@ def verify(tree: Path, touched: list[str], before: Mapping[str, bytes] | None = 
             continue
         modules[module_name(path)] = parsed_files[path] = parsed
         lost[module_name(path)] = _lost_names(_top_level_names(parsed), before, path)
+        for problem in _new_redefinitions(parsed, before, path):
+            result.fail(problem)
     exported = {name: _top_level_names(mod) for name, mod in modules.items()}
     ours = set(touched)
     for importer, lineno, module, name in _imports_of(tree, lost, gone, ours, parsed_files):
@@ -155,6 +164,55 @@ def _unresolved(tree: Path, exported: dict[str, set[str] | None], gone: set[str]
     if names is not None and name not in names and not _is_submodule(tree, module, name):
         return f"cannot import name {name!r} from {module}"
     return None
+
+
+def _new_redefinitions(parsed: ast.Module, before: Mapping[str, bytes] | None, path: str) -> list[str]:
+    """One error per function or class of ``parsed`` that a later one of the same name in the
+    same body replaces, where the file had fewer of that name there ``before`` (an upstream
+    file's own redefinitions are not ours to judge; without ``before``, every one counts)."""
+    old: dict[str, list[int]] = {}  # a file the change added: each redefinition is the change's
+    if before is not None and path in before:
+        with contextlib.suppress(*_UNPARSABLE):
+            old = _definitions(ast.parse(before[path]))
+    problems = []
+    for name, lines in sorted(_definitions(parsed).items()):
+        if len(lines) > 1 and len(lines) > len(old.get(name, ())):
+            problems += [f"{path}:{line}: {name} is defined again at line {lines[-1]}; Python keeps "
+                         f"the later one, so this one never runs" for line in lines[:-1]]
+    return problems
+
+
+def _definitions(module: ast.Module) -> dict[str, list[int]]:
+    """Qualified name (``Class.method``) -> the lines of its ``def``/``class`` statements,
+    for each name defined in the module's body or a class's body (the statements directly in
+    it: one under ``if``/``try`` is a choice, not a redefinition). Left out: ``@overload``
+    stubs and definitions decorated by their own name (``@x.setter``, ``@f.register``), which
+    Python means to be redefined."""
+    found: dict[str, list[int]] = {}
+
+    def walk(body: list[ast.stmt], scope: str) -> None:
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if not _meant_to_redefine(node):
+                found.setdefault(scope + node.name, []).append(node.lineno)
+            if isinstance(node, ast.ClassDef):
+                walk(node.body, f"{scope}{node.name}.")
+
+    walk(module.body, "")
+    return found
+
+
+def _meant_to_redefine(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Name) and target.id == "overload":
+            return True
+        if isinstance(target, ast.Attribute) and (
+                target.attr == "overload"
+                or isinstance(target.value, ast.Name) and target.value.id == node.name):
+            return True
+    return False
 
 
 def module_name(path: str) -> str:

@@ -176,3 +176,38 @@ def test_upstream_files_nested_too_deep_are_not_ours_to_judge(tmp_path):
                            **{f"pkg/{k}.py": "from pkg.mod import A\n" + v for k, v in DEEP.items()}})
     before = {"pkg/mod.py": DEEP["sum"].encode()}  # the module as it was: unparsable too
     assert verify(root, ["pkg/mod.py"], before).ok
+
+
+UPSTREAM = ("class Model:\n"
+            "    def load(self):\n        return 1\n"
+            "    @property\n    def x(self):\n        return 1\n"
+            "    @x.setter\n    def x(self, v):\n        pass\n"
+            "    def hook(self):\n        return 'upstream'\n"
+            "def f():\n    pass\n"
+            "if True:\n    def g():\n        pass\nelse:\n    def g():\n        pass\n")
+
+
+def test_a_definition_the_change_made_dead_fails_naming_both_lines(tmp_path):
+    # a patch's method beside one upstream added since: both compile, Python keeps the later
+    ours = UPSTREAM.replace("    def load(self):", "    def hook(self):\n        return 'ours'\n    def load(self):")
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": ours + "def f():\n    return 2\n"})
+    result = verify(root, ["pkg/m.py"], before={"pkg/m.py": UPSTREAM.encode()})
+    assert result.errors == [
+        "pkg/m.py:2: Model.hook is defined again at line 12; Python keeps the later one, so this one never runs",
+        "pkg/m.py:14: f is defined again at line 22; Python keeps the later one, so this one never runs"]
+
+
+def test_redefinitions_python_means_or_upstream_had_are_not_ours_to_judge(tmp_path):
+    stubs = ("from typing import overload\nimport typing\nimport functools\n"
+             "@overload\ndef h(x: int) -> int: ...\n@typing.overload\ndef h(x: str) -> str: ...\n"
+             "def h(x):\n    return x\n@functools.singledispatch\ndef d(x):\n    pass\n"
+             "@d.register\ndef d(x: int):\n    pass\n")
+    twice = "def dup():\n    pass\ndef dup():\n    pass\n"
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": UPSTREAM + stubs + twice, "pkg/new.py": stubs})
+    # setters, overloads, registered overloads, if/else choices; dup was upstream's own already
+    before = {"pkg/m.py": (UPSTREAM + twice).encode()}
+    assert verify(root, ["pkg/m.py", "pkg/new.py"], before=before).ok
+    # a file the change added: its redefinitions are the change's
+    write(tmp_path, {"pkg/new.py": twice})
+    assert verify(root, ["pkg/new.py"], before={}).errors == [
+        "pkg/new.py:1: dup is defined again at line 3; Python keeps the later one, so this one never runs"]

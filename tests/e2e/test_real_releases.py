@@ -9,10 +9,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from k3overlay import errors, git
+from k3overlay import errors, git, source
 from k3overlay.job import Options, run_apply
+from k3overlay.mirror import release_of
 from k3overlay.project import ROOT, Project
 from k3overlay.series import load as load_series
+from k3overlay.verify import verify
 
 from ..conftest import g, snapshot
 from .conftest import DISPATCH, LLG, MTP
@@ -84,3 +86,29 @@ def test_v0_29_0_patch_landed_and_overlay_files_are_all_ours(mirror_repo, tmp_pa
     assert {f.status for f in report.overlay} == {"added"}
     assert LLG not in {f.path for f in report.overlay}
     assert report.exit_code == errors.CONFLICT  # 0003/0004 meet upstream's KDA edits, 0006 and 0013 its MLA ones
+
+
+def test_verify_names_the_hooks_a_keep_both_resolution_of_0007_on_v0_34_0_leaves_dead(applied, mirror_repo,
+                                                                                     tmp_path):
+    """vLLM v0.34.0 gives both Kimi-K3 model classes a ``process_weights_after_loading`` of
+    their own. 0007's hunk for the language model applies cleanly beside upstream's, its
+    forwarder conflicts; keeping both sides (``git merge-file --union``) gives a file that
+    compiles and imports, where one hook of each class never runs. Verify fails on it."""
+    wd, _ = applied
+    source.default_mirror().ensure([release_of("v0.34.0")])
+    model = "vllm/models/kimi_k3/nvidia/model.py"
+    [p0007] = [p for p in load_series(Project().patches_dir) if p.name.startswith("0007-")]
+    [ours] = [line.split(" ", 1)[0] for line in g(wd, "log", "--format=%H %s").splitlines()
+              if line.split(" ", 1)[1] == p0007.subject]
+    theirs = git.read_blob(mirror_repo, git.blob_at(mirror_repo, "v0.34.0", model))
+    (tmp_path / "base.py").write_text(g(wd, "show", f"{ours}~1:{model}"))
+    (tmp_path / "ours.py").write_text(g(wd, "show", f"{ours}:{model}"))
+    merged = tmp_path / "tree" / model
+    merged.parent.mkdir(parents=True)
+    merged.write_bytes(theirs)
+    g(tmp_path, "merge-file", "--union", str(merged), "base.py", "ours.py")
+    errors_ = verify(tmp_path / "tree", [model], before={model: theirs}).errors
+    assert [e.split(": ", 2)[1].split(" is defined again")[0] for e in errors_] == [
+        "KimiK3ForConditionalGeneration.process_weights_after_loading",
+        "KimiLinearForCausalLM.process_weights_after_loading"]
+    assert verify(tmp_path / "tree", [model], before={model: merged.read_bytes()}).ok  # upstream's own: not ours
