@@ -32,6 +32,7 @@ class E2E:
     """What the end-to-end tier must find when the job rebases onto this target."""
 
     landed: tuple[str, ...] = ()  # patch numbers ("0001") whose change the release holds
+    conflict: tuple[str, ...] = ()  # patch numbers git am --3way stops on there
     sm107_table: bool = False  # upstream's SM107 table is SM103's
 
 

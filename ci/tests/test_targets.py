@@ -19,7 +19,7 @@ cute_dsl = "4.6.2"
 flashinfer = "0.6.18"
 quack_kernels = "0.6.4"
 """
-E2E = '\n[targets."v1.0.0".e2e]\nlanded = ["0001"]\nsm107_table = false\n'
+E2E = '\n[targets."v1.0.0".e2e]\nlanded = ["0001"]\nconflict = ["0003"]\nsm107_table = false\n'
 
 # what the file says -> a regex the one line matches (after "<file>: ")
 BAD = {
@@ -78,5 +78,5 @@ def test_a_good_file_reads_as_it_says(tmp_path):
     path.write_text(GOOD + 'gpu_wheels = ["a==1", "b==2"]\n' + E2E)
     [target] = targets.load(path).values()
     assert target.gpu_wheels == ("a==1", "b==2") and target.base and target.torch == "2.13.0"
-    assert target.e2e == targets.E2E(landed=("0001",), sm107_table=False)
+    assert target.e2e == targets.E2E(landed=("0001",), conflict=("0003",), sm107_table=False)
     assert set(targets.load()) >= {"v0.28.0", "v0.29.0"}  # the committed file passes
