@@ -14,6 +14,7 @@ after a note of what the killed run left (``LeftAlone``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from . import git, safety
@@ -68,11 +69,42 @@ def _may_switch(repo: git.Repo, facts: dict) -> bool:
     head = git.resolve(repo, "HEAD")
     ours = git.current_branch(repo) == branch or (old_head is not None and head == old_head)
     writes = set(git.changed_paths(repo, old_head, sha)) if ours and old_head else set()
-    status = git.run(repo, "status", "--porcelain", "-z", "--no-renames", "--untracked-files=all")
-    changed = sorted({entry[3:] for entry in status.split("\0") if len(entry) > 3})
+    status = git.run(repo, "status", "--porcelain", "-z", "--no-renames", "--untracked-files=all",
+                     "--ignored=matching")
+    entries = [entry for entry in status.split("\0") if len(entry) > 3]
+    changed = sorted({entry[3:] for entry in entries if not entry.startswith("!! ")})
+    # The finishing checkout is forced (it overwrites the files git half wrote), and a forced
+    # checkout also overwrites files git ignores, which status never shows: one in the
+    # switch's way counts as a change, one on its way (a folder where a file goes) refuses.
+    in_way, blocking = _ignored_in_the_way(repo, [e[3:] for e in entries if e.startswith("!! ")], writes)
+    blocking += [p for p in in_way if not _old_or_new(repo, old_head, sha, [p])]  # not git's own write
+    if blocking:
+        named = ", ".join(sorted(blocking)[:3]) + (" ..." if len(blocking) > 3 else "")
+        raise UsageError(f"{repo.working_tree_dir}: files git ignores are where {branch} has files, "
+                         f"and a checkout would overwrite them: {named}; move them away first")
     if any(path not in writes for path in changed) or not _old_or_new(repo, old_head, sha, changed):
         raise safety.dirty(repo)
     return ours
+
+
+def _ignored_in_the_way(repo: git.Repo, ignored: list[str], writes: set[str]) -> tuple[list[str], list[str]]:
+    """Of the ignored paths status lists (a wholly ignored folder as ``dir/``), those a checkout
+    writing ``writes`` overwrites: (written paths to hold the old or the new content, like any
+    change; paths it would remove: a file where a folder goes, a folder where a file goes)."""
+    top = Path(repo.working_tree_dir)
+    in_way, blocking = set(), set()
+    for entry in ignored:
+        path = entry.rstrip("/")
+        under = [w for w in writes if w.startswith(path + "/")]
+        if path in writes:
+            in_way.add(path)
+        elif {str(parent) for parent in Path(path).parents} & writes:
+            blocking.add(path)  # inside a folder where the switch writes a file
+        elif under and entry.endswith("/") and (top / path).is_dir() and not (top / path).is_symlink():
+            in_way.update(w for w in under if os.path.lexists(top / w))  # files it writes in there
+        elif under:
+            blocking.add(path)  # a file where the switch makes a folder
+    return sorted(in_way), sorted(blocking)
 
 
 def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> bool:

@@ -122,6 +122,29 @@ def test_an_untracked_file_where_the_switch_adds_one_is_never_forced_over(projec
     assert (wd / "pkg/new.py").read_text() == EDIT
 
 
+IGNORED_IN_THE_WAY = "files git ignores are where k3-overlay/"
+
+
+@pytest.mark.parametrize("what", ["a file", "a folder"])
+def test_an_ignored_file_or_folder_where_the_switch_adds_a_file_is_never_forced_over(project, upstream,
+                                                                                    tmp_path, env, what):
+    """Round 6 (F1): as above, but git ignores what the user made there (vLLM's own .gitignore
+    has ``*_hip*``), so status is clean; the finishing checkout is forced, and a forced
+    checkout overwrites ignored files and removes ignored folders. A normal run refuses."""
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    g(wd, "checkout", "-q", "v1.0.0")
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish"}, *args).returncode < 0
+    (wd / ".git/info/exclude").write_text("new.py\nmine/\n")
+    mine = wd / "pkg/new.py" / "mine/notes.txt" if what == "a folder" else wd / "pkg/new.py"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text(EDIT)
+    assert g(wd, "status", "--porcelain") == ""
+    refused(run_tool(project, env, *args), wd, IGNORED_IN_THE_WAY)
+    assert mine.read_text() == EDIT
+
+
 def test_check_never_recovers_and_says_truly_that_it_wrote_nothing(project, upstream, tmp_path, env):
     """Item 2: --check used to run the recovery: switched the branch, discarded the edit,
     then said "--check: nothing was written to the checkout"."""
