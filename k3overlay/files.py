@@ -163,16 +163,21 @@ def finish_renames(root: Path, moves: list, remove: list) -> bool | None:
     """Finish a killed ``rename`` step (``write_all_in_tree``) that had begun renaming: rename
     each staged file still there into place, then remove what it was to remove. One that
     had renamed nothing yet is left to ``recovery.write`` (its staged files removed: the
-    tree is as it was). Only where a normal run would write: every destination still holds
-    its old or its new content, every file to remove its old one (or nothing). True if
+    tree is as it was). Only where the tree is still as the kill left it: every destination
+    already renamed holds its new content, every other its old (or its new), every file to
+    remove its old one (or nothing). A file put back since (``git checkout -- patches/series``
+    after the kill) leaves the whole step as it is: finishing the rest around it would leave
+    the tree half old, half new (the series listing a patch the step removes). True if
     finished, False if left as it is (changed since), None if there was nothing to finish."""
-    left = [(temp, dest) for temp, dest, _old, new in moves if _digest(root, temp) == new]
+    staged = {dest: _digest(root, temp) == new for temp, dest, _old, new in moves}
+    left = [(temp, dest) for temp, dest, _old, _new in moves if staged[dest]]
     doomed = [rel for rel, _old in remove if _digest(root, rel) is not None]
     begun = any(_digest(root, dest) == new != old for _temp, dest, old, new in moves) \
         or any(old is not None and _digest(root, rel) is None for rel, old in remove)
     if not begun or (not left and not doomed):
         return None
-    if any(_digest(root, dest) not in (old, new) for _temp, dest, old, new in moves) \
+    as_left = {dest: (old, new) if staged[dest] else (new,) for _temp, dest, old, new in moves}
+    if any(_digest(root, dest) not in held for dest, held in as_left.items()) \
             or any(_digest(root, rel) not in (old, None) for rel, old in remove):
         return False
     folders: dict[str, int] = {}

@@ -234,6 +234,27 @@ def test_an_export_killed_part_way_through_its_renames_is_finished_by_the_next_r
     _whole(project, upstream, env, tmp_path, NEW_SERIES)
 
 
+def test_a_renamed_file_put_back_after_the_kill_leaves_every_rename_as_it_is(project, upstream,
+                                                                           tmp_path, env):
+    """Round 6 (F2): killed after renaming the new patch and the series into place, before
+    removing the patch that left the series; the user then puts the committed series back
+    (``git checkout -- patches/series``). The next run "finished": it removed the patch the
+    restored series still lists, and every run refused patches/ from then on."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    args = ["-q", "--export", "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "rename"}, *args).returncode == -signal.SIGKILL
+    _rename_by_hand(project, "0002-model-a-new-subject.patch")
+    _rename_by_hand(project, "series")
+    g(project.root, "checkout", "--", "patches/series")
+    before = {p.name: p.read_bytes() for p in project.patches_dir.iterdir()}
+    assert "0001-model-line-4.patch" in before
+    again = run_tool(project, env, *args)
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: left as it is "
+        f"(changed since); removed 3 half-written file(s) it left in {project.root}"], again.stderr
+    assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
+
+
 def test_an_export_killed_before_its_first_rename_is_undone(project, upstream, tmp_path, env):
     """Nothing renamed yet: the staged files go and the data is as it was (the least change)."""
     wd = _renamed_patch(project, upstream, tmp_path)
