@@ -135,31 +135,19 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     source.check_ref(manifest.base, what="base in overlay.json")
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
     repo = source.open_existing(workdir)
-    if repo is None:
+    if repo is not None:
+        source.refuse_foreign_checkout(repo, workdir, overlay_folders(manifest))
+        continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)
+    else:
+        # A clone of the release mirror has tags only, so nothing is checked out: it is
+        # ours until the switch, and removed again if the run stops before (as a plain run's).
         repo = source.clone(origin, workdir)
-    source.refuse_foreign_checkout(repo, workdir, overlay_folders(manifest))
-    refuse_merge_attributes(repo)
-    op = git.operation_in_progress(repo)
-    if op:
-        raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
-                                f"or abort it, then run --rebase-to again")
-    # Continuing skips refuse_unsafe (the branch holds the maintainer's resolutions by design),
-    # never git's own locks: the maintainer's `git commit` with its editor open holds index.lock,
-    # and the overlay used to be laid into the work tree before staging failed on it.
-    refuse_git_locks(repo, branch)
-    report.ref_sha = fetched(repo, origin, opts.ref)
-    fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
-    continuing = (git.current_branch(repo) == branch
-                  and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
-    if not continuing:
-        refuse_unsafe(repo, branch)
-    elif git.is_dirty(repo):
-        raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
-    _refuse_untracked_in_the_way(repo, patches, manifest)
-    _refuse_tree_merge_attributes(repo, report.ref_sha, opts.ref, patches, manifest)
-    if not continuing:
-        with deferred():  # switched but not recorded, the branch would be refused as not ours
-            publish(repo, branch, report.ref_sha, opts.ref)
+        try:
+            continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)
+        except BaseException:
+            with deferred():
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
     # landed-upstream is proven against REF's tree, or by an upstream commit's patch-id.
@@ -202,6 +190,37 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     report.verify = verify_change(repo, report.ref_sha, sha)
     report.notes.append("now run apply.py --export to regenerate patches/ and overlay.json")
     return report
+
+
+def _switched(repo: git.Repo, origin: str, opts: Options, workdir: Path, manifest: manifest_mod.Manifest,
+              patches: list[series_mod.Patch], branch: str, report: Report) -> bool:
+    """The checkout made ready for the series: REF and the base fetched (``report.ref_sha``),
+    a normal run's refusals, and the switch to ``branch`` at REF, unless the run goes on with
+    the branch a former run made for REF (True: the maintainer's resolutions are on it).
+    Raises UsageError where the checkout must not be touched."""
+    refuse_merge_attributes(repo)
+    op = git.operation_in_progress(repo)
+    if op:
+        raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
+                                f"or abort it, then run --rebase-to again")
+    # Continuing skips refuse_unsafe (the branch holds the maintainer's resolutions by design),
+    # never git's own locks: the maintainer's `git commit` with its editor open holds index.lock,
+    # and the overlay used to be laid into the work tree before staging failed on it.
+    refuse_git_locks(repo, branch)
+    report.ref_sha = fetched(repo, origin, opts.ref)
+    fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
+    continuing = (git.current_branch(repo) == branch
+                  and git.config_get(repo, BASE_KEY.format(branch)) == opts.ref)
+    if not continuing:
+        refuse_unsafe(repo, branch)
+    elif git.is_dirty(repo):
+        raise errors.UsageError(f"{workdir} has uncommitted changes; commit the resolution first")
+    _refuse_untracked_in_the_way(repo, patches, manifest)
+    _refuse_tree_merge_attributes(repo, report.ref_sha, opts.ref, patches, manifest)
+    if not continuing:
+        with deferred():  # switched but not recorded, the branch would be refused as not ours
+            publish(repo, branch, report.ref_sha, opts.ref)
+    return continuing
 
 
 def _refuse_untracked_in_the_way(repo: git.Repo, patches: list[series_mod.Patch],

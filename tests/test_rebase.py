@@ -98,6 +98,29 @@ def test_rebase_to_merged_target_then_export(project, upstream, tmp_path):
     assert check.ok and {f.path: f.status for f in check.overlay}["pkg/mod.py"] == "replaced"
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_rebase_to_into_a_new_folder_from_a_source_of_tags_only(project, upstream, tmp_path, fails):
+    """Round 6 (F4): the release mirror (the default source) holds tags and no branch, so its
+    clone checks nothing out; --rebase-to into a new --workdir then refused its own clone as
+    "a git repository with no commit yet" and left it there, refused by every later run. Now
+    the clone goes on to the switch; a run that stops before the switch removes it."""
+    tags = tmp_path / "tags.git"
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(tags))
+    for branch in g(tags, "for-each-ref", "--format=%(refname)", "refs/heads/").split():
+        g(tags, "update-ref", "-d", branch)
+    wd = tmp_path / "new"
+    opts = Options(ref="v9.9.9" if fails else "v1.2.0", vllm_repo=str(tags), workdir=wd)
+    if fails:  # a ref the source lacks: refused after the clone, before the switch
+        with pytest.raises(errors.OverlayError):
+            rebase_to(project, opts)
+        assert not wd.exists()
+        return
+    report = rebase_to(project, opts)
+    assert report.ok, report.to_json()
+    assert g(wd, "symbolic-ref", "--short", "HEAD").strip() == report.branch
+    assert g(wd, "status", "--porcelain") == ""
+
+
 def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path):
     wd = tmp_path / "wd"
     opts = Options(ref="v1.3.0", vllm_repo=str(upstream), workdir=wd)
