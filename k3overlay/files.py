@@ -101,10 +101,10 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
                 raise UsageError(f"cannot write {rel}: {err.strerror}") from err
             staged.append((where, temp, dirfd, name))
             moves.append([f"{own or rel.rpartition('/')[0]}/{temp}".lstrip("/"), rel,
-                          _digest(root, rel), hashlib.sha256(data).hexdigest()])
-        gone = [[rel, _digest(root, rel)] for rel in remove]
+                          digest(root, rel), hashlib.sha256(data).hexdigest()])
+        gone = [[rel, digest(root, rel)] for rel in remove]
         if unchanged is not None:  # the last look before the renames: an edit since the caller's read stays
-            now = {rel: _digest(root, rel) for rel in files} | dict(gone)  # all staged: read again
+            now = {rel: digest(root, rel) for rel in files} | dict(gone)  # all staged: read again
             edited = sorted(rel for rel, digest in now.items() if digest != unchanged.get(rel))
             if edited:
                 raise UsageError(f"{edited[0]}{f' and {len(edited) - 1} more' if len(edited) > 1 else ''} "
@@ -139,7 +139,7 @@ def _write_files(root: Path, files: dict[str, tuple[bytes, bool]], token: str, o
             os.close(dirfd)
 
 
-def _digest(root: Path, rel: str) -> str | None:
+def digest(root: Path, rel: str) -> str | None:
     """The sha256 of the regular file ``root/rel``, read following no link below ``root``;
     None if nothing is there, "other" for anything but a regular file."""
     folders: dict[str, int] = {}
@@ -169,16 +169,16 @@ def finish_renames(root: Path, moves: list, remove: list) -> bool | None:
     after the kill) leaves the whole step as it is: finishing the rest around it would leave
     the tree half old, half new (the series listing a patch the step removes). True if
     finished, False if left as it is (changed since), None if there was nothing to finish."""
-    staged = {dest: _digest(root, temp) == new for temp, dest, _old, new in moves}
+    staged = {dest: digest(root, temp) == new for temp, dest, _old, new in moves}
     left = [(temp, dest) for temp, dest, _old, _new in moves if staged[dest]]
-    doomed = [rel for rel, _old in remove if _digest(root, rel) is not None]
-    begun = any(_digest(root, dest) == new != old for _temp, dest, old, new in moves) \
-        or any(old is not None and _digest(root, rel) is None for rel, old in remove)
+    doomed = [rel for rel, _old in remove if digest(root, rel) is not None]
+    begun = any(digest(root, dest) == new != old for _temp, dest, old, new in moves) \
+        or any(old is not None and digest(root, rel) is None for rel, old in remove)
     if not begun or (not left and not doomed):
         return None
     as_left = {dest: (old, new) if staged[dest] else (new,) for _temp, dest, old, new in moves}
-    if any(_digest(root, dest) not in held for dest, held in as_left.items()) \
-            or any(_digest(root, rel) not in (old, None) for rel, old in remove):
+    if any(digest(root, dest) not in held for dest, held in as_left.items()) \
+            or any(digest(root, rel) not in (old, None) for rel, old in remove):
         return False
     folders: dict[str, int] = {}
     try:

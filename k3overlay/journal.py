@@ -25,7 +25,11 @@ Steps (``STEPS``; the facts each records):
              into place, removed
   rename     ``root``, ``moves`` ([temporary, destination, old sha256, new sha256]), ``remove``
              ([path, old sha256]): a write's files all staged, being renamed into place ->
-             finished where every destination still holds its old or new content, else left
+             finished where the tree is as the kill left it (renamed: new content; the rest:
+             old), else left
+  lay        ``repo``, ``head``, ``files`` ([path, sha256]): ``--rebase-to``'s overlay laid into the
+             checkout and not yet committed -> put back as ``head`` has it where each path holds
+             that or the laid file (``manifest.undo_laid``), else left
 
 Tests stop a run at each ``POINTS`` entry with SIGKILL (``point``): only with
 ``K3OVERLAY_TEST_KILL_AT`` naming it *and* pytest's ``PYTEST_CURRENT_TEST`` set, so a
@@ -46,7 +50,7 @@ from pathlib import Path
 from .errors import UsageError
 from .regular import open_regular
 
-STEPS = ("clone", "check", "worktree", "fetch", "publish", "write", "rename")
+STEPS = ("clone", "check", "worktree", "fetch", "publish", "write", "rename", "lay")
 # Where a test may kill a run: each step just recorded, publishing after the switch
 # and before the branch record, and each step's end just recorded.
 POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged",

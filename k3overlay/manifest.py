@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UsageError
-from .files import read_regular, write_all_in_tree, write_atomically
+from .files import digest, read_regular, write_all_in_tree, write_atomically
 
 NEW = "new"
 REGULAR_MODES = ("100644", "100755")
@@ -216,19 +216,55 @@ def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
     folder or submodule.
     Returns ``path: (bytes, executable)`` for ``commit_laid``.
     """
-    chosen = [r for r in results
-              if r.status != CONFLICT or (with_conflicts and r.merged is not None)]
-    for result in chosen:
-        problem = destination_problem(repo, "HEAD", result.path)
+    laid = to_lay(overlay_dir, results, with_conflicts=with_conflicts)
+    for path in laid:
+        problem = destination_problem(repo, "HEAD", path)
         if problem:
-            raise UsageError(f"refusing to lay overlay file {result.path}: {problem}")
+            raise UsageError(f"refusing to lay overlay file {path}: {problem}")
+    write_all_in_tree(Path(repo.working_tree_dir), laid)
+    return laid
+
+
+def to_lay(overlay_dir: Path, results: list[FileResult], *,
+           with_conflicts: bool = False) -> dict[str, tuple[bytes, bool]]:
+    """What ``lay`` writes (``path: (bytes, executable)``), written nowhere."""
     laid = {}
-    for result in chosen:
+    for result in results:
+        if result.status == CONFLICT and not (with_conflicts and result.merged is not None):
+            continue
         source = overlay_dir / result.path
         data = result.merged if result.merged is not None else source.read_bytes()
         laid[result.path] = (data, bool(os.stat(source).st_mode & stat.S_IXUSR))
-    write_all_in_tree(Path(repo.working_tree_dir), laid)
     return laid
+
+
+def undo_laid(repo: git.Repo, head: str, laid: dict[str, str]) -> int | None:
+    """Put back what a killed run laid into ``repo``'s work tree (and staged) on top of commit
+    ``head`` before committing it: ``laid`` is ``path: sha256`` of each file it wrote. Each
+    path holding that content goes back to ``head``'s file (or away, where ``head`` has none),
+    with its index entry. Only while HEAD is still ``head`` and every path holds, in the work
+    tree, ``head``'s file or the laid one and, in the index, ``head``'s entry or the laid
+    file's: anything else is somebody's since. Returns how many files were put back (0:
+    nothing was laid yet), or None if left as it is."""
+    if git.resolve(repo, "HEAD") != head:
+        return None
+    top, paths = Path(repo.working_tree_dir), sorted(laid)
+    old = git.tree_entries(repo, head, paths)
+    index = git.index_entries(repo, paths)
+    work = git.work_tree_entries(repo, paths)
+    ours = [p for p in paths if digest(top, p) == laid[p]]
+    if any(p not in ours and work.get(p) != old.get(p) for p in paths) \
+            or any(index.get(p) not in (old.get(p), work.get(p) if p in ours else old.get(p)) for p in paths):
+        return None
+    back = [p for p in ours if p in old]
+    if back:
+        git.run(repo, "checkout", "--quiet", head, "--", *git.literal(back))
+    gone = [p for p in ours if p not in old]
+    if gone:
+        git.run(repo, "rm", "--quiet", "--cached", "--ignore-unmatch", "--", *git.literal(gone))
+        for path in gone:
+            os.unlink(top / path)
+    return len(ours)
 
 
 def commit_laid(repo: git.Repo, laid: dict[str, tuple[bytes, bool]], message: str, *,

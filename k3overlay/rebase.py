@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from . import errors, git, source
+from . import errors, git, journal, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .interrupts import deferred
@@ -175,14 +175,19 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                                       "fix what verify found, commit, run this again"))
         return report
     report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
-    laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
-    conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
-    if conflicted:
-        git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})
-        report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
-                            f"`git commit -a`, then run apply.py --export")
-        return report
-    sha = commit_overlay(repo, project, report, laid)
+    laying = manifest_mod.to_lay(project.overlay_dir, report.overlay, with_conflicts=True)
+    # Laid but not yet committed, the files would read as the maintainer's resolution to
+    # every later run ("commit the resolution first"): a killed run's are put back (recovery).
+    with journal.step("lay", repo=repo.working_tree_dir, head=git.resolve(repo, "HEAD"),
+                      files=[[p, hashlib.sha256(data).hexdigest()] for p, (data, _x) in laying.items()]):
+        laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
+        conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
+        if conflicted:
+            git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})
+            report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
+                                f"`git commit -a`, then run apply.py --export")
+            return report
+        sha = commit_overlay(repo, project, report, laid)
     # The tip is recorded as apply.py's (a plain run may then rebuild it) only if apply.py
     # made every commit on it: a maintainer's resolutions are saved by --export first.
     if not foreign_commits(repo, branch, sha):

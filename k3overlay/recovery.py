@@ -18,6 +18,7 @@ from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
 from .files import STAGING, TEMPORARY, finish_renames
+from .manifest import undo_laid
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -30,6 +31,7 @@ FACTS: dict[str, dict[str, type | tuple[type, ...]]] = {
                 "old_head": (str, type(None)), "old_tip": (str, type(None))},
     "write": {"root": str, "folders": list},
     "rename": {"root": str, "moves": list, "remove": list},
+    "lay": {"repo": str, "head": str, "files": list},
 }
 
 
@@ -51,6 +53,9 @@ def readable(entry: dict) -> bool:
                    and isinstance(m[2], (str, type(None))) for m in entry["moves"]) \
             and all(isinstance(r, list) and len(r) == 2 and _plain(r[0])
                     and isinstance(r[1], (str, type(None))) for r in entry["remove"])
+    if entry["step"] == "lay":
+        return all(isinstance(f, list) and len(f) == 2 and _plain(f[0]) and isinstance(f[1], str)
+                   for f in entry["files"])
     return True
 
 
@@ -146,8 +151,23 @@ def rename(facts: dict) -> str | None:
     return f"{said}: finished" if finished else f"{said}: left as it is (changed since)"
 
 
+def lay(facts: dict) -> str | None:
+    """The overlay laid into a checkout by ``--rebase-to`` and not yet committed: put back
+    (``manifest.undo_laid``), so that the run again lays and commits it."""
+    top = Path(facts["repo"])
+    try:
+        repo = git.open_repo(top)
+    except git.GitError:
+        return None
+    back = undo_laid(repo, facts["head"], dict(facts["files"]))
+    said = f"it was laying the overlay into {top}, not yet committed"
+    if back is None:
+        return f"{said}: left as it is (changed since)"
+    return f"{said}: put back ({back} file(s) as {facts['head'][:12]} has them)" if back else None
+
+
 HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
-            "publish": resume.finish, "write": write, "rename": rename}
+            "publish": resume.finish, "write": write, "rename": rename, "lay": lay}
 
 
 def _elsewhere(entry: dict, workdir: str) -> str | None:
@@ -155,7 +175,7 @@ def _elsewhere(entry: dict, workdir: str) -> str | None:
     writes in), or None if it is ``workdir``'s own."""
     if entry["workdir"] != workdir:
         return entry["workdir"]
-    repo = entry.get("repo") if entry.get("step") in ("fetch", "publish") else None
+    repo = entry.get("repo") if entry.get("step") in ("fetch", "publish", "lay") else None
     if isinstance(repo, str) and os.path.realpath(repo) != os.path.realpath(workdir):
         return repo
     return None

@@ -62,13 +62,17 @@ def env(tmp_path) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp_path / "t")}
 
 
+# Points only --rebase-to passes (test_a_rebase_to_killed_around_laying_the_overlay_...).
+REBASE_TO = {"lay", "lay.done"}
+
+
 def test_every_point_is_passed_by_one_of_the_scenarios():
-    assert set(SCENARIO) | {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done",
-                            "publish", "publish.switched", "publish.done", "write",
-                            "write.staged", "write.done", "rename", "rename.done"} == set(journal.POINTS)
+    assert set(SCENARIO) | REBASE_TO | {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done",
+                                        "publish", "publish.switched", "publish.done", "write", "write.staged",
+                                        "write.done", "rename", "rename.done"} == set(journal.POINTS)
 
 
-@pytest.mark.parametrize("point", journal.POINTS)
+@pytest.mark.parametrize("point", [p for p in journal.POINTS if p not in REBASE_TO])
 def test_a_run_killed_at_each_step_is_finished_or_undone_by_the_next(project, upstream, tmp_path,
                                                                       env, point):
     wd, scenario = tmp_path / "wd", SCENARIO.get(point, "existing")
@@ -253,6 +257,49 @@ def test_a_renamed_file_put_back_after_the_kill_leaves_every_rename_as_it_is(pro
         f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: left as it is "
         f"(changed since); removed 3 half-written file(s) it left in {project.root}"], again.stderr
     assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
+
+
+def _rebase_to_and_tree(project, upstream, wd: Path, env) -> tuple[list[str], str]:
+    """A checkout of v1.0.0's result in ``wd``; the args of --rebase-to v1.2.0 there (a target
+    every patch of which landed), and the tree an uninterrupted run of it commits."""
+    reference = wd.parent / "reference"
+    for where in (wd, reference):
+        assert run_apply(project, Options(vllm_repo=str(upstream), workdir=where)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--rebase-to", "v1.2.0"]
+    assert run_tool(project, env, *args, "--workdir", str(reference)).returncode == 0
+    return [*args, "--workdir", str(wd)], g(reference, "rev-parse", "HEAD^{tree}").strip()
+
+
+@pytest.mark.parametrize("point", ["lay", "rename.done", "lay.done"])
+def test_a_rebase_to_killed_around_laying_the_overlay_is_taken_up_by_the_next(project, upstream,
+                                                                              tmp_path, env, point):
+    """Round 6 (F5): killed once the overlay was laid into the checkout (rename.done), before
+    committing it: the next --rebase-to said "has uncommitted changes; commit the resolution
+    first" (the files were the tool's own) with no word of the kill, and a plain run refused
+    too. The laid files are now put back, and the run lays and commits them again."""
+    wd = tmp_path / "wd"
+    args, tree = _rebase_to_and_tree(project, upstream, wd, env)
+    assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    notes = [line for line in again.stderr.splitlines() if NOTE in line]
+    if point == "rename.done":
+        assert notes == [f"{NOTE}it was laying the overlay into {wd}, not yet committed: put back "
+                         f"(2 file(s) as {g(wd, 'rev-parse', 'HEAD~1').strip()[:12]} has them)"], notes
+    else:
+        assert notes == []
+    assert g(wd, "rev-parse", "HEAD^{tree}").strip() == tree and g(wd, "status", "--porcelain") == ""
+
+
+def test_a_laid_file_edited_after_the_kill_is_the_users_and_is_kept(project, upstream, tmp_path, env):
+    wd = tmp_path / "wd"
+    args, _tree = _rebase_to_and_tree(project, upstream, wd, env)
+    assert run_tool(project, {**env, journal.KILL_AT: "rename.done"}, *args).returncode == -signal.SIGKILL
+    mine = (wd / "pkg/new.py").read_text() + "# mine\n"
+    (wd / "pkg/new.py").write_text(mine)
+    again = run_tool(project, env, *args)
+    assert again.returncode == 2 and "left as it is (changed since)" in again.stderr, again.stderr
+    assert (wd / "pkg/new.py").read_text() == mine
 
 
 def test_an_export_killed_before_its_first_rename_is_undone(project, upstream, tmp_path, env):
