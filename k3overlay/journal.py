@@ -52,8 +52,9 @@ from .regular import open_regular
 
 STEPS = ("clone", "check", "worktree", "fetch", "publish", "write", "rename", "lay")
 # Where a test may kill a run: each step just recorded, publishing after the switch
-# and before the branch record, and each step's end just recorded.
-POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged",
+# and before the branch record, --rebase-to's overlay committed and the step not yet
+# done, and each step's end just recorded.
+POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged", "lay.committed",
           *(f"{s}.done" for s in STEPS))
 KILL_AT = "K3OVERLAY_TEST_KILL_AT"
 SCRATCH = ("clone", "check", "worktree")  # steps whose recovery removes a whole tree

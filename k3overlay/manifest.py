@@ -14,6 +14,7 @@ copying our file over would silently throw upstream's work away: that is drift.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -245,9 +246,14 @@ def undo_laid(repo: git.Repo, head: str, laid: dict[str, str]) -> int | None:
     with its index entry. Only while HEAD is still ``head`` and every path holds, in the work
     tree, ``head``'s file or the laid one and, in the index, ``head``'s entry or the laid
     file's: anything else is somebody's since. Returns how many files were put back (0:
-    nothing was laid yet), or None if left as it is."""
-    if git.resolve(repo, "HEAD") != head:
-        return None
+    nothing was laid yet, or it was committed: HEAD is the commit on ``head`` holding them),
+    or None if left as it is."""
+    now = git.resolve(repo, "HEAD")
+    if now != head:
+        committed = git.read_files(repo, now, sorted(laid)) if now else {}
+        ours = git.resolve(repo, "HEAD~1") == head and all(
+            hashlib.sha256(committed.get(p, b"")).hexdigest() == sha for p, sha in laid.items())
+        return 0 if ours else None
     top, paths = Path(repo.working_tree_dir), sorted(laid)
     old = git.tree_entries(repo, head, paths)
     index = git.index_entries(repo, paths)

@@ -188,6 +188,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                 f"`git commit -a`, then run apply.py --export")
             return report
         sha = commit_overlay(repo, project, report, laid)
+        journal.point("lay.committed")
     # The tip is recorded as apply.py's (a plain run may then rebuild it) only if apply.py
     # made every commit on it: a maintainer's resolutions are saved by --export first.
     if not foreign_commits(repo, branch, sha):

@@ -63,7 +63,7 @@ def env(tmp_path) -> dict[str, str]:
 
 
 # Points only --rebase-to passes (test_a_rebase_to_killed_around_laying_the_overlay_...).
-REBASE_TO = {"lay", "lay.done"}
+REBASE_TO = {"lay", "lay.committed", "lay.done"}
 
 
 def test_every_point_is_passed_by_one_of_the_scenarios():
@@ -270,7 +270,7 @@ def _rebase_to_and_tree(project, upstream, wd: Path, env) -> tuple[list[str], st
     return [*args, "--workdir", str(wd)], g(reference, "rev-parse", "HEAD^{tree}").strip()
 
 
-@pytest.mark.parametrize("point", ["lay", "rename.done", "lay.done"])
+@pytest.mark.parametrize("point", ["lay", "rename.done", "lay.committed", "lay.done"])
 def test_a_rebase_to_killed_around_laying_the_overlay_is_taken_up_by_the_next(project, upstream,
                                                                               tmp_path, env, point):
     """Round 6 (F5): killed once the overlay was laid into the checkout (rename.done), before
