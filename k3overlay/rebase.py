@@ -205,14 +205,15 @@ def _switched(repo: git.Repo, origin: str, opts: Options, workdir: Path, manifes
     the branch a former run made for REF (True: the maintainer's resolutions are on it).
     Raises UsageError where the checkout must not be touched."""
     refuse_merge_attributes(repo)
+    # Continuing skips refuse_unsafe (the branch holds the maintainer's resolutions by design),
+    # never git's own locks: the maintainer's `git commit` with its editor open holds index.lock,
+    # and the overlay used to be laid into the work tree before staging failed on it. Locks
+    # first: a killed `git am` leaves one, and `git am --abort` fails on it.
+    refuse_git_locks(repo, branch)
     op = git.operation_in_progress(repo)
     if op:
         raise errors.UsageError(f"{workdir} has a {op} in progress; finish it (git am --continue) "
                                 f"or abort it, then run --rebase-to again")
-    # Continuing skips refuse_unsafe (the branch holds the maintainer's resolutions by design),
-    # never git's own locks: the maintainer's `git commit` with its editor open holds index.lock,
-    # and the overlay used to be laid into the work tree before staging failed on it.
-    refuse_git_locks(repo, branch)
     report.ref_sha = fetched(repo, origin, opts.ref)
     fetched(repo, origin, manifest.base)  # drift merges read upstream's base blobs
     continuing = (git.current_branch(repo) == branch

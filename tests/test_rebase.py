@@ -128,6 +128,10 @@ def test_rebase_to_conflicts_resolved_by_maintainer(project, upstream, tmp_path)
     assert first.exit_code == errors.CONFLICT and (wd / ".git/rebase-apply").is_dir()
     with pytest.raises(errors.UsageError, match="in progress"):
         rebase_to(project, opts)
+    (wd / ".git/index.lock").touch()  # a killed `git am` leaves one, and `git am --abort` fails on it:
+    with pytest.raises(errors.UsageError, match="index.lock exists"):  # said first (round 6)
+        rebase_to(project, opts)
+    (wd / ".git/index.lock").unlink()
     (wd / "pkg/model.txt").write_text(
         "\n".join(["line 1 (upstream)", "line 2", "line 3", "line 4 (ours+theirs)"]
                   + [f"line {i}" for i in range(5, 13)]) + "\n")
