@@ -9,7 +9,10 @@ What counts as a secret (the kinds git's own redaction covers, and their neighbo
 - a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
-  ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth);
+  ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth, the
+  name read as a server reads it: percent-decoded, ``+`` a space, case-folded, so
+  ``tok%65n``, ``%74oken`` and ``ToKeN`` are ``token``; a name encoded twice, ``tok%2565n``,
+  too);
 - an HTTP header that does (``Authorization: Bearer …``, ``Proxy-Authorization``,
   ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``, ``X-…-Key``, ``Api-Key``), as git's
   ``GIT_TRACE_REDACT`` does: the scheme word stays, the rest goes.
@@ -42,11 +45,21 @@ _SSH = {"ssh", "git+ssh", "ssh+git"}
 # A source without a scheme typed ``user:password@host:path``: git reads host ``user`` and
 # fails, but the rest up to the @ before the host is a password (it may hold ``: / @``).
 _SCP = re.compile(r"(?P<user>[^:/@\s]+):(?P<pw>.+)@(?P<host>[^@:/\s]+):[^@]*\Z", re.S)
-# (a name may be percent-encoded, ``access%5Ftoken``; a parameter may follow ``;`` as well as
-# ``?``/``&``, or ``#``: OAuth's implicit flow returns ``#access_token=`` in the fragment)
-_SECRET_NAME = (r"[A-Za-z0-9_.%\-]*(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key"
-                r"|auth)")
-_QUERY = re.compile(rf"(?P<lead>[?&;#](?i:{_SECRET_NAME})=)(?P<value>[^&;#\s'\"<>`]+)")
+# A query (``?``/``&``), ``;`` or fragment (``#``: OAuth's implicit flow returns
+# ``#access_token=`` there) parameter: its name is any run of characters up to ``=`` that a
+# server would read as a name, so the name can be judged as the server reads it
+# (``_secret_name``), not as typed: ``tok%65n``, ``%74oken``, ``api+key`` are ``token`` and
+# ``api key`` to it. Its value runs to the next separator; ``?`` does not end it (a secret
+# value may hold one), yet a parameter that is no secret never hides one in its value
+# (``_mask_parameters`` looks at every name).
+_PARAMETER = re.compile(r"[?&;#](?P<name>[^=?&;#\s'\"<>`]+)=")
+_VALUE = re.compile(r"[^&;#\s'\"<>`]+")
+# A decoded, case-folded name ending in one of these words is a credential's.
+_SECRET_WORD = re.compile(r"(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key|auth)\Z")
+# Rounds of percent-decoding a name is given: a server decodes once, but a name encoded twice
+# (``tok%2565n``) is ``token`` to whatever decodes the URL once more on its way (a proxy, a
+# redirect, a URL quoted inside another's parameter); masking it costs nothing.
+_DECODE_ROUNDS = 4
 _HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|private-token"
                      r"|job-token|api-key|x-[a-z0-9\-]*(?:token|key|secret))"
                      r"\s*:\s*(?:(?i:basic|bearer|token|digest"
@@ -105,8 +118,40 @@ def redact(text: str) -> str:
     for literal in sorted(_REMEMBERED, key=len, reverse=True):
         text = text.replace(literal, _REMEMBERED[literal])
     text = _USERINFO.sub(_masked_userinfo, text)
-    text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
+    text = _mask_parameters(text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
+
+
+def _secret_name(name: str) -> bool:
+    """Whether a query, ``;`` or fragment parameter named ``name`` (as it is typed) carries a
+    credential: ``name`` read as a server reads it (``urllib.parse.unquote_plus``: percent
+    escapes decoded, ``+`` a space; decoded again while that changes it, up to
+    ``_DECODE_ROUNDS`` times), case-folded, white space at its ends dropped, ends in a
+    secret word (``_SECRET_WORD``)."""
+    for _ in range(_DECODE_ROUNDS):
+        decoded = urllib.parse.unquote_plus(name)
+        if decoded == name:
+            break
+        name = decoded
+    return _SECRET_WORD.search(name.strip().casefold()) is not None
+
+
+def _mask_parameters(text: str) -> str:
+    """``text`` with the value of every credential parameter (``_secret_name``) replaced by
+    ``***``, its name kept as typed. Each parameter is judged, so a parameter that is no
+    secret and whose value holds a ``?`` (``?next=/a?token=X``) leaves the one after it to
+    be masked; a name inside a value already masked is not looked at again."""
+    kept, end = [], 0
+    for parameter in _PARAMETER.finditer(text):
+        if parameter.start() < end or not _secret_name(parameter["name"]):
+            continue
+        value = _VALUE.match(text, parameter.end())
+        if value is None:  # ``token=`` with nothing after it: nothing to hide
+            continue
+        kept += [text[end:parameter.end()], MASK]
+        end = value.end()
+    kept.append(text[end:])
+    return "".join(kept)
 
 
 def _masked_userinfo(match: re.Match) -> str:
@@ -150,7 +195,7 @@ def url_without_credentials(url: str) -> str:
         scheme, info, rest = parts
         kept = info.partition(":")[0] + "@" if scheme[:-3].lower() in _SSH else ""
         url = f"{scheme}{kept}{rest}"
-    return _QUERY.sub(lambda m: m["lead"] + MASK, url)
+    return _mask_parameters(url)
 
 
 class Stream:

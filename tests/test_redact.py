@@ -280,3 +280,47 @@ def test_the_traceback_of_a_bug_is_masked_too(tmp_path, entry):
                          capture_output=True, text=True, timeout=120)
     assert "RuntimeError: a bug while fetching https://***@127.0.0.1" in run.stderr, run.stderr[-2000:]
     assert SECRET not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("text, kept", [
+    # a server percent-decodes a parameter's name (and reads + as a space) before it looks at it:
+    # each of these is ``token``/``access_token`` to it (urllib.parse.parse_qs says so)
+    (f"https://h/x?tok%65n={SECRET}", "?tok%65n=***"),
+    (f"https://h/x?%74oken={SECRET}&a=1", "?%74oken=***&a=1"),
+    (f"https://h/x?a=1&access_t%6Fken={SECRET}", "&access_t%6Fken=***"),
+    (f"https://h/x?private_%74oken={SECRET}", "?private_%74oken=***"),
+    (f"https://h/x?%54%4F%4B%45%4E={SECRET}", "?%54%4F%4B%45%4E=***"),
+    (f"https://h/x?api+key={SECRET}", "?api+key=***"),
+    (f"https://h/x?ToKeN={SECRET}", "?ToKeN=***"),
+    # its neighbours: a fragment, ';', an ssh or scp-like source, a double-encoded name (masked:
+    # a layer that decodes once more, a proxy or a redirect, hands ``token`` on)
+    (f"https://h/cb#acc%65ss_token={SECRET}", "#acc%65ss_token=***"),
+    (f"https://h/x?a=1;tok%65n={SECRET}", ";tok%65n=***"),
+    (f"ssh://git@h/x.git?tok%65n={SECRET}", "?tok%65n=***"),
+    (f"git@h:o/x.git?tok%65n={SECRET}", "?tok%65n=***"),
+    (f"https://h/x?tok%2565n={SECRET}", "?tok%2565n=***"),
+    # a parameter that is no secret does not hide one after it, whatever its value holds
+    (f"https://h/x?next=/a?tok%65n={SECRET}", "?tok%65n=***"),
+    (f"https://h/x?next=/a?token={SECRET}", "?token=***"),
+])
+def test_a_percent_encoded_or_mixed_case_credential_name_is_masked(text, kept):
+    # round 6: the name was matched as raw text, so only ``%5F`` (which the pattern allowed inside
+    # a name) was masked: ``tok%65n=SECRET`` reached the console and the reports
+    assert SECRET not in redact(text) and kept in redact(text)
+    assert SECRET not in url_without_credentials(text)
+
+
+@pytest.mark.parametrize("text", ["https://h/x?to%6Ben_count=3&author=ann", "https://h/x?q=a%26b&page=2",
+                                  "see #12=ok", "https://h/x?design=1&monkey%2Dwrench=2x"])
+def test_a_decoded_name_that_is_no_secret_is_left_as_it_is(text):
+    assert redact(text) == text and url_without_credentials(text) == text
+
+
+def test_apply_with_a_percent_encoded_token_name_leaks_nothing(project, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    url = f"https://127.0.0.1:{_closed_port()}/up.git?tok%65n={SECRET}"
+    code = cli.main(["--vllm-repo", url, "--workdir", str(tmp_path / "wd"),
+                     "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert code == errors.SOURCE and "?tok%65n=***" in err
+    assert SECRET not in out + err and _leaks(tmp_path) == []
