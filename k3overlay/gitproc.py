@@ -107,6 +107,19 @@ PINNED = {
 GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={value}")))
 
 
+# The pins above are for what the tool writes (objects, commits, checkouts of its own):
+# byte for byte whatever the user's config. Whether a file of the user's checkout holds an
+# index entry's content is their git's question, though: a checkout whose own config says
+# ``core.autocrlf=true`` holds CRLF files that its git stores as LF, and a file merely touched
+# (stat-dirty) re-hashed without that conversion looked changed, so the tool refused a
+# checkout the user's `git status` called clean. The line-ending settings of the checkout's
+# own config (``checkouts_eol``) go after the pins for those looks: every ``status``
+# (``_EOL_VERBS``: it only compares, and refreshes the index's stat data as the user's own
+# would) and the callers that hash work-tree files (``eol=True``).
+_EOL_KEYS = ("core.autocrlf", "core.eol", "core.safecrlf")
+_EOL_VERBS = ("status",)
+
+
 # Carried over from the user's own (global/system) config: reaching a repository, who
 # they are, and what they ignore. Canonical key names, as ``git config --get-regexp`` prints them.
 _CARRIED = re.compile(r"^(user\.(name|email)|credential\..+|http\..+|url\..+\.(insteadof|pushinsteadof)"
@@ -183,15 +196,19 @@ def _text(data: bytes) -> str:
 
 
 def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
-             env: dict[str, str] | None = None, stdin: bytes | None = None) -> tuple[int, bytes, bytes]:
+             env: dict[str, str] | None = None, stdin: bytes | None = None,
+             eol: bool = False) -> tuple[int, bytes, bytes]:
     """Run git with the tool's pinned settings in ``cwd``; return (status, stdout, stderr).
 
     ``env`` adds variables (identity, dates, an index file) on top of the
-    isolated environment. The child runs in its own process group, so a
-    terminal's Ctrl-C reaches only us; on any interrupt we terminate that group,
-    wait for it, and re-raise. Raises GitError if git cannot be started (no
-    git, or ``cwd`` is gone: never silently run somewhere else).
+    isolated environment. With ``eol`` (always for a verb in ``_EOL_VERBS``) the line-ending
+    settings of the repository at ``cwd``'s own config replace the pinned ones
+    (``checkouts_eol``): for a read-only look at a user's work tree, never for what writes
+    objects. The child runs in its own process group, so a terminal's Ctrl-C reaches only
+    us; on any interrupt we terminate that group, wait for it, and re-raise. Raises GitError
+    if git cannot be started (no git, or ``cwd`` is gone: never silently run somewhere else).
     """
+    own = checkouts_eol(cwd) if eol or (args and args[0] in _EOL_VERBS) else ()
     # stdin is /dev/null unless data is given, then a file, not a pipe (git may stop reading
     # early): nothing git starts (a remote helper, ssh, a credential helper) can wait on it.
     with open(os.devnull, "rb") if stdin is None else tempfile.TemporaryFile() as given:
@@ -200,7 +217,7 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
             given.seek(0)
         try:
             proc = subprocess.Popen(
-                [*GIT, *args], cwd=cwd, env=_environment(env), start_new_session=True,
+                [*GIT, *own, *args], cwd=cwd, env=_environment(env), start_new_session=True,
                 stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as err:
             raise GitError(f"cannot run git {args[0]} in {cwd}: {err.strerror}") from err
@@ -213,6 +230,23 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
         finally:
             reaper.forget(proc.pid)
     return proc.returncode, out, err
+
+
+def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
+    """``-c`` arguments (to follow ``GIT``'s pins: the last wins) giving the ``_EOL_KEYS`` that
+    the local config of the repository at ``cwd`` sets (``git config --local``, its includes
+    followed), as given; none where it sets none (git's defaults, on which the pins agree:
+    autocrlf false, eol lf on this system, safecrlf matters to object writes only) or cannot
+    be read. Raises GitError only if git cannot be started."""
+    keys = "|".join(re.escape(key) for key in _EOL_KEYS)
+    status, out, _ = _execute(["config", "--local", "--includes", "--null", "--get-regexp",
+                               f"^({keys})$"], cwd=cwd)
+    given = []
+    for record in _text(out).split("\0") if status == 0 else []:
+        key, newline, value = record.partition("\n")
+        if key in _EOL_KEYS:  # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
+            given += ["-c", f"{key}={value}" if newline else key]
+    return tuple(given)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 from . import journal
 from .errors import UsageError
 from .files import read_regular
-from .gitproc import GitError, Repo, _cwd, _execute, _text, _z, attempt, first_line, literal, run
+from .gitproc import (GitError, Repo, _cwd, _execute, _text, _z, attempt, checkouts_eol, first_line,
+                      literal, run)
 from .interrupts import deferred
 from .lock import flock
 
@@ -54,7 +55,14 @@ def work_tree_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]
     """``path: (mode, blob sha)`` of what the work tree holds at each of ``paths`` (a file as
     ``git add`` would store it, its filters applied; a link's target); absent if nothing is
     there, ``("other", "")`` for a folder or anything else. What tells a file git wrote (the
-    old or the new commit's entry) from one somebody else changed."""
+    old or the new commit's entry) from one somebody else changed.
+
+    A file is hashed as it is (the pinned line-ending settings), except where the checkout's
+    own settings (``checkouts_eol``: ``core.autocrlf=true``) convert it into the blob its index
+    holds there: its own git wrote that blob with CRLF, and its `git status` calls it
+    unchanged. Not simply converted: git converts a file on the way in only where the index's
+    blob holds no CR ("safer autocrlf"), and ``hash-object`` reads no index, so a file
+    committed with CRLF (vLLM has some), written as it is, would hash as another blob."""
     top = Path(repo.working_tree_dir)
     found: dict[str, tuple[str, str]] = {}
     files = []
@@ -73,11 +81,24 @@ def work_tree_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]
         else:
             found[path] = ("other", "")
     if files:
-        status, out, _ = _execute(["hash-object", "--stdin-paths"], cwd=top,
-                                  stdin="".join(f"{p}\n" for p in files).encode(errors="surrogateescape"))
-        for path, blob in zip(files, _text(out).split() if status == 0 else []):
+        blobs = _hashes(top, files, eol=False)
+        if checkouts_eol(top):
+            index = index_entries(repo, files)
+            converted = _hashes(top, files, eol=True)
+            blobs = {p: converted[p] if converted.get(p) and converted[p] == index.get(p, ("", ""))[1]
+                     else blob for p, blob in blobs.items()}
+        for path, blob in blobs.items():
             found[path] = (found[path][0], blob)
     return found
+
+
+def _hashes(top: Path, files: list[str], eol: bool) -> dict[str, str]:
+    """``path: blob sha`` of each of ``files`` (regular files under ``top``) as ``hash-object``
+    stores it, with the pinned line-ending settings or (``eol``) the checkout's own; none
+    where git fails."""
+    status, out, _ = _execute(["hash-object", "--stdin-paths"], cwd=top, eol=eol,
+                              stdin="".join(f"{p}\n" for p in files).encode(errors="surrogateescape"))
+    return dict(zip(files, _text(out).split())) if status == 0 else {}
 
 
 def index_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
@@ -112,7 +133,9 @@ def cut_short(repo: Repo, paths: list[str], rev: str) -> set[str]:
 
 
 def is_dirty(repo: Repo) -> bool:
-    """True if ``repo`` has staged, unstaged or untracked (not ignored) changes."""
+    """True if ``repo`` has staged, unstaged or untracked (not ignored) changes, as its own
+    `git status` says for line endings (``status`` takes the checkout's own ``core.autocrlf``,
+    ``core.eol``, ``core.safecrlf``: gitproc's ``_EOL_VERBS``). Raises GitError."""
     return bool(run(repo, "status", "--porcelain", "--untracked-files=normal").strip())
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -457,3 +458,81 @@ def test_a_workdir_that_is_a_git_repository_with_no_commit_is_refused(project, u
     assert str(err.value).startswith(f"--workdir {empty} is a git repository with no commit yet")
     assert (empty / "draft.txt").read_text() == "not committed yet\n"
     assert g(empty, "for-each-ref").strip() == ""
+
+
+
+def _crlf_checkout(project, upstream, wd, paths, eol_config=(("core.autocrlf", "true"),)):
+    """``wd``: apply.py's checkout, then the user's own: ``eol_config`` in its local config
+    (``core.eol`` converts only what attributes call text: ``* text=auto`` in info/attributes
+    then), branch ``mine`` at v1.0.0, ``paths`` written again by their git (CRLF) and saved
+    unchanged by an editor (a newer mtime: stat-dirty, so git must read them to call them clean)."""
+    assert apply(project, upstream, wd).ok
+    for key, value in eol_config:
+        g(wd, "config", "--local", key, value)
+    if "core.eol" in dict(eol_config):
+        (wd / ".git/info/attributes").write_text("* text=auto\n")
+    g(wd, "checkout", "-q", "-b", "mine", "v1.0.0")
+    for path in paths:
+        (wd / path).unlink()
+        g(wd, "checkout", "-q", "--", path)
+        assert (wd / path).read_bytes().count(b"\r\n") > 1
+    # a checkout written a while ago, its index up to date (no entry racily clean: git would
+    # re-read those whatever their stat data), then the editor's save
+    now = time.time()
+    for path in filter(None, g(wd, "ls-files", "-z").split("\0")):
+        os.utime(wd / path, (now - 100, now - 100))
+    g(wd, "update-index", "-q", "--refresh")
+    for path in paths:
+        os.utime(wd / path, (now - 50, now - 50))
+
+
+@pytest.mark.parametrize("eol_config", [(("core.autocrlf", "true"),),
+                                        (("core.autocrlf", "true"), ("core.safecrlf", "true")),
+                                        (("core.eol", "crlf"),)])
+def test_a_touched_file_of_a_checkout_with_crlf_endings_is_no_uncommitted_change(project, upstream,
+                                                                                  tmp_path, eol_config):
+    """Round 6 (F6): the checkout's own config says ``core.autocrlf=true`` (its git wrote CRLF)
+    and an editor saved a file unchanged; the user's `git status` calls it clean, yet the tool,
+    pinning autocrlf=false for every git, re-hashed it unconverted: "has uncommitted changes"."""
+    wd = tmp_path / "wd"
+    paths = ["pkg/model.txt", "pkg/user.py"]  # one the switch rewrites, one it leaves alone
+    _crlf_checkout(project, upstream, wd, paths, eol_config)
+    repo = git.open_repo(wd)
+    blobs = {p: ("100644", g(wd, "rev-parse", f"v1.0.0:{p}").strip()) for p in paths}
+    assert git.work_tree_entries(repo, paths) == blobs  # what a switch's undo tells git's writes by
+    assert not git.is_dirty(repo)
+    report = apply(project, upstream, wd, ref="v1.1.0")
+    assert report.ok, report.to_json()
+    assert g(wd, "rev-parse", "--abbrev-ref", "HEAD").strip() == "k3-overlay/9.9.9"
+    assert g(wd, "status", "--porcelain") == ""
+
+
+def test_a_real_edit_of_a_checkout_with_crlf_endings_is_still_refused(project, upstream, tmp_path):
+    wd = tmp_path / "wd"
+    _crlf_checkout(project, upstream, wd, ["pkg/user.py"])
+    (wd / "pkg/user.py").write_bytes((wd / "pkg/user.py").read_bytes() + b"# mine\r\n")
+    assert git.is_dirty(git.open_repo(wd))
+    with pytest.raises(errors.UsageError, match="has uncommitted changes"):
+        apply(project, upstream, wd, ref="v1.1.0")
+    assert (wd / "pkg/user.py").read_bytes().endswith(b"# mine\r\n")
+
+
+def test_what_a_file_of_a_crlf_checkout_holds_is_read_as_its_own_git_reads_it(tmp_path):
+    """A failed switch's undo tells the files git wrote by their blob (``work_tree_entries``): under
+    the checkout's own ``core.autocrlf=true`` a CRLF file from an LF blob holds that blob, and a file
+    committed with CRLF (git never converts one whose index blob has a CR) holds its own, as for
+    the checkout's `git status`; pinned autocrlf=false missed the first, converting every file the second."""
+    repo = tmp_path / "r"
+    g(tmp_path, "init", "-q", str(repo))
+    (repo / "crlf.txt").write_bytes(b"committed\r\nwith CRLF\r\n")
+    (repo / "lf.txt").write_bytes(b"committed\nwith LF\n")
+    g(repo, "add", ".")
+    g(repo, "commit", "-q", "-m", "files")
+    g(repo, "config", "--local", "core.autocrlf", "true")
+    (repo / "lf.txt").unlink()
+    g(repo, "checkout", "-q", "--", "lf.txt")
+    assert (repo / "lf.txt").read_bytes() == b"committed\r\nwith LF\r\n"
+    assert g(repo, "status", "--porcelain") == ""
+    paths = ["crlf.txt", "lf.txt"]
+    assert git.work_tree_entries(git.open_repo(repo), paths) == {
+        p: ("100644", g(repo, "rev-parse", f"HEAD:{p}").strip()) for p in paths}
