@@ -90,21 +90,34 @@ def _may_switch(repo: git.Repo, facts: dict) -> bool:
 def _ignored_in_the_way(repo: git.Repo, ignored: list[str], writes: set[str]) -> tuple[list[str], list[str]]:
     """Of the ignored paths status lists (a wholly ignored folder as ``dir/``), those a checkout
     writing ``writes`` overwrites: (written paths to hold the old or the new content, like any
-    change; paths it would remove: a file where a folder goes, a folder where a file goes)."""
+    change; paths it would remove: a file where a folder goes, a folder where a file goes, and
+    inside an ignored folder anything but a folder on the way to a written file)."""
     top = Path(repo.working_tree_dir)
+    folders = {str(parent) for w in writes for parent in Path(w).parents}  # (every folder on the way)
     in_way, blocking = set(), set()
     for entry in ignored:
         path = entry.rstrip("/")
-        under = [w for w in writes if w.startswith(path + "/")]
         if path in writes:
             in_way.add(path)
-        elif {str(parent) for parent in Path(path).parents} & writes:
+        elif any(str(parent) in writes for parent in Path(path).parents):
             blocking.add(path)  # inside a folder where the switch writes a file
-        elif under and entry.endswith("/") and (top / path).is_dir() and not (top / path).is_symlink():
-            in_way.update(w for w in under if os.path.lexists(top / w))  # files it writes in there
-        elif under:
-            blocking.add(path)  # a file where the switch makes a folder
+        elif path in folders and not (entry.endswith("/") and _is_folder(top / path)):
+            blocking.add(path)  # a file (or a link) where the switch makes a folder
+        elif path in folders:  # an ignored folder the switch writes files in: look at each
+            for w in sorted(w for w in writes if w.startswith(path + "/")):
+                on_way = [str(p) for p in reversed(Path(w).relative_to(path).parents) if str(p) != "."]
+                stop = next((f"{path}/{p}" for p in on_way if os.path.lexists(top / path / p)
+                             and not _is_folder(top / path / p)), None)
+                if stop:
+                    blocking.add(stop)  # a file or link of the user's where a folder goes
+                elif os.path.lexists(top / w):
+                    in_way.add(w)
     return sorted(in_way), sorted(blocking)
+
+
+def _is_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
 
 
 def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> bool:

@@ -21,7 +21,7 @@ from k3overlay.lock import workdir_lock_path
 from k3overlay.mirror import ReleaseMirror
 from k3overlay.rebase import rebase_to
 
-from .conftest import MOD_BASE, commit_tag, g, model, snapshot
+from .conftest import MOD_BASE, USER, commit_tag, g, model, snapshot
 from .test_crash import NOTE, run_tool
 
 REF = ["--vllm-ref", "v1.1.0"]
@@ -143,6 +143,40 @@ def test_an_ignored_file_or_folder_where_the_switch_adds_a_file_is_never_forced_
     assert g(wd, "status", "--porcelain") == ""
     refused(run_tool(project, env, *args), wd, IGNORED_IN_THE_WAY)
     assert mine.read_text() == EDIT
+
+
+@pytest.fixture(scope="module")
+def upstream_ignoring(tmp_path_factory):
+    """An upstream whose .gitignore has ``gen/``, and whose v1.1.0 tracks pkg/gen/sub/b.py
+    in that ignored folder (vLLM tracks files under names it ignores, force-added)."""
+    repo = tmp_path_factory.mktemp("upstream-ignoring")
+    g(repo, "init", "-q", "-b", "main")
+    commit_tag(repo, {"pkg/__init__.py": "", "pkg/mod.py": MOD_BASE, "pkg/user.py": USER,
+                      "pkg/model.txt": model({}), ".gitignore": "gen/\n"}, "v1.0.0")
+    (repo / "pkg/gen/sub").mkdir(parents=True)
+    (repo / "pkg/gen/sub/b.py").write_text("B = 1\n")
+    g(repo, "add", "-f", "pkg/gen/sub/b.py")
+    commit_tag(repo, {"pkg/model.txt": model({1: "line 1 (upstream)"})}, "v1.1.0")
+    return repo
+
+
+@pytest.mark.parametrize("what", ["a file", "a link"])
+def test_a_file_or_link_where_the_switch_makes_a_folder_inside_an_ignored_folder_is_kept(
+        project, upstream_ignoring, tmp_path, env, what):
+    """The review of round 6: pkg/gen/ is ignored and the switch writes pkg/gen/sub/b.py; the
+    user's file (or link) pkg/gen/sub is on its way. Only written paths that existed were
+    looked at, so the forced checkout replaced the file by a folder (a normal run refuses)."""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream_ignoring, wd, env, "publish")
+    (wd / "pkg/gen").mkdir()
+    mine = tmp_path / "mine.txt"
+    mine.write_text(EDIT)
+    if what == "a link":
+        (wd / "pkg/gen/sub").symlink_to(mine)
+    else:
+        (wd / "pkg/gen/sub").write_text(EDIT)
+    refused(run_tool(project, env, *args), wd, IGNORED_IN_THE_WAY)
+    assert (wd / "pkg/gen/sub").is_symlink() == (what == "a link") and (wd / "pkg/gen/sub").read_text() == EDIT
 
 
 def test_check_never_recovers_and_says_truly_that_it_wrote_nothing(project, upstream, tmp_path, env):
