@@ -176,7 +176,8 @@ def test_a_file_or_link_where_the_switch_makes_a_folder_inside_an_ignored_folder
     else:
         (wd / "pkg/gen/sub").write_text(EDIT)
     refused(run_tool(project, env, *args), wd, IGNORED_IN_THE_WAY)
-    assert (wd / "pkg/gen/sub").is_symlink() == (what == "a link") and (wd / "pkg/gen/sub").read_text() == EDIT
+    kept = wd / "pkg/gen/sub"
+    assert kept.is_symlink() == (what == "a link") and kept.read_text() == EDIT
 
 
 def test_check_never_recovers_and_says_truly_that_it_wrote_nothing(project, upstream, tmp_path, env):
