@@ -185,13 +185,17 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         if sha is None:  # a name only the checkout knows: a normal run takes it too
             yield existing, local
         return
-    repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
-    try:
-        yield repo, fetched(repo, origin, ref)
-    except BaseException:
-        with deferred():
-            shutil.rmtree(workdir, ignore_errors=True)
-        raise
+    # A kill from the clone's rename into place until the switch leaves a clone with no
+    # commit (the release mirror has no branch), which every later run would refuse: the
+    # next run removes it (recovery.fresh).
+    with journal.step("fresh", repo=str(workdir)):
+        repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
+        try:
+            yield repo, fetched(repo, origin, ref)
+        except BaseException:
+            with deferred():
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
 
 
 def fetched(repo: git.Repo, origin: str, ref: str) -> str:

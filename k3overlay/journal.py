@@ -14,6 +14,9 @@ is left, and keeps the journal for the next run).
 
 Steps (``STEPS``; the facts each records):
   clone      ``scratch``: a clone being made beside the work directory -> removed
+  fresh      ``repo``: a new ``--workdir``'s clone, until the run's switch gave it a commit -> removed
+             while it still has none, no branch and nothing but ``.git`` (a clone of the release
+             mirror checks nothing out: every later run refused it as a repository with no commit)
   check      ``scratch``: ``--check``'s throwaway clone -> removed
   worktree   ``repo``, ``parent``: a temporary worktree -> git's entry and the folder removed
   fetch      ``repo``, ``since``: a fetch into the checkout -> ref lock files its git left removed
@@ -50,7 +53,7 @@ from pathlib import Path
 from .errors import UsageError
 from .regular import open_regular
 
-STEPS = ("clone", "check", "worktree", "fetch", "publish", "write", "rename", "lay")
+STEPS = ("clone", "fresh", "check", "worktree", "fetch", "publish", "write", "rename", "lay")
 # Where a test may kill a run: each step just recorded, publishing after the switch
 # and before the branch record, --rebase-to's overlay committed and the step not yet
 # done, and each step's end just recorded.

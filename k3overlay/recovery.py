@@ -25,7 +25,7 @@ from .manifest import undo_laid
 # acted on: recovery must not fail on it, and a journal is no licence for anything else.
 _NUMBER = (int, float)
 FACTS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "clone": {"scratch": str}, "check": {"scratch": str},
+    "clone": {"scratch": str}, "fresh": {"repo": str}, "check": {"scratch": str},
     "worktree": {"repo": str, "parent": str}, "fetch": {"repo": str, "since": _NUMBER},
     "publish": {"repo": str, "branch": str, "sha": str, "ref": str, "since": _NUMBER,
                 "old_head": (str, type(None)), "old_tip": (str, type(None))},
@@ -76,6 +76,22 @@ def clone(facts: dict) -> str | None:
     """A clone into a fresh work directory: its scratch folder beside it goes (one named
     ``.WORKDIR.k3-clone-…``, whatever prefix the entry says)."""
     return _scratch(facts, ".k3-clone-", "half-made clone")
+
+
+def fresh(facts: dict) -> str | None:
+    """A new work directory's clone the run had not yet switched: removed while it is still
+    as the clone left it (no commit, no branch, nothing but ``.git``), so the next run clones
+    afresh; anything more is somebody's since, and stays."""
+    top = Path(facts["repo"])
+    try:
+        repo = git.open_repo(top)
+        if os.listdir(top) != [".git"] or git.resolve(repo, "HEAD") is not None \
+                or git.run(repo, "for-each-ref", "refs/heads/").strip():
+            return None
+    except (git.GitError, OSError):
+        return None
+    shutil.rmtree(top, ignore_errors=True)
+    return f"its clone {top}, not yet switched to a branch, was removed"
 
 
 def check(facts: dict) -> str | None:
@@ -166,7 +182,7 @@ def lay(facts: dict) -> str | None:
     return f"{said}: put back ({back} file(s) as {facts['head'][:12]} has them)" if back else None
 
 
-HANDLERS = {"clone": clone, "check": check, "worktree": worktree, "fetch": fetch,
+HANDLERS = {"clone": clone, "fresh": fresh, "check": check, "worktree": worktree, "fetch": fetch,
             "publish": resume.finish, "write": write, "rename": rename, "lay": lay}
 
 
@@ -175,7 +191,7 @@ def _elsewhere(entry: dict, workdir: str) -> str | None:
     writes in), or None if it is ``workdir``'s own."""
     if entry["workdir"] != workdir:
         return entry["workdir"]
-    repo = entry.get("repo") if entry.get("step") in ("fetch", "publish", "lay") else None
+    repo = entry.get("repo") if entry.get("step") in ("fresh", "fetch", "publish", "lay") else None
     if isinstance(repo, str) and os.path.realpath(repo) != os.path.realpath(workdir):
         return repo
     return None

@@ -27,8 +27,8 @@ RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
 NOTE = "… note: the last run was killed; "
 # Which run passes each point: a fresh workdir (clone), --check into a fresh workdir (its
 # throwaway clone), or a new ref onto an existing checkout (fetch, worktree, publish).
-SCENARIO = {"clone": "fresh", "clone.cloned": "fresh", "clone.done": "fresh",
-            "check": "check", "check.done": "check"}
+SCENARIO = {"clone": "fresh", "clone.cloned": "fresh", "clone.done": "fresh", "fresh": "fresh",
+            "fresh.done": "fresh", "check": "check", "check.done": "check"}
 # Points at which the killed run leaves something the next run must finish or remove.
 LEAVES_WORK = {"clone", "clone.cloned", "check", "worktree", "worktree.added", "publish",
                "publish.switched", "write", "write.staged", "write.done", "rename",
@@ -68,7 +68,8 @@ REBASE_TO = {"lay", "lay.committed", "lay.done"}
 
 def test_every_point_is_passed_by_one_of_the_scenarios():
     plain = {"fetch", "fetch.done", "worktree", "worktree.added", "worktree.done", "publish",
-             "publish.switched", "publish.done", "write", "write.staged", "write.done", "rename", "rename.done"}
+             "publish.switched", "publish.done", "write", "write.staged", "write.done", "rename",
+             "rename.done"}
     assert set(SCENARIO) | REBASE_TO | plain == set(journal.POINTS)
 
 
@@ -257,6 +258,26 @@ def test_a_renamed_file_put_back_after_the_kill_leaves_every_rename_as_it_is(pro
         f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: left as it is "
         f"(changed since); removed 3 half-written file(s) it left in {project.root}"], again.stderr
     assert {p.name: p.read_bytes() for p in project.patches_dir.iterdir()} == before
+
+
+@pytest.mark.parametrize("mode", [["--rebase-to", "v1.2.0"], ["--vllm-ref", "v1.1.0"]])
+@pytest.mark.parametrize("point", ["clone.done", "fetch", "fetch.done"])
+def test_a_new_workdirs_clone_killed_before_the_switch_is_removed_by_the_next_run(
+        project, upstream, tmp_path, env, point, mode):
+    """The review of round 6: from a source of tags only (the release mirror), a new
+    --workdir's clone checks nothing out; killed before the switch, every later run refused it
+    as "a git repository with no commit yet". The next run now removes it and clones again."""
+    tags = tmp_path / "tags.git"
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(tags))
+    g(tags, "update-ref", "-d", "refs/heads/main")
+    wd = tmp_path / "wd"
+    args = ["-q", "--vllm-repo", str(tags), "--workdir", str(wd), *mode]
+    assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
+    assert g(wd, "for-each-ref", "refs/heads/") == ""  # a clone with nothing checked out
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert f"{NOTE}its clone {wd}, not yet switched to a branch, was removed" in again.stderr
+    assert g(wd, "status", "--porcelain") == "" and g(wd, "rev-parse", "HEAD").strip()
 
 
 def _rebase_to_and_tree(project, upstream, wd: Path, env) -> tuple[list[str], str]:
