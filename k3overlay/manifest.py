@@ -82,7 +82,7 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     if not isinstance(manifest.base, str) or not manifest.base:
         raise UsageError(f"overlay manifest: 'base' must be a ref name, not {manifest.base!r}")
     for f in files:
-        if not _plain_path(f.path):
+        if not plain_path(f.path):
             raise UsageError(f"overlay manifest: bad path {f.path!r}")
         if f.base_blob != NEW and not (isinstance(f.base_blob, str) and len(f.base_blob) == 40
                                        and _is_hex(f.base_blob)):
@@ -105,7 +105,7 @@ def load(manifest_path: Path, overlay_dir: Path) -> Manifest:
     return manifest
 
 
-def _plain_path(path: object) -> bool:
+def plain_path(path: object) -> bool:
     """A relative ``/`` path of printable characters with no empty, ``.``, ``..`` or ``.git``
     part (any case, NTFS/HFS trailing dots and spaces too): one that stays inside a tree
     and out of its repository."""
@@ -239,26 +239,27 @@ def to_lay(overlay_dir: Path, results: list[FileResult], *,
     return laid
 
 
-def undo_laid(repo: git.Repo, head: str, laid: dict[str, str]) -> int | None:
-    """Put back what a killed run laid into ``repo``'s work tree (and staged) on top of commit
-    ``head`` before committing it: ``laid`` is ``path: sha256`` of each file it wrote. Each
-    path holding that content goes back to ``head``'s file (or away, where ``head`` has none),
-    with its index entry. Only while HEAD is still ``head`` and every path holds, in the work
-    tree, ``head``'s file or the laid one and, in the index, ``head``'s entry or the laid
-    file's: anything else is somebody's since. Returns how many files were put back (0:
-    nothing was laid yet, or it was committed: HEAD is the commit on ``head`` holding them),
-    or None if left as it is."""
+def undo_laid(repo: git.Repo, head: str, laid: dict[str, tuple[str, bool]]) -> int | None:
+    """Put back what a run laid into ``repo``'s work tree (and staged) on top of commit ``head``
+    and did not commit (killed, interrupted): ``laid`` is ``path: (sha256, executable)`` of
+    each file it wrote. Each path holding that file goes back to ``head``'s (or away, where
+    ``head`` has none), with its index entry. Only while HEAD is still ``head`` and every path
+    holds, in the work tree, ``head``'s file or the laid one (its content and mode) and, in
+    the index, ``head``'s entry or the laid file's: anything else is somebody's since. Returns
+    how many files were put back (0: nothing was laid yet, or it was committed: HEAD is the
+    commit on ``head`` holding them), or None if left as it is."""
     now = git.resolve(repo, "HEAD")
     if now != head:
         committed = git.read_files(repo, now, sorted(laid)) if now else {}
         ours = git.resolve(repo, "HEAD~1") == head and all(
-            hashlib.sha256(committed.get(p, b"")).hexdigest() == sha for p, sha in laid.items())
+            hashlib.sha256(committed.get(p, b"")).hexdigest() == sha for p, (sha, _x) in laid.items())
         return 0 if ours else None
     top, paths = Path(repo.working_tree_dir), sorted(laid)
     old = git.tree_entries(repo, head, paths)
     index = git.index_entries(repo, paths)
     work = git.work_tree_entries(repo, paths)
-    ours = [p for p in paths if digest(top, p) == laid[p]]
+    ours = [p for p in paths if digest(top, p) == laid[p][0]
+            and work.get(p, ("", ""))[0] == ("100755" if laid[p][1] else "100644")]
     if any(p not in ours and work.get(p) != old.get(p) for p in paths) \
             or any(index.get(p) not in (old.get(p), work.get(p) if p in ours else old.get(p)) for p in paths):
         return None

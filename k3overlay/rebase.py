@@ -164,9 +164,10 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                       keep_conflict=True, base_sha=base_sha)
         report.patches.append(result)
         if result.status == series_mod.CONFLICT:
-            report.notes.append(f"resolve {', '.join(result.files)}, `git add` them, run `git am --continue` in "
-                                f"{workdir}, then run apply.py --rebase-to {opts.ref} again (or "
-                                f"`git am --abort`, drop the patch from patches/series, re-run)")
+            report.notes.append(f"resolve {', '.join(result.files)}, `git add` them, run "
+                                f"`git am --continue` in {workdir}, then run apply.py --rebase-to "
+                                f"{opts.ref} again (or `git am --abort`, drop the patch from "
+                                f"patches/series, re-run)")
             return report
     if _overlay_committed(repo, report.ref_sha, {f.path for f in manifest.files}):
         # Checked again as it stands now: a run that stopped at verification must not
@@ -180,16 +181,23 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     laying = manifest_mod.to_lay(project.overlay_dir, report.overlay, with_conflicts=True)
     # Laid but not yet committed, the files would read as the maintainer's resolution to
     # every later run ("commit the resolution first"): a killed run's are put back (recovery).
-    with journal.step("lay", repo=repo.working_tree_dir, head=git.resolve(repo, "HEAD"),
-                      files=[[p, hashlib.sha256(data).hexdigest()] for p, (data, _x) in laying.items()]):
-        laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
-        conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
-        if conflicted:
-            git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})
-            report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
-                                f"`git commit -a`, then run apply.py --export")
-            return report
-        sha = commit_overlay(repo, project, report, laid)
+    head = git.resolve(repo, "HEAD")
+    files = {p: (hashlib.sha256(data).hexdigest(), executable) for p, (data, executable) in laying.items()}
+    with journal.step("lay", repo=repo.working_tree_dir, head=head,
+                      files=[[p, *f] for p, f in files.items()]):
+        try:
+            laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
+            conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
+            if conflicted:
+                git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})
+                report.notes.append(f"resolve the conflict markers in {', '.join(conflicted)}, "
+                                    f"`git commit -a`, then run apply.py --export")
+                return report
+            sha = commit_overlay(repo, project, report, laid)
+        except BaseException:  # (Ctrl-C, a full disk): put back now, as a killed run's would be
+            with deferred():
+                manifest_mod.undo_laid(repo, head, files)
+            raise
         journal.point("lay.committed")
     # The tip is recorded as apply.py's (a plain run may then rebuild it) only if apply.py
     # made every commit on it: a maintainer's resolutions are saved by --export first.

@@ -18,7 +18,7 @@ from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
 from .files import STAGING, TEMPORARY, finish_renames
-from .manifest import undo_laid
+from .manifest import plain_path, undo_laid
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -53,9 +53,9 @@ def readable(entry: dict) -> bool:
                    and isinstance(m[2], (str, type(None))) for m in entry["moves"]) \
             and all(isinstance(r, list) and len(r) == 2 and _plain(r[0])
                     and isinstance(r[1], (str, type(None))) for r in entry["remove"])
-    if entry["step"] == "lay":
-        return all(isinstance(f, list) and len(f) == 2 and _plain(f[0]) and isinstance(f[1], str)
-                   for f in entry["files"])
+    if entry["step"] == "lay":  # (nothing in .git: a journal is no licence to touch git's files)
+        return all(isinstance(f, list) and len(f) == 3 and plain_path(f[0]) and isinstance(f[1], str)
+                   and isinstance(f[2], bool) for f in entry["files"])
     return True
 
 
@@ -175,7 +175,7 @@ def lay(facts: dict) -> str | None:
         repo = git.open_repo(top)
     except git.GitError:
         return None
-    back = undo_laid(repo, facts["head"], dict(facts["files"]))
+    back = undo_laid(repo, facts["head"], {path: (sha, x) for path, sha, x in facts["files"]})
     said = f"it was laying the overlay into {top}, not yet committed"
     if back is None:
         return f"{said}: left as it is (changed since)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import journal
+from k3overlay import journal, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
@@ -312,15 +312,44 @@ def test_a_rebase_to_killed_around_laying_the_overlay_is_taken_up_by_the_next(pr
     assert g(wd, "rev-parse", "HEAD^{tree}").strip() == tree and g(wd, "status", "--porcelain") == ""
 
 
-def test_a_laid_file_edited_after_the_kill_is_the_users_and_is_kept(project, upstream, tmp_path, env):
+@pytest.mark.parametrize("edit", ["content", "mode"])
+def test_a_laid_file_edited_after_the_kill_is_the_users_and_is_kept(project, upstream, tmp_path, env, edit):
     wd = tmp_path / "wd"
     args, _tree = _rebase_to_and_tree(project, upstream, wd, env)
     assert run_tool(project, {**env, journal.KILL_AT: "rename.done"}, *args).returncode == -signal.SIGKILL
-    mine = (wd / "pkg/new.py").read_text() + "# mine\n"
-    (wd / "pkg/new.py").write_text(mine)
+    mine = (wd / "pkg/mod.py").read_text() + ("# mine\n" if edit == "content" else "")
+    (wd / "pkg/mod.py").write_text(mine)
+    if edit == "mode":  # (the review of round 6: a chmod used to be undone)
+        (wd / "pkg/mod.py").chmod(0o755)
     again = run_tool(project, env, *args)
     assert again.returncode == 2 and "left as it is (changed since)" in again.stderr, again.stderr
-    assert (wd / "pkg/new.py").read_text() == mine
+    assert (wd / "pkg/mod.py").read_text() == mine
+    assert bool((wd / "pkg/mod.py").stat().st_mode & 0o100) == (edit == "mode")
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_rebase_to_interrupted_between_laying_and_committing_puts_the_overlay_back(
+        project, upstream, tmp_path, env, signame):
+    """The review of round 6: Ctrl-C or SIGTERM there marked the step done and left the laid
+    files, which the next run read as the maintainer's resolution."""
+    wd = tmp_path / "wd"
+    args, tree = _rebase_to_and_tree(project, upstream, wd, env)
+    interrupt = {journal.KILL_AT: "rename.done", f"{journal.KILL_AT}_SIGNAL": signame}
+    run = run_tool(project, {**env, **interrupt}, *args)
+    assert run.returncode == 130, run.stderr
+    assert g(wd, "status", "--porcelain") == ""  # put back at once
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0 and NOTE not in again.stderr, again.stderr
+    assert g(wd, "rev-parse", "HEAD^{tree}").strip() == tree
+
+
+def test_a_lay_step_naming_a_git_file_is_never_acted_on(tmp_path):
+    """The review of round 6: a forged or damaged journal entry named .git/config with its
+    digest, and the recovery removed it. A journal is no licence to touch git's own files."""
+    entry = {"step": "lay", "repo": str(tmp_path), "head": "0" * 40, "workdir": str(tmp_path)}
+    assert recovery.readable({**entry, "files": [["pkg/mod.py", "ab", False]]})
+    for path in (".git/config", "pkg/.GIT/hooks/x", "../x", "/etc/passwd"):
+        assert not recovery.readable({**entry, "files": [[path, "ab", False]]}), path
 
 
 def test_an_export_killed_before_its_first_rename_is_undone(project, upstream, tmp_path, env):
