@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,29 +176,32 @@ def _new_redefinitions(parsed: ast.Module, before: Mapping[str, bytes] | None, p
         with contextlib.suppress(*_UNPARSABLE):
             old = _definitions(ast.parse(before[path]))
     problems = []
-    for name, lines in sorted(_definitions(parsed).items()):
-        if len(lines) > 1 and len(lines) > len(old.get(name, ())):
+    for key, lines in sorted(_definitions(parsed).items()):
+        if len(lines) > 1 and len(lines) > len(old.get(key, ())):
+            name = re.sub(r"#\d+", "", key)  # (the body's key: which of a class's definitions)
             problems += [f"{path}:{line}: {name} is defined again at line {lines[-1]}; Python keeps "
                          f"the later one, so this one never runs" for line in lines[:-1]]
     return problems
 
 
 def _definitions(module: ast.Module) -> dict[str, list[int]]:
-    """Qualified name (``Class.method``) -> the lines of its ``def``/``class`` statements,
-    for each name defined in the module's body or a class's body (the statements directly in
-    it: one under ``if``/``try`` is a choice, not a redefinition). Left out: ``@overload``
-    stubs and definitions decorated by their own name (``@x.setter``, ``@f.register``), which
-    Python means to be redefined."""
+    """The name of each body's definitions (``Class#1.method``: the first definition of
+    ``Class``'s body; a module-level name as it is) -> the lines of its ``def``/``class``
+    statements, for each name defined in the module's body or a class's body (the statements
+    directly in it: one under ``if``/``try`` is a choice, not a redefinition). Left out: ``_``
+    (a name meant to be thrown away), ``@overload`` stubs, and definitions registered by their
+    decorator (``@x.setter``, ``@f.register``, torch's ``@op.register_fake``), which Python or
+    the decorator means to be redefined."""
     found: dict[str, list[int]] = {}
 
     def walk(body: list[ast.stmt], scope: str) -> None:
         for node in body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
-            if not _meant_to_redefine(node):
+            if node.name != "_" and not _meant_to_redefine(node):
                 found.setdefault(scope + node.name, []).append(node.lineno)
             if isinstance(node, ast.ClassDef):
-                walk(node.body, f"{scope}{node.name}.")
+                walk(node.body, f"{scope}{node.name}#{len(found.get(scope + node.name, ()))}.")
 
     walk(module.body, "")
     return found
@@ -206,11 +210,11 @@ def _definitions(module: ast.Module) -> dict[str, list[int]]:
 def _meant_to_redefine(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
     for decorator in node.decorator_list:
         target = decorator.func if isinstance(decorator, ast.Call) else decorator
-        if isinstance(target, ast.Name) and target.id == "overload":
+        name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+        if name == "overload" or name.startswith("register"):
             return True
-        if isinstance(target, ast.Attribute) and (
-                target.attr == "overload"
-                or isinstance(target.value, ast.Name) and target.value.id == node.name):
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                and target.value.id == node.name:
             return True
     return False
 

@@ -189,12 +189,13 @@ UPSTREAM = ("class Model:\n"
 
 def test_a_definition_the_change_made_dead_fails_naming_both_lines(tmp_path):
     # a patch's method beside one upstream added since: both compile, Python keeps the later
-    ours = UPSTREAM.replace("    def load(self):", "    def hook(self):\n        return 'ours'\n    def load(self):")
+    ours = UPSTREAM.replace("    def load(self):", "    def hook(self):\n        return 'ours'\n"
+                                                    "    def load(self):")
     root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": ours + "def f():\n    return 2\n"})
     result = verify(root, ["pkg/m.py"], before={"pkg/m.py": UPSTREAM.encode()})
-    assert result.errors == [
-        "pkg/m.py:2: Model.hook is defined again at line 12; Python keeps the later one, so this one never runs",
-        "pkg/m.py:14: f is defined again at line 22; Python keeps the later one, so this one never runs"]
+    dead = "; Python keeps the later one, so this one never runs"
+    assert result.errors == [f"pkg/m.py:2: Model.hook is defined again at line 12{dead}",
+                             f"pkg/m.py:14: f is defined again at line 22{dead}"]
 
 
 def test_redefinitions_python_means_or_upstream_had_are_not_ours_to_judge(tmp_path):
@@ -211,3 +212,25 @@ def test_redefinitions_python_means_or_upstream_had_are_not_ours_to_judge(tmp_pa
     write(tmp_path, {"pkg/new.py": twice})
     assert verify(root, ["pkg/new.py"], before={}).errors == [
         "pkg/new.py:1: dup is defined again at line 3; Python keeps the later one, so this one never runs"]
+
+
+def test_throwaway_and_registered_definitions_are_not_redefinitions(tmp_path):
+    # the review of round 6: torch.library's ``@op.register_fake def _`` (vLLM's own idiom) and
+    # singledispatch's ``@f.register def _``, added by a patch beside upstream's, failed verify
+    before = ("import torch\n@torch.library.custom_op('k3::a', mutates_args=())\ndef a(x): return x\n"
+              "@a.register_fake\ndef _(x): return x\n")
+    ours = before.replace("k3::a", "k3::b").replace("def a(", "def b(").replace("@a.", "@b.")
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/ops.py": before + ours})
+    assert verify(root, ["pkg/ops.py"], before={"pkg/ops.py": before.encode()}).ok
+
+
+def test_a_class_defined_twice_is_named_once_not_each_of_its_methods(tmp_path):
+    body = "class A:\n    def f(self):\n        pass\n"
+    root = tree(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": body + "\n\n" + body})
+    assert verify(root, ["pkg/m.py"], before={"pkg/m.py": body.encode()}).errors == [
+        "pkg/m.py:1: A is defined again at line 6; Python keeps the later one, so this one never runs"]
+    # methods of one class body are still each other's: a class's own method defined twice fails
+    twice = body + "    def f(self):\n        return 1\n"
+    write(tmp_path, {"pkg/m.py": twice})
+    assert verify(root, ["pkg/m.py"], before={"pkg/m.py": body.encode()}).errors == [
+        "pkg/m.py:2: A.f is defined again at line 4; Python keeps the later one, so this one never runs"]
