@@ -9,10 +9,11 @@ What counts as a secret (the kinds git's own redaction covers, and their neighbo
 - a query (or ``;``, or fragment ``#``) parameter that carries a credential: ``?token=``, ``access_token``,
   ``private_token``, ``sig`` (Azure SAS), ``X-Amz-Signature``, ``X-Amz-Credential``,
   ``X-Amz-Security-Token``, ``X-Goog-Signature``, ``api_key``, ``password``, ... (any name
-  ending in token, secret, password, passwd, pwd, sig, signature, credential, key, auth, the
-  name read as a server reads it: percent-decoded, ``+`` a space, case-folded, so
+  ending in token, secret, pass, password, passwd, pwd, sig, signature, credential, key, auth,
+  the name read as a server reads it: percent-decoded, ``+`` a space, case-folded, so
   ``tok%65n``, ``%74oken`` and ``ToKeN`` are ``token``; a name encoded twice, ``tok%2565n``,
-  too);
+  too; a part in brackets counts, ``user[password]``); its value to the next separator or
+  white space, quotes inside it included;
 - an HTTP header that does (``Authorization: Bearer …``, ``Proxy-Authorization``,
   ``Cookie``, ``Private-Token``, ``Job-Token``, ``X-…-Token``, ``X-…-Key``, ``Api-Key``), as git's
   ``GIT_TRACE_REDACT`` does: the scheme word stays, the rest goes.
@@ -42,6 +43,7 @@ MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
                        r"(?P<info>[^/?#\s@:]*:\S*|[^/?#\s]*)@")
 _SSH = {"ssh", "git+ssh", "ssh+git"}
+_WORD = re.compile(r"\S+")
 # A source without a scheme typed ``user:password@host:path``: git reads host ``user`` and
 # fails, but the rest up to the @ before the host is a password (it may hold ``: / @``).
 _SCP = re.compile(r"(?P<user>[^:/@\s]+):(?P<pw>.+)@(?P<host>[^@:/\s]+):[^@]*\Z", re.S)
@@ -53,15 +55,18 @@ _SCP = re.compile(r"(?P<user>[^:/@\s]+):(?P<pw>.+)@(?P<host>[^@:/\s]+):[^@]*\Z",
 # value may hold one), yet a parameter that is no secret never hides one in its value
 # (``_mask_parameters`` looks at every name).
 _PARAMETER = re.compile(r"[?&;#](?P<name>[^=?&;#\s'\"<>`]+)=")
-_VALUE = re.compile(r"[^&;#\s'\"<>`]+")
-# A decoded, case-folded name ending in one of these words is a credential's.
-_SECRET_WORD = re.compile(r"(?:token|secret|passw(?:or)?d|pwd|sig|signature|credential|key|auth)\Z")
+# A credential's value: to the next separator or white space, quotes and ``<>`` included (a
+# quote inside it used to show the rest), but for those that close it (``'…?token=X'``).
+_VALUE = re.compile(r"(?P<value>[^&;#\s]*?)['\"<>`]{0,8}(?=[&;#\s]|\Z)")
+# A decoded, case-folded name (or a part of it in brackets, ``user[password]``) ending in one
+# of these words is a credential's.
+_SECRET_WORD = re.compile(r"(?:token|secret|pass|passw(?:or)?d|pwd|sig|signature|credential|key|auth)\Z")
 # Rounds of percent-decoding a name is given: a server decodes once, but a name encoded twice
 # (``tok%2565n``) is ``token`` to whatever decodes the URL once more on its way (a proxy, a
 # redirect, a URL quoted inside another's parameter); masking it costs nothing.
 _DECODE_ROUNDS = 4
 _HEADER = re.compile(r"(?P<lead>\b(?i:(?:proxy-)?authorization|(?:set-)?cookie|private-token"
-                     r"|job-token|api-key|x-[a-z0-9\-]*(?:token|key|secret))"
+                     r"|job-token|api-key|x-[a-z0-9\-]{0,64}?(?:token|key|secret))"
                      r"\s*:\s*(?:(?i:basic|bearer|token|digest"
                      r"|negotiate)\s+)?)(?P<value>[^\s'\"<>`][^'\"<>`\n]*)")
 
@@ -117,7 +122,7 @@ def redact(text: str) -> str:
         return text
     for literal in sorted(_REMEMBERED, key=len, reverse=True):
         text = text.replace(literal, _REMEMBERED[literal])
-    text = _USERINFO.sub(_masked_userinfo, text)
+    text = _WORD.sub(lambda word: _masked_userinfos(word[0]), text)
     text = _mask_parameters(text)
     return _HEADER.sub(lambda m: m["lead"] + MASK, text)
 
@@ -133,7 +138,7 @@ def _secret_name(name: str) -> bool:
         if decoded == name:
             break
         name = decoded
-    return _SECRET_WORD.search(name.strip().casefold()) is not None
+    return any(_SECRET_WORD.search(part.strip().casefold()) for part in re.split(r"[\[\]]", name))
 
 
 def _mask_parameters(text: str) -> str:
@@ -146,12 +151,22 @@ def _mask_parameters(text: str) -> str:
         if parameter.start() < end or not _secret_name(parameter["name"]):
             continue
         value = _VALUE.match(text, parameter.end())
-        if value is None:  # ``token=`` with nothing after it: nothing to hide
+        if value is None or not value["value"]:  # ``token=`` with nothing after it: nothing to hide
             continue
         kept += [text[end:parameter.end()], MASK]
-        end = value.end()
+        end = value.end("value")
     kept.append(text[end:])
     return "".join(kept)
+
+
+def _masked_userinfos(word: str) -> str:
+    """``_USERINFO`` masked in one white-space-free ``word`` (a match holds no white space),
+    looked for only up to the word's last ``@`` (a match ends at one): linear, where the
+    pattern alone takes quadratic time on a long word of ``a://`` with no ``@`` after them."""
+    at = word.rfind("@")
+    if at < 0 or "://" not in word:
+        return word
+    return _USERINFO.sub(_masked_userinfo, word[:at + 1]) + word[at + 1:]
 
 
 def _masked_userinfo(match: re.Match) -> str:
