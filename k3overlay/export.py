@@ -54,7 +54,7 @@ def export(project: Project, workdir: Path) -> ExportResult:
     repository's: two exports at once (from two checkouts) wait for each other, never
     interleave their files.
     """
-    with locked(workdir), workdir_lock(project.root, say=aside):
+    with locked(workdir, overlay_dir=project.overlay_dir), workdir_lock(project.root, say=aside):
         return _export(project, workdir)
 
 

@@ -67,7 +67,7 @@ def run_apply(project: Project, opts: Options) -> Report:
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift, **next_args(opts))
 
-    with locked(workdir, check=opts.check):
+    with locked(workdir, check=opts.check, overlay_dir=project.overlay_dir):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
 
@@ -104,13 +104,14 @@ def aside(text: str) -> None:
 
 
 @contextlib.contextmanager
-def locked(workdir: Path, *, check: bool = False) -> Iterator[None]:
+def locked(workdir: Path, *, check: bool = False, overlay_dir: Path | None = None) -> Iterator[None]:
     """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it; first finish
     or undo what a killed run left (``journal``; with ``check``, only say what is left: a
     --check writes nothing), then record this run's steps."""
     with workdir_lock(workdir, say=aside):
         with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), workdir,
-                               lambda unfinished: recovery.recover(unfinished, aside, act=not check)):
+                               lambda unfinished: recovery.recover(unfinished, aside, act=not check,
+                                                                   overlay_dir=overlay_dir)):
             yield
 
 

@@ -122,7 +122,7 @@ def rebase_to(project: Project, opts: Options) -> Report:
     an unsafe checkout or an unknown ref.
     """
     workdir = (opts.workdir or project.default_workdir).resolve()
-    with locked(workdir):
+    with locked(workdir, overlay_dir=project.overlay_dir):
         return _rebase_to(project, opts, workdir)
 
 

@@ -8,6 +8,7 @@ their names are the tool's own (a journal is no licence to delete anything else)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 from . import git, publish, resume
 from . import journal as journal_
 from .errors import OverlayError, UsageError
-from .files import STAGING, TEMPORARY, finish_renames
+from .files import STAGING, TEMPORARY, digest, finish_renames
 from .manifest import plain_path, undo_laid
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
@@ -167,19 +168,37 @@ def rename(facts: dict) -> str | None:
     return f"{said}: finished" if finished else f"{said}: left as it is (changed since)"
 
 
-def lay(facts: dict) -> str | None:
+def lay(facts: dict, overlay_dir: Path | None = None) -> str | None:
     """The overlay laid into a checkout by ``--rebase-to`` and not yet committed: put back
-    (``manifest.undo_laid``), so that the run again lays and commits it."""
+    (``manifest.undo_laid``), so that the run again lays and commits it. Only paths the
+    project's ``overlay_dir`` holds, and a file the checkout's HEAD lacks only where it is
+    that overlay file's content: a journal is no licence to remove a file of the user's."""
     top = Path(facts["repo"])
     try:
         repo = git.open_repo(top)
     except git.GitError:
         return None
-    back = undo_laid(repo, facts["head"], {path: (sha, x) for path, sha, x in facts["files"]})
+    laid = {path: (sha, x) for path, sha, x in facts["files"]}
     said = f"it was laying the overlay into {top}, not yet committed"
+    if not _overlay_files(repo, facts["head"], laid, overlay_dir):
+        return f"{said}: left as it is (not this project's overlay files)"
+    back = undo_laid(repo, facts["head"], laid)
     if back is None:
         return f"{said}: left as it is (changed since)"
     return f"{said}: put back ({back} file(s) as {facts['head'][:12]} has them)" if back else None
+
+
+def _overlay_files(repo: git.Repo, head: str, laid: dict[str, tuple[str, bool]],
+                   overlay_dir: Path | None) -> bool:
+    """Whether each path of a lay entry is a file under ``overlay_dir`` (the project's), and
+    each one commit ``head`` lacks (an added file, which undoing removes) holds its content."""
+    if overlay_dir is None or git.resolve(repo, head) is None:
+        return False
+    ours = {path: digest(overlay_dir, path) for path in laid}
+    if any(found in (None, "other") for found in ours.values()):
+        return False
+    at_head = git.tree_entries(repo, head, sorted(laid))
+    return all(path in at_head or ours[path] == sha for path, (sha, _x) in laid.items())
 
 
 HANDLERS = {"clone": clone, "fresh": fresh, "check": check, "worktree": worktree, "fetch": fetch,
@@ -197,7 +216,8 @@ def _elsewhere(entry: dict, workdir: str) -> str | None:
     return None
 
 
-def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True) -> None:
+def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True,
+            overlay_dir: Path | None = None) -> None:
     """Finish or undo every step a killed run left unfinished on ``journal.workdir`` (newest
     first), then empty the journal. Steps naming another work directory (a copied or
     restored cache) are left alone. With ``act`` False (``--check``) nothing is done: what
@@ -226,7 +246,8 @@ def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool 
                 os.unlink(journal.path)
         return
     try:
-        notes += [note for note in (HANDLERS[e["step"]](e) for e in entries) if note]
+        handlers = {**HANDLERS, "lay": functools.partial(lay, overlay_dir=overlay_dir)}
+        notes += [note for note in (handlers[e["step"]](e) for e in entries) if note]
     except resume.LeftAlone as err:
         say(f"note: the last run was killed; {'; '.join([*notes, err.note])}")
         raise  # the normal run's refusal; the journal is kept

@@ -47,3 +47,30 @@ def test_a_journal_it_cannot_read_is_set_aside_never_a_traceback_or_a_licence(pr
     assert (precious / "k3-check-x" / "keep.txt").read_text() == "mine\n" and precious.is_dir()
     assert (precious / ".notes.deadbeef.k3-tmp").read_text() == "mine\n"
     assert not journal.exists()
+
+
+def test_a_lay_entry_naming_the_users_files_by_their_digest_removes_nothing(project, upstream, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The review of round 6: a forged or damaged lay entry naming an untracked file of the
+    user's, and a tracked one they edited, each with its exact digest, had them removed or put
+    back. Only the project's overlay files are undone, an added one only holding its content."""
+    import hashlib
+
+    from k3overlay import git
+
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    args = ["--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0", "--workdir", str(wd)]
+    assert cli.main(args) == errors.OK
+    (wd / "NOTES.txt").write_text("mine\n")
+    (wd / "pkg/model.txt").write_text("my edit\n")
+    files = [[p, hashlib.sha256((wd / p).read_bytes()).hexdigest(), False]
+             for p in ("NOTES.txt", "pkg/model.txt")]
+    entry = {"step": "lay", "id": "1", "workdir": str(wd), "repo": str(wd),
+             "head": git.resolve(git.open_repo(wd), "HEAD"), "files": files}
+    workdir_lock_path(wd).with_suffix(".journal").write_text(json.dumps(entry) + "\n")
+    capsys.readouterr()
+    assert cli.main(args) == errors.USAGE  # the user's edit: uncommitted changes, as always
+    err = capsys.readouterr().err
+    assert "left as it is (not this project's overlay files)" in err, err
+    assert (wd / "NOTES.txt").read_text() == "mine\n" and (wd / "pkg/model.txt").read_text() == "my edit\n"
