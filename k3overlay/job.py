@@ -223,7 +223,7 @@ def build(project: Project, manifest: manifest_mod.Manifest, patches: list[serie
     blocked = report.exit_code in (errors.CONFLICT, errors.DRIFT)
     if blocked and not best_effort:
         return None
-    laid = manifest_mod.lay(tree, project.overlay_dir, report.overlay)
+    laid = manifest_mod.lay(tree, manifest_mod.to_lay(project.overlay_dir, report.overlay))
     sha = commit_overlay(tree, project, report, laid)
     if blocked:  # what applied is built for the tests, never verified (``VerifyResult``)
         return None

@@ -203,21 +203,12 @@ def destination_problem(repo: git.Repo, ref: str, path: str) -> str | None:
     return None
 
 
-def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
-        with_conflicts: bool = False) -> dict[str, tuple[bytes, bool]]:
-    """Write each overlay file of ``results`` into ``repo``'s work tree; return what was laid.
-
-    Our file for added/replaced/drift, the merge for merged; each keeps the
-    overlay file's executable bit. A conflicted file keeps upstream's version
-    unless ``with_conflicts``, which writes the merge with its conflict markers
-    for a maintainer to resolve. The one write path into a tree: the
-    destination's type in git at HEAD is checked first, nothing is ever written
-    through a link and every file or none is written (``files.write_all_in_tree``).
-    Raises UsageError, before writing anything, if a destination at HEAD is a link,
-    folder or submodule.
-    Returns ``path: (bytes, executable)`` for ``commit_laid``.
-    """
-    laid = to_lay(overlay_dir, results, with_conflicts=with_conflicts)
+def lay(repo: git.Repo, laid: dict[str, tuple[bytes, bool]]) -> dict[str, tuple[bytes, bool]]:
+    """Write ``laid`` (``to_lay``'s ``path: (bytes, executable)``) into ``repo``'s work tree;
+    return it, for ``commit_laid``. The one write path into a tree: the destination's type
+    in git at HEAD is checked first, nothing is ever written through a link and every file
+    or none is written (``files.write_all_in_tree``). Raises UsageError, before writing
+    anything, if a destination at HEAD is a link, folder or submodule."""
     for path in laid:
         problem = destination_problem(repo, "HEAD", path)
         if problem:
@@ -228,7 +219,12 @@ def lay(repo: git.Repo, overlay_dir: Path, results: list[FileResult], *,
 
 def to_lay(overlay_dir: Path, results: list[FileResult], *,
            with_conflicts: bool = False) -> dict[str, tuple[bytes, bool]]:
-    """What ``lay`` writes (``path: (bytes, executable)``), written nowhere."""
+    """What ``lay`` writes for each overlay file of ``results``: ``path: (bytes, executable)``.
+
+    Our file for added/replaced/drift, the merge for merged; each keeps the overlay file's
+    executable bit. A conflicted file keeps upstream's version (it is left out) unless
+    ``with_conflicts``, which writes the merge with its conflict markers for a maintainer
+    to resolve."""
     laid = {}
     for result in results:
         if result.status == CONFLICT and not (with_conflicts and result.merged is not None):

@@ -178,15 +178,15 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                                                       "fix what verify found, commit, run this again"))
         return report
     report.overlay = classify_overlay(repo, project, manifest, report.ref_sha, merge=True)
-    laying = manifest_mod.to_lay(project.overlay_dir, report.overlay, with_conflicts=True)
+    laid = manifest_mod.to_lay(project.overlay_dir, report.overlay, with_conflicts=True)
     # Laid but not yet committed, the files would read as the maintainer's resolution to
     # every later run ("commit the resolution first"): a killed run's are put back (recovery).
     head = git.resolve(repo, "HEAD")
-    files = {p: (hashlib.sha256(data).hexdigest(), executable) for p, (data, executable) in laying.items()}
+    files = {p: (hashlib.sha256(data).hexdigest(), executable) for p, (data, executable) in laid.items()}
     with journal.step("lay", repo=repo.working_tree_dir, head=head,
                       files=[[p, *f] for p, f in files.items()]):
         try:
-            laid = manifest_mod.lay(repo, project.overlay_dir, report.overlay, with_conflicts=True)
+            manifest_mod.lay(repo, laid)
             conflicted = [f.path for f in report.overlay if f.status == manifest_mod.CONFLICT]
             if conflicted:
                 git.stage_exact(repo, {path: laid[path] for path in laid if path not in conflicted})

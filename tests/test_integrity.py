@@ -147,7 +147,7 @@ def test_lay_refuses_a_link_a_patch_made_and_writes_nothing(project, upstream, t
     g(tree, "commit", "-qm", "a patch that makes a link")
     results = [manifest.FileResult("pkg/mod.py", "replaced"), manifest.FileResult("pkg/new.py", "added")]
     with pytest.raises(errors.UsageError, match="pkg/new.py is a symbolic link"):
-        manifest.lay(git.open_repo(tree), project.overlay_dir, results)
+        manifest.lay(git.open_repo(tree), manifest.to_lay(project.overlay_dir, results))
     assert victim.read_text() == PRECIOUS
     assert g(tree, "status", "--porcelain") == ""  # nothing laid, not even pkg/mod.py
 
