@@ -186,13 +186,20 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         if sha is None:  # a name only the checkout knows: a normal run takes it too
             yield existing, local
         return
-    # A kill from the clone's rename into place until the switch leaves a clone with no
-    # commit (the release mirror has no branch), which every later run would refuse: the
-    # next run removes it (recovery.fresh).
+    with fresh_clone(origin, workdir) as repo:
+        yield repo, fetched(repo, origin, ref)
+
+
+@contextlib.contextmanager
+def fresh_clone(origin: str, workdir: Path) -> Iterator[git.Repo]:
+    """A clone of ``origin`` into the new ``workdir`` (``source.clone``), the run's own until
+    its switch (the block): removed if the block raises. A clone of the release mirror (tags,
+    no branch) has nothing checked out, and every later run would refuse it, so one killed
+    before the switch is removed by the next run (the journal's ``fresh``, ``recovery.fresh``)."""
     with journal.step("fresh", repo=str(workdir)):
         repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
         try:
-            yield repo, fetched(repo, origin, ref)
+            yield repo
         except BaseException:
             with deferred():
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -30,6 +30,7 @@ from .job import (
     classify_overlay,
     commit_overlay,
     fetched,
+    fresh_clone,
     locked,
     next_args,
     overlay_folders,
@@ -138,18 +139,9 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     if repo is not None:
         source.refuse_foreign_checkout(repo, workdir, overlay_folders(manifest))
         continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)
-    else:
-        # A clone of the release mirror has tags only, so nothing is checked out: it is
-        # ours until the switch, and removed again if the run stops before (as a plain run's;
-        # killed, by the next run: recovery.fresh).
-        with journal.step("fresh", repo=str(workdir)):
-            repo = source.clone(origin, workdir)
-            try:
-                continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)
-            except BaseException:
-                with deferred():
-                    shutil.rmtree(workdir, ignore_errors=True)
-                raise
+    else:  # (the run's own clone: no foreign-checkout check)
+        with fresh_clone(origin, workdir) as repo:
+            continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)
     # A patch is on the branch when a commit there has its subject (git am keeps it verbatim);
     # one whose change is on the branch only in another form is "redundant", never landed:
     # landed-upstream is proven against REF's tree, or by an upstream commit's patch-id.
