@@ -30,9 +30,10 @@ Steps (``STEPS``; the facts each records):
              ([path, old sha256]): a write's files all staged, being renamed into place ->
              finished where the tree is as the kill left it (renamed: new content; the rest:
              old), else left
-  lay        ``repo``, ``head``, ``files`` ([path, sha256]): ``--rebase-to``'s overlay laid into the
-             checkout and not yet committed -> put back as ``head`` has it where each path holds
-             that or the laid file (``manifest.undo_laid``), else left
+  lay        ``repo``, ``head``, ``files`` ([path, sha256, executable]): ``--rebase-to``'s overlay
+             laid into the checkout and not yet committed -> put back as ``head`` has it where
+             each path is one of the project's overlay files and holds that or the laid file
+             (``manifest.undo_laid``), else left
 
 Tests stop a run at each ``POINTS`` entry with SIGKILL (``point``): only with
 ``K3OVERLAY_TEST_KILL_AT`` naming it *and* pytest's ``PYTEST_CURRENT_TEST`` set, so a

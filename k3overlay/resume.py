@@ -77,12 +77,12 @@ def _may_switch(repo: git.Repo, facts: dict) -> bool:
     # checkout also overwrites files git ignores, which status never shows: one in the
     # switch's way counts as a change, one on its way (a folder where a file goes) refuses.
     in_way, blocking = _ignored_in_the_way(repo, [e[3:] for e in entries if e.startswith("!! ")], writes)
-    blocking += [p for p in in_way if not _old_or_new(repo, old_head, sha, [p])]  # not git's own write
+    blocking += _neither_old_nor_new(repo, old_head, sha, in_way)  # not git's own write
     if blocking:
         named = ", ".join(sorted(blocking)[:3]) + (" ..." if len(blocking) > 3 else "")
         raise UsageError(f"{repo.working_tree_dir}: files git ignores are where {branch} has files, "
                          f"and a checkout would overwrite them: {named}; move them away first")
-    if any(path not in writes for path in changed) or not _old_or_new(repo, old_head, sha, changed):
+    if any(path not in writes for path in changed) or _neither_old_nor_new(repo, old_head, sha, changed):
         raise safety.dirty(repo)
     return ours
 
@@ -119,13 +119,12 @@ def _is_folder(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-
-def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> bool:
-    """True if each of ``paths`` holds, in the index and in the work tree, what commit ``old``
-    or commit ``new`` has there (mode and content; absent where the commit has none), or in
-    the work tree a prefix of ``new``'s file (git was writing it when the run was killed)."""
+def _neither_old_nor_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> list[str]:
+    """Those of ``paths`` that do not hold, in the index and in the work tree, what commit
+    ``old`` or commit ``new`` has there (mode and content; absent where the commit has none),
+    nor in the work tree a prefix of ``new``'s file (git was writing it when the run was killed)."""
     if not paths:
-        return True
+        return []
     trees = [git.tree_entries(repo, old, paths) if old else {}, git.tree_entries(repo, new, paths)]
     index = git.index_entries(repo, paths)
     work = git.work_tree_entries(repo, paths)
@@ -134,5 +133,5 @@ def _old_or_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> 
     odd = [p for p in paths
            if work.get(p) not in {t.get(p) for t in trees} and index.get(p) == trees[0].get(p)]
     cut = git.cut_short(repo, odd, new) if odd else set()
-    return all(index.get(p) in {t.get(p) for t in trees}
-               and (p in cut or work.get(p) in {t.get(p) for t in trees}) for p in paths)
+    return [p for p in paths if index.get(p) not in {t.get(p) for t in trees}
+            or (p not in cut and work.get(p) not in {t.get(p) for t in trees})]
