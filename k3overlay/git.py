@@ -86,6 +86,7 @@ from .gitpatch import (  # noqa: F401
 )
 from .gitobjects import (  # noqa: F401
     reparent,
+    file_mode,
     unmerged_paths,
     stage_exact,
     write_blob,

@@ -43,8 +43,12 @@ def stage_exact(repo: Repo, files: dict[str, tuple[bytes, bool]]) -> None:
     """
     for path, (data, executable) in files.items():
         blob = write_blob(repo, data)
-        run(repo, "update-index", "--add", "--cacheinfo",
-            f"{'100755' if executable else '100644'},{blob},{path}")
+        run(repo, "update-index", "--add", "--cacheinfo", f"{file_mode(executable)},{blob},{path}")
+
+
+def file_mode(executable: bool) -> str:
+    """Git's mode of a regular file: ``100755`` if ``executable``, else ``100644``."""
+    return "100755" if executable else "100644"
 
 
 def write_blob(repo: Repo, data: bytes) -> str:

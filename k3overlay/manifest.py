@@ -255,7 +255,7 @@ def undo_laid(repo: git.Repo, head: str, laid: dict[str, tuple[str, bool]]) -> i
     index = git.index_entries(repo, paths)
     work = git.work_tree_entries(repo, paths)
     ours = [p for p in paths if digest(top, p) == laid[p][0]
-            and work.get(p, ("", ""))[0] == ("100755" if laid[p][1] else "100644")]
+            and work.get(p, ("", ""))[0] == git.file_mode(laid[p][1])]
     if any(p not in ours and work.get(p) != old.get(p) for p in paths) \
             or any(index.get(p) not in (old.get(p), work.get(p) if p in ours else old.get(p)) for p in paths):
         return None
@@ -291,7 +291,7 @@ def committed_mismatches(repo: git.Repo, sha: str, laid: dict[str, tuple[bytes, 
     entries = git.tree_entries(repo, sha, sorted(laid))
     problems = []
     for path, (data, executable) in sorted(laid.items()):
-        want = ("100755" if executable else "100644", git.write_blob(repo, data))
+        want = (git.file_mode(executable), git.write_blob(repo, data))
         got = entries.get(path)
         if got != want:
             problems.append(f"{path}: committed {got[0] + ' ' + got[1][:12] if got else 'nothing'}, "
