@@ -120,11 +120,14 @@ def render(
             covered &= set(only[0])
         if run.get("covers") == "rows":
             # A run of some M only (k3lab/bench/skinny_pdl_sweep.py): its (shape, M) replace
-            # the table's, whether routed or not; the shape's other M stay.
-            timed = {(r["N"], r["K"], r["M"]) for r in run["rows"]}
+            # the table's where it routed, or where it timed the table's entry ("today") and
+            # found cuBLAS faster; an entry it never timed (the table it ran against had
+            # none there) stays. The shape's other M stay.
+            rows = {(r["N"], r["K"], r["M"]): r for r in run["rows"]}
             new = _routed(run)
             for shape in covered:
-                row = {m: e for m, e in table.get(shape, {}).items() if (*shape, m) not in timed}
+                row = {m: e for m, e in table.get(shape, {}).items()
+                       if not _judged(rows.get((*shape, m)), e)}
                 row.update(new.get(shape, {}))
                 table[shape] = row
             table = {shape: row for shape, row in table.items() if row}
@@ -193,6 +196,15 @@ def _repo_path(path: str) -> str:
     return "results/sm90/" + os.path.basename(path)
 
 
+def _judged(row: dict | None, entry: tuple) -> bool:
+    """Whether a run of some M only decided over ``entry`` (``(backend, cfg)``): it routed
+    that (shape, M), or timed the same backend there as the table's entry ("today")."""
+    if row is None:
+        return False
+    today = (row.get("today") or [None])[0]
+    return row.get("status") == "routed" or today == entry[0]
+
+
 def _added(spec: str) -> tuple:
     """``PATH`` or ``PATH@NxK,NxK`` -> the ``added`` entry :func:`render` takes."""
     path, _, shapes = spec.partition("@")
@@ -209,7 +221,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--add", action="append", default=[], metavar="RUN.json[@NxK,...]",
                     help="rows of a later run on top (only the named shapes with @)")
     ap.add_argument("--check", action="store_true", help="exit 1 if OUT differs, write nothing")
-    args = ap.parse_args(argv)
+    # intermixed: OUT may follow the --add options (argparse alone would refuse it there)
+    args = ap.parse_intermixed_args(argv)
     runs = tuple(_added(spec) for spec in args.add)
     with open(args.results) as f:
         text = render(json.load(f), _repo_path(args.results), runs)

@@ -8,6 +8,8 @@ own output. The sweep module imports nothing of the GPU at import time.
 
 from __future__ import annotations
 
+import json
+
 from k3lab import render_table
 from k3lab.bench import skinny_pdl_sweep as sweep
 from k3lab.bench.decode_gemm import winners
@@ -43,7 +45,11 @@ def test_a_sweep_of_some_m_replaces_only_those_rows():
                 _row(1, [("skinny_pdl", [2, 8192, 1, 4, 1], (4.0, 4.1)),
                          ("swap_ab", [64, 128, 8, 4, 6, 48], (6.2, 6.2))]),
                 # M = 2: nothing beats cuBLAS in this run: the row goes to cuBLAS.
-                _row(2, [("skinny_pdl", [2, 8192, 1, 4, 1], (9.9, 9.9))])]}
+                _row(2, [("skinny_pdl", [2, 8192, 1, 4, 1], (9.9, 9.9))]),
+                # M = 3: nothing beats cuBLAS either, but the table this run ran against had
+                # no entry there (today: cuBLAS), so the full run's swap-AB was never timed
+                # against it: it stays (2026-12-05: the stacked MLA front's M 4 was lost so).
+                _row(3, [("skinny_pdl", [2, 8192, 1, 4, 1], (9.9, 9.9))], today=("cublas", None))]}
     winners.decide(part)
     text = render_table.render(full, "results/sm90/decode_gemm_sm90.json",
                                ((part, "results/sm90/skinny_pdl_sweep_sm90.json"),))
@@ -54,6 +60,16 @@ def test_a_sweep_of_some_m_replaces_only_those_rows():
                                         4: swap, 5: swap, 6: swap}}
     assert "# skinny_pdl (block_n, block_k, split_k, num_warps, num_stages)." in text
     assert ns["ROW_PROVENANCE"][(768, 7168)]["run_id"] == "r2"
+
+
+def test_the_table_file_may_follow_the_added_runs(tmp_path):
+    run = {"provenance": PROV, "rows": [_row(1, [("swap_ab", [64, 128, 8, 4, 6, 48], (5, 5))])]}
+    winners.decide(run)
+    (tmp_path / "full.json").write_text(json.dumps(run))
+    (tmp_path / "kda.json").write_text(json.dumps({**run, "provenance": {**PROV, "run_id": "r3"}}))
+    out = tmp_path / "table.py"
+    assert render_table.main([str(tmp_path / "full.json"), "--add", str(tmp_path / "kda.json"), str(out)]) == 0
+    assert "run_id" in out.read_text() and "r3" in out.read_text()
 
 
 def test_a_full_run_renders_as_before_without_the_skinny_line():
