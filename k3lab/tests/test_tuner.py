@@ -43,6 +43,10 @@ GEMV_SHAPES = {(r["N"], r["K"]) for r in json.loads(GEMV_RESULTS.read_text())["r
 # issue 28: the isolated re-measure of 2026-12-04 routed swap-AB on KDA's QKVG view at M 5..16,
 # where the KDA tuner's run (CuTe only) had left cuBLAS: those rows, kept as a run of their own.
 ISOLATED_RESULTS = ROOT / "results" / "sm90" / "decode_gemm_isolated_2026-12-04_6144x7168.json"
+# Patch 0013's stacked MLA front (fused_qkv_a_proj + g_proj, 3648x7168), 2026-12-05: the figures
+# runner's core phase at M 1..16, then gemv_pdl / skinny_pdl at M 1..4 on top.
+STACKED_MLA = [ROOT / "results" / "sm90" / f"{name}_2026-12-05_3648x7168.json"
+               for name in ("decode_gemm_isolated", "skinny_pdl_sweep")]
 # Every timing of the KDA run: its own cache, a small raw run kept as test data.
 KDA_CACHE = ROOT / "k3lab" / "tests" / "data" / "tune_cache_kda"
 # The benchmark of the call that tuned them (the KDA figures are a later run's).
@@ -52,7 +56,8 @@ KDA_TUNE_BENCH = ROOT / "results" / "kda" / "kda_bench_sm90_h200-20261130-1316-k
 def _added() -> tuple:
     return ((json.loads(KDA_RESULTS.read_text()), "results/sm90/tune_sm90_kda.json"),
             (json.loads(GEMV_RESULTS.read_text()), "results/sm90/gemv_pdl_sweep_sm90.json", GEMV_SHAPES),
-            (json.loads(ISOLATED_RESULTS.read_text()), "results/sm90/" + ISOLATED_RESULTS.name))
+            (json.loads(ISOLATED_RESULTS.read_text()), "results/sm90/" + ISOLATED_RESULTS.name),
+            *((json.loads(path.read_text()), "results/sm90/" + path.name) for path in STACKED_MLA))
 
 
 def test_the_f_b_shapes_take_swap_ab_on_their_strided_input_at_every_m():
