@@ -157,7 +157,8 @@ def test_the_run_is_one_h200_run_with_its_baselines():
     isolated = json.loads(ISOLATED_RESULTS.read_text())
     assert sources == {**dict.fromkeys(KDA_SHAPES - GEMV_SHAPES, kda_run),
                        **dict.fromkeys(GEMV_SHAPES, gemv_run),
-                       **{(r["N"], r["K"]): isolated["provenance"]["run_id"] for r in isolated["rows"]}}
+                       **{(r["N"], r["K"]): isolated["provenance"]["run_id"] for r in isolated["rows"]},
+                       (3648, 7168): json.loads(STACKED_MLA[1].read_text())["provenance"]["run_id"]}
     assert table["PROVENANCE"]["run_id"] == p["run_id"]
 
 
@@ -283,19 +284,22 @@ def test_a_donor_that_lost_at_m_minus_1_skips_the_view(tmp_path):
     assert why(10) == "nothing reached cuBLAS at M-1"
 
 
-def test_rows_from_the_gemv_sweep_are_its_winners_and_beat_cublas_twice():
-    run = json.loads(GEMV_RESULTS.read_text())
+@pytest.mark.parametrize("path, shapes", [(GEMV_RESULTS, GEMV_SHAPES), (STACKED_MLA[1], {(3648, 7168)})])
+def test_rows_from_the_gemv_sweep_are_its_winners_and_beat_cublas_twice(path, shapes):
+    run = json.loads(path.read_text())
     rows, bar = _table()["ROWS"], json.loads(RESULTS.read_text())["criteria"]["win_both_passes"]
     checked = 0
     for r in run["rows"]:
-        if (r["N"], r["K"]) not in GEMV_SHAPES:
+        if (r["N"], r["K"]) not in shapes:
             assert r["M"] not in rows.get((r["N"], r["K"]), {}) or rows[(r["N"], r["K"])][r["M"]][0] != "gemv_pdl"
             continue
         entry = rows.get((r["N"], r["K"]), {}).get(r["M"])
         if r["status"] != "routed":
-            assert entry is None
+            # cuBLAS there, unless the sweep never timed the entry beneath (it ran against
+            # a table with none there: the stacked MLA front's M 4 keeps the figures run's)
+            assert entry is None or r["today"][0] == "cublas"
             continue
         assert entry == (r["winner"]["backend"], tuple(r["winner"]["cfg"]))
         assert min(r["winner"]["speedup"]) >= bar  # >= 5% over cuBLAS, in both passes
         checked += entry[0] == "gemv_pdl"
-    assert checked == sum(e[0] == "gemv_pdl" for per_m in rows.values() for e in per_m.values())
+    assert checked == sum(e[0] == "gemv_pdl" for shape in shapes for e in rows.get(shape, {}).values())
