@@ -145,9 +145,11 @@ MEASURED_MODES = {
         ("fused_moe", "breakable"): "decode_step_h200-piecewise_2026-12-04_routed{,_nomoe}.json",
     },
     # MLA's fused_qkv_a_proj + g_proj as one GEMM of one stacked weight (patch 0013, path
-    # mla_front, branch "mla"): not measured on the H200 yet (no GEMM-table row for the
-    # stacked 3648x7168, no replay with it), so it runs in no mode and nothing is stacked.
-    # `replay --measure-paths mla_front` times it before a mode is listed here.
+    # mla_front, branch "mla"): listed nowhere, so nothing is stacked. In the replay of the
+    # full graph (H200, 2026-12-05, the table's 3648x7168 row of the same lease) the MLA
+    # layer gains 0.6-1.6 us at M = 4..16 but not at M = 1, 2 (74.2 vs 73.1 us at M = 1 in
+    # h200-default): stock forks g_proj beside the front end, which hides it at small M
+    # (results/decode_step/decode_step_h200-{default,nobreak}_2026-12-05_mla_front{,_off}.json).
     # LatentMoERunner's small-M tail at TP > 1: all-reduce of the latent, of the shared
     # output, then one GEMM: latent norm in the prologue, up_proj, shared output added in
     # the epilogue (op rmsnorm_gemm, patch 0009). Under breakable capture stock runs the
