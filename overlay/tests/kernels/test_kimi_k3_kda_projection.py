@@ -11,6 +11,7 @@ a recorder). GPU numerics and the two real streams: test_kimi_k3_kda_projection_
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType, SimpleNamespace
 
@@ -172,6 +173,28 @@ def test_the_process_set_is_the_measured_one_unless_the_breakable_flag_is_on(mon
         monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", flag)
     expected = {"flag": kp.FLAG_DEFAULT, "measured": kp.overlap_tokens(SM90), "none": kp.NOT_MEASURED}[want]
     assert kp.deployment_overlap_tokens(capability) is expected
+
+
+@pytest.mark.parametrize("in_config, want", [(True, "flag"), (False, "measured"), (None, "measured"),
+                                              ("no config", "measured")])
+def test_a_release_that_keeps_the_flag_in_the_compilation_config_is_read_there(monkeypatch, in_config,
+                                                                                want) -> None:  # fmt: skip
+    """v0.34.0: ``is_breakable_cudagraph_enabled(compilation_config)``, the config's value first and
+    the environment variable (off here) only where the config leaves it None."""
+    import vllm.config
+    from vllm.compilation import breakable_cudagraph
+
+    def enabled(compilation_config=None) -> bool:
+        value = getattr(compilation_config, "use_breakable_cudagraph", None)
+        return bool(int(os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"])) if value is None else value
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(use_breakable_cudagraph=in_config))
+    monkeypatch.setattr(breakable_cudagraph, "is_breakable_cudagraph_enabled", enabled)
+    # outside a config's context (the decode-step replay): None, the variable decides
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
+                        lambda: None if in_config == "no config" else config)
+    expected = {"flag": kp.FLAG_DEFAULT, "measured": kp.overlap_tokens(SM90)}[want]
+    assert kp.deployment_overlap_tokens(SM90) is expected
 
 
 def test_sm90_set_names_the_h200_run() -> None:

@@ -40,6 +40,7 @@ Entry points: :func:`run_kda_projection_overlap` (the forward), and
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Collection, Iterator, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -150,7 +151,15 @@ def deployment_overlap_tokens(capability: llg.Capability | None) -> OverlapToken
 def _breakable_flag() -> bool:
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 
-    return is_breakable_cudagraph_enabled()
+    # v0.34.0 keeps the flag in compilation_config (the environment variable only its
+    # fallback), read from the config it is given; v0.28.0's function takes none. Outside
+    # a config's context (the decode-step replay) the variable decides, as on v0.28.0.
+    if "compilation_config" not in inspect.signature(is_breakable_cudagraph_enabled).parameters:
+        return is_breakable_cudagraph_enabled()
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return is_breakable_cudagraph_enabled(config.compilation_config if config is not None else None)
 
 
 def use_kda_projection_overlap(num_tokens: int, tokens: Collection[int]) -> bool:
