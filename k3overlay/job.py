@@ -14,6 +14,8 @@ a no-op.
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -194,16 +196,25 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
 def fresh_clone(origin: str, workdir: Path) -> Iterator[git.Repo]:
     """A clone of ``origin`` into the new ``workdir`` (``source.clone``), the run's own until
     its switch (the block): removed if the block raises. A clone of the release mirror (tags,
-    no branch) has nothing checked out, and every later run would refuse it, so one killed
-    before the switch is removed by the next run (the journal's ``fresh``, ``recovery.fresh``)."""
-    with journal.step("fresh", repo=str(workdir)):
-        repo = source.clone(origin, workdir)  # if this fails, there is nothing of ours to remove
+    no branch) has nothing checked out, and every later run would refuse it, so one the run
+    did not switch (a conflict, drift, a failed verification) is removed at the end, and one
+    killed before the switch by the next run (the journal's ``fresh``, ``recovery.fresh``);
+    only while it holds the run's own mark, which is then dropped."""
+    mark = secrets.token_hex(8)
+    with journal.step("fresh", repo=str(workdir), mark=mark):
+        repo = source.clone(origin, workdir, mark=mark)  # if this fails, there is nothing of ours to remove
         try:
             yield repo
         except BaseException:
             with deferred():
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
+        with deferred():
+            if recovery.unswitched(workdir, mark):
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(workdir / ".git" / source.FRESH_MARK)
 
 
 def fetched(repo: git.Repo, origin: str, ref: str) -> str:

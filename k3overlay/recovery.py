@@ -20,6 +20,8 @@ from . import journal as journal_
 from .errors import OverlayError, UsageError
 from .files import STAGING, TEMPORARY, digest, finish_renames
 from .manifest import plain_path, undo_laid
+from .regular import read_regular
+from .source import FRESH_MARK
 
 # The facts each step records, and their types (``journal``'s docstring). An entry
 # without them (written by another version of the tool, or damaged) is set aside, never
@@ -80,19 +82,28 @@ def clone(facts: dict) -> str | None:
 
 
 def fresh(facts: dict) -> str | None:
-    """A new work directory's clone the run had not yet switched: removed while it is still
-    as the clone left it (no commit, no branch, nothing but ``.git``), so the next run clones
-    afresh; anything more is somebody's since, and stays."""
-    top = Path(facts["repo"])
-    try:
-        repo = git.open_repo(top)
-        if os.listdir(top) != [".git"] or git.resolve(repo, "HEAD") is not None \
-                or git.run(repo, "for-each-ref", "refs/heads/").strip():
-            return None
-    except (git.GitError, OSError):
+    """A new work directory's clone the run had not yet switched: removed while it is the
+    run's own (its git folder holds the entry's ``mark``: the user may have made a repository
+    of their own there since the kill) and still as the clone left it (no commit, no branch,
+    nothing but ``.git``), so the next run clones afresh; anything more is somebody's, and stays."""
+    top, mark = Path(facts["repo"]), facts.get("mark")
+    if not isinstance(mark, str) or not unswitched(top, mark):
         return None
     shutil.rmtree(top, ignore_errors=True)
     return f"its clone {top}, not yet switched to a branch, was removed"
+
+
+def unswitched(top: Path, mark: str) -> bool:
+    """Whether ``top`` is the fresh clone marked ``mark`` (``source.clone``), with no commit
+    checked out, no branch and nothing beside its ``.git``."""
+    if read_regular(top / ".git" / FRESH_MARK) != mark.encode():
+        return False
+    try:
+        repo = git.open_repo(top)
+        return os.listdir(top) == [".git"] and git.resolve(repo, "HEAD") is None \
+            and not git.run(repo, "for-each-ref", "refs/heads/").strip()
+    except (git.GitError, OSError):
+        return False
 
 
 def check(facts: dict) -> str | None:

@@ -25,6 +25,9 @@ from .project import cache_dir
 from .publish import TIP_KEY
 from .releases import Resolved, unknown_ref_hint, upstream_release
 
+# A file in a fresh clone's git folder holding the run's token (``clone``'s ``mark``): what tells
+# the run's own clone from a repository the user made at that path after a kill (``recovery.fresh``).
+FRESH_MARK = "k3overlay-fresh"
 _FULL_SHA = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?$")  # SHA-1 or SHA-256
 _HEX = re.compile(r"[0-9a-f]{4,64}")
 _ANCESTRY = re.compile(r"(?:~[0-9]*|\^[0-9]*|\^\{(?:commit)?\})*")
@@ -258,8 +261,9 @@ def refuse_object_format(repo: git.Repo, what: str) -> None:
                          f"SHA-1: use a SHA-1 clone of vLLM")
 
 
-def clone(origin: str, workdir: Path) -> git.Repo:
-    """Clone ``origin`` into ``workdir`` (missing, or an empty folder).
+def clone(origin: str, workdir: Path, *, mark: str | None = None) -> git.Repo:
+    """Clone ``origin`` into ``workdir`` (missing, or an empty folder); with ``mark``, the
+    clone's git folder holds it in ``FRESH_MARK`` before the clone is put in place.
 
     The clone is made in a temporary folder beside ``workdir`` and renamed into
     place when complete, so an interrupted or failed clone leaves no half-made
@@ -283,6 +287,8 @@ def clone(origin: str, workdir: Path) -> git.Repo:
                     except git.GitError as err:
                         raise _classify(str(err)) from err
                     refuse_object_format(cloned, f"--vllm-repo {origin}")
+                if mark is not None:
+                    (scratch / "vllm" / ".git" / FRESH_MARK).write_text(mark)
                 journal.point("clone.cloned")
                 try:
                     os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too

@@ -280,6 +280,51 @@ def test_a_new_workdirs_clone_killed_before_the_switch_is_removed_by_the_next_ru
     assert g(wd, "status", "--porcelain") == "" and g(wd, "rev-parse", "HEAD").strip()
 
 
+def _tags_only(upstream, tmp_path) -> Path:
+    """A bare copy of ``upstream`` with tags and no branch, as the release mirror is."""
+    tags = tmp_path / "tags.git"
+    g(tmp_path, "clone", "-q", "--bare", str(upstream), str(tags))
+    g(tags, "update-ref", "-d", "refs/heads/main")
+    return tags
+
+
+@pytest.mark.parametrize("point", ["fresh", "clone", "clone.cloned"])
+def test_a_repository_the_user_made_at_a_killed_runs_new_workdir_is_never_removed(
+        project, upstream, tmp_path, env, point):
+    """Round 7: killed before its clone was in place, the run left a ``fresh`` step; the user
+    then made a repository of their own at that path (``git init``, a remote, a fetch: no
+    commit, no branch). The next run removed it whole as "its clone" (a normal run refuses it)."""
+    wd = tmp_path / "wd"
+    args = ["-q", "--vllm-repo", str(_tags_only(upstream, tmp_path)), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: point}, *args).returncode == -signal.SIGKILL
+    assert not wd.exists()
+    g(tmp_path, "init", "-q", str(wd))
+    g(wd, "remote", "add", "mine", str(upstream))
+    g(wd, "fetch", "-q", "mine")
+    fetched = g(wd, "for-each-ref")
+    again = run_tool(project, env, *args)
+    assert again.returncode == 2 and "is a git repository with no commit yet" in again.stderr, again.stderr
+    assert "its clone" not in again.stderr
+    assert g(wd, "remote").split() == ["mine"] and g(wd, "for-each-ref") == fetched
+
+
+@pytest.mark.parametrize("ref", ["v1.3.0", "v1.1.0"])
+def test_a_new_workdirs_clone_the_run_did_not_switch_is_removed_at_its_end(project, upstream, tmp_path,
+                                                                          env, ref):
+    """Round 7: into a new --workdir from a source of tags only (the release mirror: every
+    run without --vllm-repo), a run that publishes nothing (v1.3.0: a conflict, exit 3) left
+    a clone with nothing checked out; every later run there refused it, "a git repository
+    with no commit yet", until the user deleted it. A run that publishes keeps its clone."""
+    wd = tmp_path / "wd"
+    args = ["-q", "--vllm-repo", str(_tags_only(upstream, tmp_path)), "--workdir", str(wd)]
+    first = run_tool(project, env, *args, "--vllm-ref", ref)
+    assert first.returncode == (3 if ref == "v1.3.0" else 0), first.stderr
+    assert wd.exists() == (ref != "v1.3.0") and not list(wd.glob(".git/k3overlay-fresh"))
+    again = run_tool(project, env, *args)
+    assert again.returncode == 0, again.stderr
+    assert g(wd, "status", "--porcelain") == "" and g(wd, "rev-parse", "HEAD").strip()
+
+
 def _rebase_to_and_tree(project, upstream, wd: Path, env) -> tuple[list[str], str]:
     """A checkout of v1.0.0's result in ``wd``; the args of --rebase-to v1.2.0 there (a target
     every patch of which landed), and the tree an uninterrupted run of it commits."""
