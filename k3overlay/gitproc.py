@@ -234,19 +234,28 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
 
 def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
     """``-c`` arguments (to follow ``GIT``'s pins: the last wins) giving the ``_EOL_KEYS`` that
-    the local config of the repository at ``cwd`` sets (``git config --local``, its includes
-    followed), as given; none where it sets none (git's defaults, on which the pins agree:
-    autocrlf false, eol lf on this system, safecrlf matters to object writes only) or cannot
-    be read. Raises GitError only if git cannot be started."""
+    the user's own git reads for the repository at ``cwd``: their system and global config
+    (``core.autocrlf=true`` set once for every checkout: Windows, WSL), then the repository's
+    local config (its includes followed), each as given; none where none is set (git's
+    defaults, on which the pins agree: autocrlf false, eol lf on this system, safecrlf
+    matters to object writes only) or cannot be read. Raises GitError only if git cannot be
+    started."""
     keys = "|".join(re.escape(key) for key in _EOL_KEYS)
     status, out, _ = _execute(["config", "--local", "--includes", "--null", "--get-regexp",
                                f"^({keys})$"], cwd=cwd)
+    local = [(key, value if newline else None) for key, newline, value in
+             (record.partition("\n") for record in (_text(out).split("\0") if status == 0 else []))]
     given = []
-    for record in _text(out).split("\0") if status == 0 else []:
-        key, newline, value = record.partition("\n")
+    for key, value in [*_users_config(*_config_location()), *local]:
         if key in _EOL_KEYS:  # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
-            given += ["-c", f"{key}={value}" if newline else key]
+            given += ["-c", key if value is None else f"{key}={value}"]
     return tuple(given)
+
+
+def _config_location() -> tuple[str, ...]:
+    """What locates the user's own global and system config files (the key of ``_users_config``)."""
+    return tuple(os.environ.get(k, "") for k in (
+        "HOME", "XDG_CONFIG_HOME", "GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM"))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -271,8 +280,7 @@ def _environment(extra: dict[str, str] | None) -> dict[str, str]:
     env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_ATTR_NOSYSTEM="1",
                LC_ALL="C", LANGUAGE="C")
     env.update(_NO_PROMPT)
-    carried = _carried_config(*(os.environ.get(k, "") for k in (
-        "HOME", "XDG_CONFIG_HOME", "GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")))
+    carried = _carried_config(*_config_location())
     if not ({"GIT_SSH", "GIT_SSH_COMMAND"} & env.keys()
             or any(key == "core.sshcommand" for key, _ in carried)):
         env["GIT_SSH_COMMAND"] = "ssh -o BatchMode=yes"  # ssh asks nothing either
@@ -283,9 +291,16 @@ def _environment(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-@functools.lru_cache(maxsize=8)
 def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
-    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order.
+    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order."""
+    return tuple((key, "" if value is None else value) for key, value in _users_config(*where)
+                 if _CARRIED.match(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _users_config(*where: str) -> tuple[tuple[str, str], ...]:
+    """(key, value) of every entry of the user's system, then global config, in order (an
+    entry without a value, ``[core] autocrlf``, has ``None``).
 
     ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
     """
@@ -300,9 +315,9 @@ def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
         except (OSError, subprocess.TimeoutExpired):
             continue
         for record in _text(proc.stdout).split("\0"):
-            key, _, value = record.partition("\n")
-            if _CARRIED.match(key):
-                entries.append((key, value))
+            key, newline, value = record.partition("\n")
+            if key:
+                entries.append((key, value if newline else None))
     return tuple(entries)
 
 

@@ -507,6 +507,24 @@ def test_a_touched_file_of_a_checkout_with_crlf_endings_is_no_uncommitted_change
     assert g(wd, "status", "--porcelain") == ""
 
 
+def test_a_touched_file_of_a_checkout_under_a_global_autocrlf_is_no_uncommitted_change(project, upstream,
+                                                                                     tmp_path, monkeypatch):
+    """Round 7: ``core.autocrlf=true`` set once in the user's global config (Windows, WSL), not in
+    the checkout's: their git wrote CRLF and calls a file an editor saved unchanged clean; the
+    tool read only the checkout's own settings and refused, "has uncommitted changes"."""
+    config = tmp_path / "gitconfig"
+    config.write_text("[core]\n\tautocrlf = true\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    wd = tmp_path / "wd"
+    _crlf_checkout(project, upstream, wd, ["pkg/model.txt", "pkg/user.py"], eol_config=())
+    assert not git.is_dirty(git.open_repo(wd))
+    assert apply(project, upstream, wd, ref="v1.1.0").ok
+    assert g(wd, "status", "--porcelain") == ""
+    (wd / "pkg/user.py").write_bytes((wd / "pkg/user.py").read_bytes() + b"# mine\r\n")
+    with pytest.raises(errors.UsageError, match="has uncommitted changes"):  # a real edit still is one
+        apply(project, upstream, wd, ref="v1.0.0")
+
+
 def test_a_real_edit_of_a_checkout_with_crlf_endings_is_still_refused(project, upstream, tmp_path):
     wd = tmp_path / "wd"
     _crlf_checkout(project, upstream, wd, ["pkg/user.py"])
