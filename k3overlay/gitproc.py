@@ -292,8 +292,10 @@ def _environment(extra: dict[str, str] | None) -> dict[str, str]:
 
 
 def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
-    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order."""
-    return tuple((key, "" if value is None else value) for key, value in _users_config(*where)
+    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order.
+    An entry without a value (``[http] sslVerify``) is a boolean's true: carried as an empty
+    value (``GIT_CONFIG_VALUE_N=``), git would read it as false, and verify no certificate."""
+    return tuple((key, "true" if value is None else value) for key, value in _users_config(*where)
                  if _CARRIED.match(key))
 
 

@@ -106,6 +106,19 @@ def test_no_git_asks_anyone_for_a_password(tmp_path, monkeypatch):
     assert env["GIT_SSH_COMMAND"] == "ssh -o BatchMode=yes" and env["SSH_ASKPASS_REQUIRE"] == "never"
 
 
+@pytest.mark.parametrize("entry", ["[http]\n\tsslVerify\n",
+                                   '[http "https://example.invalid"]\n\tsslVerify\n'])
+def test_a_carried_boolean_without_a_value_stays_true(tmp_path, monkeypatch, entry):
+    """Round 7: ``[http] sslVerify`` with no ``=`` is true for the user's git; carried over as an
+    empty value (GIT_CONFIG_VALUE_N=), it was false for the tool's: certificates went unverified."""
+    config = tmp_path / "gitconfig"
+    config.write_text(entry)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    key = "http.sslverify" if entry.startswith("[http]") else "http.https://example.invalid.sslverify"
+    status, out, _ = gitproc._execute(["config", "--bool", key], cwd=tmp_path)
+    assert status == 0 and out.strip() == b"true"
+
+
 def test_a_users_own_ssh_command_is_kept(monkeypatch):
     monkeypatch.setenv("GIT_SSH_COMMAND", "ssh -i /keys/ci")
     assert gitproc._environment(None)["GIT_SSH_COMMAND"] == "ssh -i /keys/ci"
