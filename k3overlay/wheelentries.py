@@ -17,6 +17,9 @@ before it is kept (``problems``, part of ``wheelcheck``: exit 5). Refused:
 - two names that are one file somewhere: the same name twice, or names equal after
   case folding and Unicode (NFKC) normalisation;
 - a ``.pth`` file anywhere (``site`` runs its import lines at every Python start);
+- an entry declaring more than 2 GiB unpacked, or more than 64 MiB packed tighter than
+  64:1, or entries more than 16 GiB in all (a decompression bomb: each entry is read
+  whole, and pip unpacks them all);
 - anything outside ``vllm/`` and the one dist-info folder ``vllm-<version>.dist-info``
   (a ``.data`` folder: scripts, headers; a second dist-info); in the dist-info, a file
   other than METADATA, WHEEL, RECORD, top_level.txt, entry_points.txt, licenses/, sboms/;
@@ -112,6 +115,7 @@ def problems(wheel: Path, expected: Expected) -> list[str]:
             infos = archive.infolist()
             found = _layout(wheel, archive, infos)
             found += [p for info in infos for p in _entry(info)]
+            found += _unpacked_size(infos)
             found += _collisions([i.orig_filename for i in infos])
             found += _placement([i.filename for i in infos], expected)
             names = {i.filename for i in infos}
@@ -215,6 +219,29 @@ def _zip64(extra: bytes) -> bool:
             return True
         extra = extra[4 + length:]
     return False
+
+
+# What the wheel may unpack to, as its entries declare it (zipfile reads no more): the
+# build reads each entry whole (repack, the byte-for-byte proof) and pip installs them all
+# into a temporary folder, so a decompression bomb (GiBs of zeros from a few MiB: a 2 MB
+# wheel took 4 GB of memory) would take the memory or the disk. vLLM 0.28.0's largest entry
+# is 308 MB packed 2.4:1, the whole 758 MB; no entry over 64 MiB packs more than 4:1.
+_MAX_ENTRY_BYTES = 2 << 30
+_MAX_WHEEL_BYTES = 16 << 30
+_LARGE_ENTRY_BYTES, _MAX_LARGE_RATIO = 64 << 20, 64
+
+
+def _unpacked_size(infos: list[zipfile.ZipInfo]) -> list[str]:
+    """An entry declaring more unpacked bytes than any vLLM wheel's, or a large one packed
+    far tighter than compiled code packs; or the whole wheel more than any vLLM wheel."""
+    found = [f"entry {i.orig_filename!r} unpacks to {i.file_size} bytes (from {i.compress_size}), "
+             f"more than any wheel's entry (a decompression bomb?)" for i in infos
+             if i.file_size > _MAX_ENTRY_BYTES or (i.file_size > _LARGE_ENTRY_BYTES
+                                                   and i.file_size > _MAX_LARGE_RATIO * i.compress_size)]
+    total = sum(i.file_size for i in infos)
+    if total > _MAX_WHEEL_BYTES:
+        found.append(f"it unpacks to {total} bytes, more than any wheel (a decompression bomb?)")
+    return found
 
 
 def _entry(info: zipfile.ZipInfo) -> list[str]:

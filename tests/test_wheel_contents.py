@@ -225,10 +225,40 @@ HOSTILE = {
     "compression zipfile lacks (deflate64)": (
         lambda d: _method(craft(d), 9),
         r"cannot be read as a (zip file|wheel \(it\)): That compression method"),
+    # round 7: what every entry declares it unpacks to (repack reads each whole, pip unpacks all)
+    "an entry a decompression bomb": (
+        lambda d: _declared_size(craft(d, [("vllm/_zz.abi3.so", b"\0" * 4096, REG)]), "vllm/_zz.abi3.so",
+                                 (2 << 30) + 1),
+        r"entry 'vllm/_zz.abi3.so' unpacks to 2147483649 bytes \(from \d+\), more than any wheel's entry"),
+    "a large entry packed like a bomb": (
+        lambda d: _declared_size(craft(d, [("vllm/_zz.abi3.so", b"\0" * 4096, REG)]), "vllm/_zz.abi3.so",
+                                 (64 << 20) + 1),
+        r"entry 'vllm/_zz.abi3.so' unpacks to 67108865 bytes \(from \d+\), more than any wheel's entry"),
+    "entries a decompression bomb in all": (
+        lambda d: _declared_size(craft(d, [(f"vllm/_k{i}.abi3.so", b"\0" * 4096, REG) for i in range(257)]),
+                                 *[f"vllm/_k{i}.abi3.so" for i in range(257)], 64 << 20),
+        r"it unpacks to \d+ bytes, more than any wheel"),
     "RECORD a decompression bomb": (
         lambda d: craft(d, record=_record_rewritten(craft(d / "good"), b"", b"") + b"\n" * (65 << 20)),
         r"RECORD is \d+ bytes unpacked|cannot be read"),
 }
+
+
+def _declared_size(path: Path, *names_and_size) -> Path:
+    """Each entry in ``names_and_size`` (then the size) declared to unpack to that many bytes, in
+    its local header and its central directory entry, as a decompression bomb's entries are
+    (its few packed bytes kept: nothing must read that far to refuse it)."""
+    *names, size = names_and_size
+    data = bytearray(path.read_bytes())
+    for sig, at_size, at_name_len, header in ((b"PK\x03\x04", 22, 26, 30), (b"PK\x01\x02", 24, 28, 46)):
+        at = 0
+        while (at := data.find(sig, at)) >= 0:
+            name_len = int.from_bytes(data[at + at_name_len:at + at_name_len + 2], "little")
+            if data[at + header:at + header + name_len].decode() in names:
+                data[at + at_size:at + at_size + 4] = size.to_bytes(4, "little")
+            at += 4
+    path.write_bytes(bytes(data))
+    return path
 
 
 def _record_rewritten(good_wheel: Path, old: bytes, new: bytes) -> bytes:
