@@ -78,6 +78,7 @@ from .gitpatch import (  # noqa: F401
     _am,
     mailinfo,
     patch_paths,
+    paths_touched,
     apply_errors,
     trial_tree,
     format_patch,

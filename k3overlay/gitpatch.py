@@ -79,6 +79,24 @@ def patch_paths(repo: Repo, patch: Path) -> list[str]:
     return [entry.split("\t", 2)[2] for entry in listing.split("\0") if entry]
 
 
+def paths_touched(patch: Path) -> set[str]:
+    """Every path ``patch`` changes, read before any repository is at hand: the names it leaves
+    (``git apply --numstat``) and those it takes from (the same of the patch reversed: a
+    rename's or copy's source, a deleted file). Run in an empty folder no repository holds
+    (in one, git apply would read only the paths below the current folder). GitError if git
+    cannot read it."""
+    paths: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="k3-paths-") as tmp:
+        env = {"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}
+        for reverse in ([], ["-R"]):
+            status, out, err = _execute(["apply", "--numstat", "-z", *reverse, str(patch.resolve())],
+                                        cwd=tmp, env=env)
+            if status != 0:
+                raise GitError(f"git apply cannot read {patch.name}: {first_line(_text(err))}")
+            paths |= {entry.split("\t", 2)[2] for entry in _text(out).split("\0") if entry.count("\t") >= 2}
+    return paths
+
+
 def apply_errors(repo: Repo, patch: Path) -> str:
     """What ``git apply --check`` says against the work tree: empty when ``patch`` applies,
     else git's reasons (``error: patch failed: PATH:LINE`` ...)."""

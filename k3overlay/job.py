@@ -63,6 +63,7 @@ def run_apply(project: Project, opts: Options) -> Report:
     """
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
+    refuse_patches_on_overlay(patches, manifest)
     ref = opts.ref or manifest.base
     branch = work_branch(project, opts)
     workdir = (opts.workdir or project.default_workdir).resolve()
@@ -72,6 +73,23 @@ def run_apply(project: Project, opts: Options) -> Report:
     with locked(workdir, check=opts.check, overlay_dir=project.overlay_dir):
         _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
     return report
+
+
+def refuse_patches_on_overlay(patches: list[series_mod.Patch], manifest: manifest_mod.Manifest) -> None:
+    """UsageError, before any work, if a patch changes (or renames, or deletes) an overlay file's
+    path: the overlay is laid whole after the patches, so the patch's change was lost while
+    the report said "applied", and ``--export``, which takes a commit touching only overlay
+    files for the overlay's own, then dropped the patch from the series."""
+    overlay = {f.path for f in manifest.files}
+    for patch in patches:
+        try:
+            hit = sorted(git.paths_touched(patch.path) & overlay)
+        except git.GitError as err:
+            raise UsageError(str(err)) from err
+        if hit:
+            raise UsageError(f"{patch.name} changes {hit[0]}, an overlay file: the overlay is laid whole "
+                             f"over the patch's change, which would be lost (and --export would drop the "
+                             f"patch); make that change in overlay/{hit[0]} instead")
 
 
 def overlay_folders(manifest: manifest_mod.Manifest) -> set[str]:

@@ -511,6 +511,54 @@ def test_two_patches_sharing_a_subject_are_refused(project, upstream, tmp_path):
     assert not (tmp_path / "wd").exists()
 
 
+def _patch_of(upstream: Path, tmp_path: Path, out: Path, change) -> Path:
+    """A format-patch of what ``change(work)`` does to a worktree of v1.0.0 (renames found)."""
+    work = tmp_path / "_mk_overlay"
+    g(upstream, "worktree", "add", "-q", "--detach", str(work), "v1.0.0")
+    try:
+        change(work)
+        g(work, "add", "-A")
+        g(work, "commit", "-q", "-m", "mod: a change of ours\n\nUpstream-Status: Pending")
+        out.write_text(g(work, "format-patch", "-1", "-M", "--zero-commit", "--no-signature",
+                         "--full-index", "--stdout", "HEAD"))
+    finally:
+        g(upstream, "worktree", "remove", "--force", str(work))
+    return out
+
+
+OVERLAY_CHANGES = {
+    "edits a replaced file": lambda w: (w / "pkg/mod.py").write_text("def old():\n    return 2\n"),
+    "adds an added file": lambda w: (w / "pkg/new.py").write_text("NEW = 1\n"),
+    "deletes a replaced file": lambda w: (w / "pkg/mod.py").unlink(),
+    "renames a replaced file away": lambda w: (w / "pkg/mod.py").rename(w / "pkg/mod2.py"),
+}
+
+
+@pytest.mark.parametrize("kind", list(OVERLAY_CHANGES))
+@pytest.mark.parametrize("mode", ["apply", "--rebase-to", "rebase job"])
+def test_a_patch_changing_an_overlay_files_path_is_refused_before_any_work(project, upstream, tmp_path,
+                                                                          kind, mode):
+    """Round 7: a patch editing pkg/mod.py, which the overlay replaces, was reported "applied"
+    while the overlay laid over its change (lost, exit 0); --export, which takes a commit
+    touching only overlay files for the overlay's own, then dropped the patch from the series."""
+    _patch_of(upstream, tmp_path, project.patches_dir / "0002-mod-a-change-of-ours.patch",
+              OVERLAY_CHANGES[kind])
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n0002-mod-a-change-of-ours.patch\n")
+    opts = Options(vllm_repo=str(upstream), workdir=tmp_path / "wd", ref="v1.1.0")
+    with pytest.raises(errors.UsageError) as err:
+        if mode == "apply":
+            run_apply(project, opts)
+        elif mode == "--rebase-to":
+            rebase_to(project, opts)
+        else:
+            run_rebase(project, ["v1.1.0"], vllm_repo=str(upstream))
+    path = "pkg/new.py" if kind == "adds an added file" else "pkg/mod.py"
+    assert str(err.value) == (f"0002-mod-a-change-of-ours.patch changes {path}, an overlay file: the "
+                              f"overlay is laid whole over the patch's change, which would be lost (and "
+                              f"--export would drop the patch); make that change in overlay/{path} instead")
+    assert not (tmp_path / "wd").exists()
+
+
 # -- Found by the second adversarial pass: a checkout of this repository whose line endings
 # git converted (``core.autocrlf=true``, common on Windows and WSL) made every patch of the
 # series a "conflict" (exit 3, naming hunks of upstream's files that were never the
