@@ -80,17 +80,20 @@ def patch_paths(repo: Repo, patch: Path) -> list[str]:
 
 
 def paths_touched(patch: Path) -> set[str]:
-    """Every path ``patch`` changes, read before any repository is at hand: the names it leaves
-    (``git apply --numstat``) and those it takes from (the same of the patch reversed: a
-    rename's or copy's source, a deleted file). Run in an empty folder no repository holds
-    (in one, git apply would read only the paths below the current folder). GitError if git
-    cannot read it."""
+    """Every path mailbox ``patch`` changes, read before any repository is at hand: the names
+    its diff leaves (``git apply --numstat``) and those it takes from (the same of the diff
+    reversed: a rename's or copy's source, a deleted file). The diff is the one ``git am``
+    applies (``git mailinfo``: a base64 or quoted-printable body decoded). Run in an empty
+    folder no repository holds (in one, git apply reads only the paths below the current
+    folder). GitError if git cannot read it."""
     paths: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="k3-paths-") as tmp:
         env = {"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}
+        diff = Path(tmp) / "diff"
+        _execute(["mailinfo", "-b", str(Path(tmp) / "msg"), str(diff)], cwd=tmp, env=env,
+                 stdin=patch.read_bytes())
         for reverse in ([], ["-R"]):
-            status, out, err = _execute(["apply", "--numstat", "-z", *reverse, str(patch.resolve())],
-                                        cwd=tmp, env=env)
+            status, out, err = _execute(["apply", "--numstat", "-z", *reverse, str(diff)], cwd=tmp, env=env)
             if status != 0:
                 raise GitError(f"git apply cannot read {patch.name}: {first_line(_text(err))}")
             paths |= {entry.split("\t", 2)[2] for entry in _text(out).split("\0") if entry.count("\t") >= 2}

@@ -14,6 +14,7 @@ upstream refs were built, never from the code under test.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -557,6 +558,30 @@ def test_a_patch_changing_an_overlay_files_path_is_refused_before_any_work(proje
                               f"overlay is laid whole over the patch's change, which would be lost (and "
                               f"--export would drop the patch); make that change in overlay/{path} instead")
     assert not (tmp_path / "wd").exists()
+
+
+def _base64_body(patch: Path) -> Path:
+    """``patch`` with its body base64-encoded, as some mailers send it (git am decodes it)."""
+    head, _, body = patch.read_text().partition("\n\n")
+    head += "\nMIME-Version: 1.0\nContent-Type: text/plain; charset=UTF-8\nContent-Transfer-Encoding: base64"
+    patch.write_text(head + "\n\n" + base64.encodebytes(body.encode()).decode())
+    return patch
+
+
+@pytest.mark.parametrize("overlay", [False, True])
+def test_a_patch_with_a_base64_body_is_read_as_git_am_reads_it(project, upstream, tmp_path, overlay):
+    """The paths a patch changes are read from the diff git am applies: a base64 body (which
+    git apply alone reads no diff in) still applies, and still counts when it edits an overlay file."""
+    if overlay:
+        _patch_of(upstream, tmp_path, project.patches_dir / "0001-model-line-4.patch",
+                  OVERLAY_CHANGES["edits a replaced file"])
+    _base64_body(project.patches_dir / "0001-model-line-4.patch")
+    opts = Options(vllm_repo=str(upstream), workdir=tmp_path / "wd")
+    if overlay:
+        with pytest.raises(errors.UsageError, match="changes pkg/mod.py, an overlay file"):
+            run_apply(project, opts)
+    else:
+        assert [p.status for p in run_apply(project, opts).patches] == ["applied"]
 
 
 # -- Found by the second adversarial pass: a checkout of this repository whose line endings
