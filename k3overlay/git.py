@@ -77,6 +77,7 @@ from .gitpatch import (  # noqa: F401
     mail_starts,
     _am,
     mailinfo,
+    diff_of,
     patch_paths,
     paths_touched,
     apply_errors,

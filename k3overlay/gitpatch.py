@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from .gitproc import GitError, Repo, _cwd, _execute, _text, attempt, first_line, literal, run
@@ -73,27 +75,40 @@ def mailinfo(patch: Path) -> tuple[dict[str, str], str, bool]:
         return headers, text, diff.exists() and diff.stat().st_size > 0
 
 
+@contextlib.contextmanager
+def diff_of(patch: Path) -> Iterator[Path]:
+    """A file holding the diff ``git am`` applies of mailbox ``patch`` (``git mailinfo``: a
+    base64 or quoted-printable body decoded, as am decodes it), for the block: git apply,
+    patch-id and their trials read no diff in an encoded body, and called a patch that
+    applies unreadable (or never landed). Read in an empty folder no repository holds."""
+    with tempfile.TemporaryDirectory(prefix="k3-diff-") as tmp:
+        diff = Path(tmp) / "diff"
+        _execute(["mailinfo", "-b", str(Path(tmp) / "msg"), str(diff)], cwd=tmp,
+                 env={"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}, stdin=patch.read_bytes())
+        if not diff.exists():
+            diff.write_bytes(b"")
+        yield diff
+
+
 def patch_paths(repo: Repo, patch: Path) -> list[str]:
     """The paths ``patch`` leaves changed (a rename: its new name), from ``git apply --numstat -z``."""
-    listing = run(repo, "apply", "--numstat", "-z", str(patch))
+    with diff_of(patch) as diff:
+        listing = run(repo, "apply", "--numstat", "-z", str(diff))
     return [entry.split("\t", 2)[2] for entry in listing.split("\0") if entry]
 
 
 def paths_touched(patch: Path) -> set[str]:
     """Every path mailbox ``patch`` changes, read before any repository is at hand: the names
-    its diff leaves (``git apply --numstat``) and those it takes from (the same of the diff
-    reversed: a rename's or copy's source, a deleted file). The diff is the one ``git am``
-    applies (``git mailinfo``: a base64 or quoted-printable body decoded). Run in an empty
+    its diff (``diff_of``) leaves (``git apply --numstat``) and those it takes from (the same
+    of the diff reversed: a rename's or copy's source, a deleted file). Run in an empty
     folder no repository holds (in one, git apply reads only the paths below the current
     folder). GitError if git cannot read it."""
     paths: set[str] = set()
-    with tempfile.TemporaryDirectory(prefix="k3-paths-") as tmp:
-        env = {"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}
-        diff = Path(tmp) / "diff"
-        _execute(["mailinfo", "-b", str(Path(tmp) / "msg"), str(diff)], cwd=tmp, env=env,
-                 stdin=patch.read_bytes())
+    with diff_of(patch) as diff:
+        env = {"GIT_CEILING_DIRECTORIES": str(diff.parent.parent)}
         for reverse in ([], ["-R"]):
-            status, out, err = _execute(["apply", "--numstat", "-z", *reverse, str(diff)], cwd=tmp, env=env)
+            status, out, err = _execute(["apply", "--numstat", "-z", *reverse, str(diff)],
+                                        cwd=diff.parent, env=env)
             if status != 0:
                 raise GitError(f"git apply cannot read {patch.name}: {first_line(_text(err))}")
             paths |= {entry.split("\t", 2)[2] for entry in _text(out).split("\0") if entry.count("\t") >= 2}
@@ -103,7 +118,8 @@ def paths_touched(patch: Path) -> set[str]:
 def apply_errors(repo: Repo, patch: Path) -> str:
     """What ``git apply --check`` says against the work tree: empty when ``patch`` applies,
     else git's reasons (``error: patch failed: PATH:LINE`` ...)."""
-    return attempt(repo, "apply", "--check", str(patch))[1]
+    with diff_of(patch) as diff:
+        return attempt(repo, "apply", "--check", str(diff))[1]
 
 
 def trial_tree(repo: Repo, tree_ish: str, *steps: list[str]) -> str | None:
@@ -144,7 +160,8 @@ def patch_ids(repo: Repo, *, patch: Path | None = None, rev_range: str = "",
     commit in ``rev_range`` that touches ``paths`` (its whole diff counts, as for
     ``git cherry``). Empty when ``rev_range`` does not resolve."""
     if patch is not None:
-        text = patch.read_bytes()
+        with diff_of(patch) as diff:
+            text = diff.read_bytes()
     else:
         status, text, _ = _execute(["log", "--no-merges", "--no-color", "-p", "--full-diff",
                                     rev_range, "--", *literal(paths or [])], cwd=_cwd(repo))

@@ -422,8 +422,9 @@ def landed(repo: git.Repo, patch: Path, ref_sha: str) -> bool:
     ``chmod +x`` patch reverse-applies to its own base.
     """
     want = git.tree_of(repo, ref_sha)
-    return (git.trial_tree(repo, ref_sha, ["--3way", str(patch)]) == want
-            or git.trial_tree(repo, ref_sha, ["--reverse", str(patch)], [str(patch)]) == want)
+    with git.diff_of(patch) as diff:
+        return (git.trial_tree(repo, ref_sha, ["--3way", str(diff)]) == want
+                or git.trial_tree(repo, ref_sha, ["--reverse", str(diff)], [str(diff)]) == want)
 
 
 def _conflict_regions(tree: Path, paths: list[str]) -> list[str]:

@@ -584,6 +584,20 @@ def test_a_patch_with_a_base64_body_is_read_as_git_am_reads_it(project, upstream
         assert [p.status for p in run_apply(project, opts).patches] == ["applied"]
 
 
+def test_a_patch_with_a_base64_body_is_classified_and_rebased_like_any_other(project, upstream, tmp_path):
+    """Round 7: the apply trials and patch-ids read the raw mail, where a base64 body holds no
+    diff: on v1.2.0 (upstream made the change) the patch was "redundant", not landed-upstream,
+    and --rebase-to stopped: "git apply failed: error: No valid patches in input"."""
+    _base64_body(project.patches_dir / "0001-model-line-4.patch")
+    wd = tmp_path / "wd"
+    landed = run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "w2", ref="v1.2.0",
+                                        allow_drift=True))
+    assert [p.status for p in landed.patches] == ["landed-upstream"]
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    rebased = rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert rebased.ok and [p.status for p in rebased.patches] == ["applied-3way"]
+
+
 # -- Found by the second adversarial pass: a checkout of this repository whose line endings
 # git converted (``core.autocrlf=true``, common on Windows and WSL) made every patch of the
 # series a "conflict" (exit 3, naming hunks of upstream's files that were never the
