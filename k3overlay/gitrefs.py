@@ -37,9 +37,12 @@ def is_ref_name(name: str) -> bool:
 
 
 def current_branch(repo: Repo) -> str | None:
-    """The checked-out branch's short name, or None when HEAD is detached or unborn."""
-    ok, out = attempt(repo, "symbolic-ref", "--quiet", "--short", "HEAD")
-    return out.strip() if ok else None
+    """The checked-out branch's name (``refs/heads/`` taken off), or None when HEAD is detached
+    or unborn. Not ``--short``: that gives ``heads/NAME`` for a branch a tag or a remote-tracking
+    ref shares its name with (``--branch v1.0.0``), and no run took the branch for its own."""
+    ok, out = attempt(repo, "symbolic-ref", "--quiet", "HEAD")
+    ref = out.strip()
+    return ref.removeprefix("refs/heads/") if ok and ref.startswith("refs/heads/") else None
 
 
 def branch_tip(repo: Repo, name: str) -> str | None:

@@ -461,6 +461,21 @@ def test_a_workdir_that_is_a_git_repository_with_no_commit_is_refused(project, u
 
 
 
+@pytest.mark.parametrize("branch", ["v1.0.0", "origin/main"])
+def test_a_work_branch_named_like_a_tag_or_a_remote_branch_is_still_the_tools(project, upstream, tmp_path,
+                                                                              branch):
+    """Round 7: ``--branch v1.0.0`` (upstream has that tag) or ``origin/main`` (a remote-tracking
+    ref of the checkout): git's short name of HEAD is then ``heads/v1.0.0``, and every check of
+    the current branch missed it: --export said "not on a work branch made by apply.py"."""
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    assert apply(project, upstream, wd, branch=branch).ok
+    assert git.current_branch(git.open_repo(wd)) == branch
+    assert apply(project, upstream, wd, branch=branch, ref="v1.1.0").ok
+    assert rebase_to(project, Options(vllm_repo=str(upstream), workdir=wd, branch=branch, ref="v1.1.0")).ok
+    assert export(project, wd).patches == ["0001-model-line-4.patch"]
+
+
 def _crlf_checkout(project, upstream, wd, paths, eol_config=(("core.autocrlf", "true"),)):
     """``wd``: apply.py's checkout, then the user's own: ``eol_config`` in its local config
     (``core.eol`` converts only what attributes call text: ``* text=auto`` in info/attributes
