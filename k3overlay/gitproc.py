@@ -300,7 +300,7 @@ def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def _users_config(*where: str) -> tuple[tuple[str, str], ...]:
+def _users_config(*where: str) -> tuple[tuple[str, str | None], ...]:
     """(key, value) of every entry of the user's system, then global config, in order (an
     entry without a value, ``[core] autocrlf``, has ``None``).
 
