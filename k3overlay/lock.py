@@ -3,8 +3,9 @@
 Two runs on one checkout (even two ``--check``) would share its temporary
 worktrees, fetches and branch switch; two runs into one fresh ``--workdir``
 would clone into the same folder. So every job holds an exclusive ``flock``
-keyed by the work directory's absolute path (the folder need not exist yet),
-and a second run waits, saying for whom. The lock files live in the cache
+keyed by the work directory's absolute path (the folder need not exist yet), and
+one keyed by the folder's device and inode where it exists (one checkout reached by
+two names); a second run waits, saying for whom. The lock files live in the cache
 directory, never in the user's checkout; the kernel drops a lock when its
 holder dies, so a killed run never leaves a stale lock behind; but not before the
 killed run's git children are gone: a copy of each lock is held by its watchdog
@@ -38,12 +39,26 @@ from .regular import own_folder
 
 @contextlib.contextmanager
 def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold the lock of ``workdir`` (need not exist yet) for the block.
+    """Hold the lock of ``workdir`` (need not exist yet) for the block, and where it exists
+    the lock of the folder itself (its device and inode), which one checkout reached by two
+    names (a bind mount, a second mount of a network share) shares.
 
-    If another run holds it, ``say`` is told once and the call waits (Ctrl-C
-    stops the wait). Raises UsageError if the lock file cannot be made.
+    If another run holds either, ``say`` is told once and the call waits (Ctrl-C
+    stops the wait). Raises UsageError if a lock file cannot be made.
     """
-    path = workdir_lock_path(workdir)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_exclusive(workdir_lock_path(workdir), workdir, say))
+        with contextlib.suppress(FileNotFoundError):  # a fresh workdir: no other name reaches it yet
+            st = os.stat(workdir)
+            identity = own_folder(cache_dir() / "locks") / f"folder-{st.st_dev}-{st.st_ino}.lock"
+            stack.enter_context(_exclusive(identity, workdir, say))
+        yield
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold the lock file ``path`` for the block, waiting (and telling ``say`` once whom for)
+    while another run holds it; the holder's pid is written in it for the next one."""
     fd = lock_file(path)
     try:
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from k3overlay import lock
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock
 from k3overlay.project import Project
@@ -418,3 +419,30 @@ def test_a_reader_of_stdout_gone_early_still_gets_the_report_files(project, upst
     report = json.loads(out.read_text())
     assert (report if runner == RUNNER else report[0])["ok"] is True
     assert runner == RUNNER or (tmp_path / "out.md").read_text().startswith("## vllm-k3-overlay")
+
+
+def test_one_checkout_reached_by_two_names_takes_one_run_at_a_time(tmp_path, tmpdir_env, monkeypatch):
+    # A bind mount gives one folder a second absolute path, hence a second path lock: the
+    # folder's own lock (device, inode) still makes the second run wait.
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    names = iter(["first-name", "second-name"])
+    real_path = lock.workdir_lock_path
+    monkeypatch.setattr(lock, "workdir_lock_path", lambda w: real_path(w).with_name(f"{next(names)}.lock"))
+    said, order = [], []
+
+    def second_run() -> None:
+        with lock.workdir_lock(wd, say=said.append):
+            order.append("second")
+
+    with lock.workdir_lock(wd, say=said.append):
+        thread = threading.Thread(target=second_run)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.02)
+        order.append("first")
+    thread.join(timeout=10)
+    assert order == ["first", "second"]
+    assert said == [f"waiting for apply.py (pid {os.getpid()}) to finish with {wd}"]
