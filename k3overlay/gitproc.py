@@ -294,9 +294,16 @@ def _environment(extra: dict[str, str] | None) -> dict[str, str]:
 def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
     """(key, value) of the user's global and system config entries in ``_CARRIED``, in order.
     An entry without a value (``[http] sslVerify``) is a boolean's true: carried as an empty
-    value (``GIT_CONFIG_VALUE_N=``), git would read it as false, and verify no certificate."""
-    return tuple((key, "true" if value is None else value) for key, value in _users_config(*where)
-                 if _CARRIED.match(key))
+    value (``GIT_CONFIG_VALUE_N=``), git would read it as false, and verify no certificate.
+    But a valueless ``safe.directory`` empties the list as an empty one does (a global one
+    revoking the system's ``*``): as ``true`` it would revoke nothing."""
+    return tuple((key, _valueless(key) if value is None else value)
+                 for key, value in _users_config(*where) if _CARRIED.match(key))
+
+
+def _valueless(key: str) -> str:
+    """The value git reads an entry of ``key`` written without ``=`` as (``_carried_config``)."""
+    return "" if key == "safe.directory" else "true"
 
 
 @functools.lru_cache(maxsize=8)

@@ -119,6 +119,19 @@ def test_a_carried_boolean_without_a_value_stays_true(tmp_path, monkeypatch, ent
     assert status == 0 and out.strip() == b"true"
 
 
+def test_a_valueless_safe_directory_still_empties_the_list(tmp_path, monkeypatch):
+    """A valueless ``safe.directory`` in the global config empties the list the system's ``*``
+    began, as an empty one does (the user's git then trusts no other user's repository);
+    carried as ``true`` (a path that matches nothing) it revoked nothing for the tool's git."""
+    (tmp_path / "system").write_text("[safe]\n\tdirectory = *\n")
+    (tmp_path / "global").write_text("[safe]\n\tdirectory\n")
+    monkeypatch.delenv("GIT_CONFIG_NOSYSTEM", raising=False)
+    monkeypatch.setenv("GIT_CONFIG_SYSTEM", str(tmp_path / "system"))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "global"))
+    status, out, _ = gitproc._execute(["config", "--get-all", "safe.directory"], cwd=tmp_path)
+    assert status == 0 and out.decode().split("\n")[:2] == ["*", ""]
+
+
 def test_a_users_own_ssh_command_is_kept(monkeypatch):
     monkeypatch.setenv("GIT_SSH_COMMAND", "ssh -i /keys/ci")
     assert gitproc._environment(None)["GIT_SSH_COMMAND"] == "ssh -i /keys/ci"
