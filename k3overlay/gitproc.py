@@ -236,20 +236,35 @@ def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
     """``-c`` arguments (to follow ``GIT``'s pins: the last wins) giving the ``_EOL_KEYS`` that
     the user's own git reads for the repository at ``cwd``: their system and global config
     (``core.autocrlf=true`` set once for every checkout: Windows, WSL), then the repository's
-    local config (its includes followed), each as given; none where none is set (git's
-    defaults, on which the pins agree: autocrlf false, eol lf on this system, safecrlf
-    matters to object writes only) or cannot be read. Raises GitError only if git cannot be
-    started."""
+    own, each as given; none where none is set (git's defaults, on which the pins agree:
+    autocrlf false, eol lf on this system, safecrlf matters to object writes only) or cannot
+    be read. Read by git as the user runs it, in ``cwd``: an ``includeIf "gitdir:…"`` of their
+    global config is for the checkout it names (read elsewhere it matches nothing). Raises
+    GitError only if git cannot be started."""
     keys = "|".join(re.escape(key) for key in _EOL_KEYS)
-    status, out, _ = _execute(["config", "--local", "--includes", "--null", "--get-regexp",
-                               f"^({keys})$"], cwd=cwd)
-    local = [(key, value if newline else None) for key, newline, value in
-             (record.partition("\n") for record in (_text(out).split("\0") if status == 0 else []))]
+    try:
+        proc = subprocess.run(["git", "config", "--includes", "--null", "--get-regexp", f"^({keys})$"],
+                              env=_users_environment(), cwd=cwd, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return ()
+    except OSError as err:
+        raise GitError(f"cannot run git config in {cwd}: {err.strerror}") from err
     given = []
-    for key, value in [*_users_config(*_config_location()), *local]:
+    for record in _text(proc.stdout).split("\0") if proc.returncode == 0 else []:
+        key, newline, value = record.partition("\n")
         if key in _EOL_KEYS:  # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
-            given += ["-c", key if value is None else f"{key}={value}"]
+            given += ["-c", f"{key}={value}" if newline else key]
     return tuple(given)
+
+
+def _users_environment() -> dict[str, str]:
+    """The environment git reads the user's own config in: theirs, less every ``GIT_*`` variable
+    but those that locate the config files (a ``GIT_DIR`` or ``GIT_CONFIG_PARAMETERS`` of the
+    shell would point it elsewhere, or add to what it reads), in English."""
+    kept = ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in kept},
+            "LC_ALL": "C"}
 
 
 def _config_location() -> tuple[str, ...]:
@@ -313,13 +328,11 @@ def _users_config(*where: str) -> tuple[tuple[str, str | None], ...]:
 
     ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_CONFIG_PARAMETERS",
-                                                            "GIT_CONFIG_COUNT")}
     entries = []
     for scope in ("--system", "--global"):  # system first: global wins, as in git
         try:
             proc = subprocess.run(["git", "config", scope, "--includes", "--null", "--get-regexp",
-                                   "."], env={**env, "LC_ALL": "C"}, cwd=os.path.abspath(os.sep),
+                                   "."], env=_users_environment(), cwd=os.path.abspath(os.sep),
                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             continue

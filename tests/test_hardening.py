@@ -540,6 +540,21 @@ def test_a_touched_file_of_a_checkout_under_a_global_autocrlf_is_no_uncommitted_
         apply(project, upstream, wd, ref="v1.0.0")
 
 
+def test_an_autocrlf_the_global_config_includes_for_the_checkout_alone_is_read(project, upstream,
+                                                                              tmp_path, monkeypatch):
+    """``core.autocrlf=true`` in a file the global config includes for this checkout alone
+    (``includeIf "gitdir:…"``): the user's git reads it there; the tool read the global config
+    from ``/``, where the condition holds for no repository, and refused a clean checkout."""
+    wd = tmp_path / "wd"
+    (tmp_path / "for-wd").write_text("[core]\n\tautocrlf = true\n")
+    (tmp_path / "gitconfig").write_text(f'[includeIf "gitdir:{wd}/"]\n\tpath = {tmp_path / "for-wd"}\n')
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    _crlf_checkout(project, upstream, wd, ["pkg/model.txt", "pkg/user.py"], eol_config=())
+    assert not git.is_dirty(git.open_repo(wd))  # (the user's `git status` would refresh the index)
+    assert apply(project, upstream, wd, ref="v1.1.0").ok
+    assert g(wd, "status", "--porcelain") == ""
+
+
 def test_a_real_edit_of_a_checkout_with_crlf_endings_is_still_refused(project, upstream, tmp_path):
     wd = tmp_path / "wd"
     _crlf_checkout(project, upstream, wd, ["pkg/user.py"])
