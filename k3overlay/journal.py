@@ -16,9 +16,9 @@ Steps (``STEPS``; the facts each records):
   clone      ``scratch``: a clone being made beside the work directory -> removed
   fresh      ``repo``, ``mark``: a new ``--workdir``'s clone, until the run's switch gave it a
              commit -> removed while its ``.git`` holds ``mark`` (``source.FRESH_MARK``: not a
-             repository the user made there since) and it still has no commit, no branch and
-             nothing but ``.git`` (a clone of the release mirror checks nothing out: every later
-             run refused it as a repository with no commit)
+             repository the user made there since) and it still has no commit, no ref but tags
+             and ``origin``'s, no linked worktree and nothing but ``.git`` (a clone of the release
+             mirror checks nothing out: every later run refused it as a repository with no commit)
   check      ``scratch``: ``--check``'s throwaway clone -> removed
   worktree   ``repo``, ``parent``: a temporary worktree -> git's entry and the folder removed
   fetch      ``repo``, ``since``: a fetch into the checkout -> ref lock files its git left removed

@@ -93,15 +93,23 @@ def fresh(facts: dict) -> str | None:
     return f"its clone {top}, not yet switched to a branch, was removed"
 
 
+# The refs a clone of the release mirror and the run's fetches make (tags; a source's
+# remote-tracking refs): one beside them (a remote of the user's fetched, a stash) is theirs.
+_CLONES_REFS = ("refs/tags/", "refs/remotes/origin/")
+
+
 def unswitched(top: Path, mark: str) -> bool:
     """Whether ``top`` is the fresh clone marked ``mark`` (``source.clone``), with no commit
-    checked out, no branch and nothing beside its ``.git``."""
+    checked out, no ref but the clone's, no linked worktree (the user's commits on a detached
+    HEAD there live in this ``.git``) and nothing beside its ``.git``."""
     if read_regular(top / ".git" / FRESH_MARK) != mark.encode():
         return False
     try:
         repo = git.open_repo(top)
+        refs = git.run(repo, "for-each-ref", "--format=%(refname)").split()
         return os.listdir(top) == [".git"] and git.resolve(repo, "HEAD") is None \
-            and not git.run(repo, "for-each-ref", "refs/heads/").strip()
+            and all(ref.startswith(_CLONES_REFS) for ref in refs) \
+            and not os.path.lexists(top / ".git" / "worktrees")
     except (git.GitError, OSError):
         return False
 

@@ -308,6 +308,30 @@ def test_a_repository_the_user_made_at_a_killed_runs_new_workdir_is_never_remove
     assert g(wd, "remote").split() == ["mine"] and g(wd, "for-each-ref") == fetched
 
 
+@pytest.mark.parametrize("use", ["a remote of mine, fetched", "a detached worktree, a commit there"])
+def test_a_killed_runs_clone_the_user_took_up_is_never_removed(project, upstream, tmp_path, env, use):
+    """Killed before the switch, the run left its clone (marked its own, no branch); the user
+    took it up: fetched a remote of theirs into it, or made a detached worktree from it and
+    committed there (no branch: the commit lives only in the clone's .git). The next run
+    removed it whole, as its clone: the fetched refs, the worktree's repository and commit."""
+    wd, mine = tmp_path / "wd", tmp_path / "mine"
+    args = ["-q", "--vllm-repo", str(_tags_only(upstream, tmp_path)), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "fetch.done"}, *args).returncode == -signal.SIGKILL
+    assert (wd / ".git/k3overlay-fresh").exists() and g(wd, "for-each-ref", "refs/heads/") == ""
+    if use.startswith("a remote"):
+        g(wd, "remote", "add", "mine", str(upstream))
+        g(wd, "fetch", "-q", "mine")
+    else:
+        g(wd, "worktree", "add", "-q", "--detach", str(mine), "v1.0.0")
+        (mine / "notes.txt").write_text("mine\n")
+        g(mine, "add", "notes.txt")
+        g(mine, "-c", "user.name=u", "-c", "user.email=u@invalid", "commit", "-q", "-m", "mine")
+    kept = g(wd, "for-each-ref") + (g(mine, "rev-parse", "HEAD") if mine.exists() else "")
+    again = run_tool(project, env, *args)
+    assert "its clone" not in again.stderr and again.returncode == 2, again.stderr
+    assert g(wd, "for-each-ref") + (g(mine, "rev-parse", "HEAD") if mine.exists() else "") == kept
+
+
 @pytest.mark.parametrize("ref", ["v1.3.0", "v1.1.0"])
 def test_a_new_workdirs_clone_the_run_did_not_switch_is_removed_at_its_end(project, upstream, tmp_path,
                                                                           env, ref):
