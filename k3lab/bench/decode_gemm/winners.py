@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import pathlib
 
-    ap = argparse.ArgumentParser(prog="python -m k3lab.bench.decode_gemm.winners")
+    ap = argparse.ArgumentParser(prog="python -m k3lab.bench.decode_gemm.winners",
+                                 description="Decide every row of a figures run again; "
+                                 "RUN.json is rewritten in place.")
     ap.add_argument("run", type=pathlib.Path)
     ap.add_argument("--chain-penalty-us", type=float, default=CHAIN_PENALTY_US)
     args = ap.parse_args(argv)
