@@ -48,8 +48,11 @@ def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(_exclusive(workdir_lock_path(workdir), workdir, say))
-        with contextlib.suppress(FileNotFoundError):  # a fresh workdir: no other name reaches it yet
+        try:
             st = os.stat(workdir)
+        except OSError:  # a fresh workdir (or none can be: the job says why): no other name reaches it
+            st = None
+        if st is not None:
             identity = own_folder(cache_dir() / "locks") / f"folder-{st.st_dev}-{st.st_ino}.lock"
             stack.enter_context(_exclusive(identity, workdir, say))
         yield
