@@ -217,7 +217,7 @@ def _execute(args: tuple[str, ...] | list[str], *, cwd: str | Path,
             given.seek(0)
         try:
             proc = subprocess.Popen(
-                [*GIT, *own, *args], cwd=cwd, env=_environment(env), start_new_session=True,
+                [*GIT, *own, *args], cwd=cwd, env=_environment(env, cwd), start_new_session=True,
                 stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as err:
             raise GitError(f"cannot run git {args[0]} in {cwd}: {err.strerror}") from err
@@ -288,14 +288,15 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)  # a grandchild that outlived git itself
 
 
-def _environment(extra: dict[str, str] | None) -> dict[str, str]:
-    """The environment of every git child: the user's, less their git config and GIT_* state."""
+def _environment(extra: dict[str, str] | None, cwd: str | Path = os.sep) -> dict[str, str]:
+    """The environment of every git child run in ``cwd``: the user's, less their git config
+    and GIT_* state, with the entries of their config it carries as read in ``cwd``."""
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith("GIT_") or _KEPT_VARIABLES.match(k)) and k != "SSH_ASKPASS"}
     env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_ATTR_NOSYSTEM="1",
                LC_ALL="C", LANGUAGE="C")
     env.update(_NO_PROMPT)
-    carried = _carried_config(*_config_location())
+    carried = _carried_config(_config_location(), os.path.abspath(cwd))
     if not ({"GIT_SSH", "GIT_SSH_COMMAND"} & env.keys()
             or any(key == "core.sshcommand" for key, _ in carried)):
         env["GIT_SSH_COMMAND"] = "ssh -o BatchMode=yes"  # ssh asks nothing either
@@ -306,14 +307,15 @@ def _environment(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
-def _carried_config(*where: str) -> tuple[tuple[str, str], ...]:
-    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order.
+def _carried_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str], ...]:
+    """(key, value) of the user's global and system config entries in ``_CARRIED``, in order,
+    as their git reads them in ``cwd`` (``_users_config``).
     An entry without a value (``[http] sslVerify``) is a boolean's true: carried as an empty
     value (``GIT_CONFIG_VALUE_N=``), git would read it as false, and verify no certificate.
     But a valueless ``safe.directory`` empties the list as an empty one does (a global one
     revoking the system's ``*``): as ``true`` it would revoke nothing."""
     return tuple((key, _valueless(key) if value is None else value)
-                 for key, value in _users_config(*where) if _CARRIED.match(key))
+                 for key, value in _users_config(where, cwd) if _CARRIED.match(key))
 
 
 def _valueless(key: str) -> str:
@@ -321,20 +323,28 @@ def _valueless(key: str) -> str:
     return "" if key == "safe.directory" else "true"
 
 
-@functools.lru_cache(maxsize=8)
-def _users_config(*where: str) -> tuple[tuple[str, str | None], ...]:
+@functools.lru_cache(maxsize=64)
+def _users_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str | None], ...]:
     """(key, value) of every entry of the user's system, then global config, in order (an
-    entry without a value, ``[core] autocrlf``, has ``None``).
+    entry without a value, ``[core] autocrlf``, has ``None``), read in ``cwd`` as their git
+    reads it there: an ``includeIf "gitdir:…"`` (a credential helper, an email for the work
+    folder) applies in the repositories it names. Where git refuses to read in ``cwd`` (a
+    repository another user owns), as read in ``/``, where such conditions match nothing.
 
     ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
     """
     entries = []
     for scope in ("--system", "--global"):  # system first: global wins, as in git
-        try:
-            proc = subprocess.run(["git", "config", scope, "--includes", "--null", "--get-regexp",
-                                   "."], env=_users_environment(), cwd=os.path.abspath(os.sep),
-                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        for folder in dict.fromkeys((cwd, os.path.abspath(os.sep))):
+            try:
+                proc = subprocess.run(["git", "config", scope, "--includes", "--null", "--get-regexp",
+                                       "."], env=_users_environment(), cwd=folder,
+                                      stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if proc.returncode in (0, 1):  # 1: the scope sets nothing
+                break
+        else:
             continue
         for record in _text(proc.stdout).split("\0"):
             key, newline, value = record.partition("\n")

@@ -132,6 +132,25 @@ def test_a_valueless_safe_directory_still_empties_the_list(tmp_path, monkeypatch
     assert status == 0 and out.decode().split("\n")[:2] == ["*", ""]
 
 
+def test_a_setting_the_global_config_includes_for_a_folder_is_carried_in_its_repositories(tmp_path,
+                                                                                          monkeypatch):
+    """``[includeIf "gitdir:~/work/"]`` (an email, a credential helper for the work folder): the
+    user's git reads it in the repositories there, and so does the tool's, not elsewhere. It was
+    read in ``/``, where such a condition matches nothing: the helper never ran."""
+    work, other = tmp_path / "work" / "vllm", tmp_path / "other"
+    clean = {"PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    for repo in (work, other):
+        subprocess.run(["git", "init", "-q", str(repo)], check=True, env=clean)
+    (tmp_path / "work.inc").write_text("[credential]\n\thelper = work-helper\n")
+    include = f'[includeIf "gitdir:{tmp_path}/work/"]\n\tpath = {tmp_path}/work.inc\n'
+    (tmp_path / "global").write_text(include)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "global"))
+    status, out, _ = gitproc._execute(["config", "--get-all", "credential.helper"], cwd=work)
+    assert status == 0 and out.strip() == b"work-helper"
+    status, out, _ = gitproc._execute(["config", "--get-all", "credential.helper"], cwd=other)
+    assert out.strip() == b""
+
+
 def test_a_users_own_ssh_command_is_kept(monkeypatch):
     monkeypatch.setenv("GIT_SSH_COMMAND", "ssh -i /keys/ci")
     assert gitproc._environment(None)["GIT_SSH_COMMAND"] == "ssh -i /keys/ci"
