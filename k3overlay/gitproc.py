@@ -243,19 +243,32 @@ def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
     GitError only if git cannot be started."""
     keys = "|".join(re.escape(key) for key in _EOL_KEYS)
     try:
-        proc = subprocess.run(["git", "config", "--includes", "--null", "--get-regexp", f"^({keys})$"],
-                              env=_users_environment(), cwd=cwd, stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return ()
+        entries = _users_entries(cwd, f"^({keys})$")
     except OSError as err:
         raise GitError(f"cannot run git config in {cwd}: {err.strerror}") from err
     given = []
-    for record in _text(proc.stdout).split("\0") if proc.returncode == 0 else []:
-        key, newline, value = record.partition("\n")
+    for key, value in entries or ():
         if key in _EOL_KEYS:  # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
-            given += ["-c", f"{key}={value}" if newline else key]
+            given += ["-c", key if value is None else f"{key}={value}"]
     return tuple(given)
+
+
+def _users_entries(cwd: str | Path, pattern: str, *scope: str) -> tuple[tuple[str, str | None], ...] | None:
+    """The entries of the user's config whose keys match ``pattern`` (of ``scope``: ``--global``,
+    ``--system``; none, every scope), as their git reads them in ``cwd`` (``_users_environment``,
+    includes followed): ``(key, value)`` in order, ``None`` for an entry written without a
+    value; ``()`` where none matches; None where git will not read there (a repository
+    another user owns) or takes over 30 s. Raises OSError if git cannot be started in ``cwd``."""
+    try:
+        proc = subprocess.run(["git", "config", *scope, "--includes", "--null", "--get-regexp", pattern],
+                              env=_users_environment(), cwd=cwd, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode not in (0, 1):  # 1: nothing matches
+        return None
+    records = (record.partition("\n") for record in _text(proc.stdout).split("\0"))
+    return tuple((key, value if newline else None) for key, newline, value in records if key)
 
 
 def _users_environment() -> dict[str, str]:
@@ -333,23 +346,14 @@ def _users_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str | No
 
     ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
     """
-    entries = []
+    entries: list[tuple[str, str | None]] = []
     for scope in ("--system", "--global"):  # system first: global wins, as in git
         for folder in dict.fromkeys((cwd, os.path.abspath(os.sep))):
-            try:
-                proc = subprocess.run(["git", "config", scope, "--includes", "--null", "--get-regexp",
-                                       "."], env=_users_environment(), cwd=folder,
-                                      stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            if proc.returncode in (0, 1):  # 1: the scope sets nothing
-                break
-        else:
-            continue
-        for record in _text(proc.stdout).split("\0"):
-            key, newline, value = record.partition("\n")
-            if key:
-                entries.append((key, value if newline else None))
+            with contextlib.suppress(OSError):
+                read = _users_entries(folder, ".", scope)
+                if read is not None:
+                    entries += read
+                    break
     return tuple(entries)
 
 
