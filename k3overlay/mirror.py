@@ -18,6 +18,7 @@ from trees, and upstream's diffs are tree-to-tree.
 
 from __future__ import annotations
 
+import lzma
 import re
 import shutil
 import tarfile
@@ -113,13 +114,14 @@ def unpack(sdist: Path, dest: Path) -> datetime:
 
     Returns the newest member's modification time (UTC), the release date
     to use when the index gives no upload time. Extracts by tarfile's ``data``
-    filter's rules (``untar``): no absolute paths, links out of the tree, or device files.
-    Raises SourceError on a damaged or truncated archive, leaving no ``dest``.
+    filter's rules (``untar``): no absolute paths, links out of the tree, or device files,
+    and bounded (a decompression bomb, a sparse file or millions of members is refused).
+    Raises SourceError on a damaged, truncated or refused archive, leaving no ``dest``.
     """
     try:
-        with tarfile.open(sdist) as archive:
+        with untar.opened(sdist) as archive:
             members = []
-            for member in archive.getmembers():
+            for member in untar.members(archive):
                 head, _, rest = member.name.partition("/")
                 if not rest:
                     continue
@@ -128,7 +130,8 @@ def unpack(sdist: Path, dest: Path) -> datetime:
                     member.linkname = member.linkname.partition("/")[2]
                 members.append(member)
             untar.extract(archive, dest, members)
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as err:  # EOFError: truncated gzip
+    # EOFError: a truncated gzip; LZMAError: a damaged xz
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as err:
         shutil.rmtree(dest, ignore_errors=True)
         raise SourceError(f"cannot unpack {sdist.name}: {err}") from err
     newest = max((m.mtime for m in members), default=0)

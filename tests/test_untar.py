@@ -113,3 +113,55 @@ def test_unpack_works_without_filter(tmp_path, tarfile_kind):
     with pytest.raises(errors.SourceError, match="cannot unpack"):
         unpack(sdist, tmp_path / "tree2")
     assert not (tmp_path / "evil").exists() and not (tmp_path / "tree2").exists()
+
+
+def gz_of(tmp_path, *members: tuple[tarfile.TarInfo, bytes], mode: str = "w:gz"):
+    path = tmp_path / "bomb.tar.gz"
+    with tarfile.open(path, mode) as tar:
+        for member, data in members:
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["w:gz", "w:bz2", "w:xz", "w:"])
+def test_an_archive_unpacking_past_the_cap_is_refused_as_it_is_read(tmp_path, mode):
+    """A decompression bomb: 4 MiB of zeros, a few kB compressed, against a 1 MiB cap."""
+    path = gz_of(tmp_path, (info("pkg/zeros"), bytes(4 << 20)), mode=mode)
+    with untar.opened(path) as archive:  # the default cap: read as before
+        assert [m.name for m in untar.members(archive)] == ["pkg/zeros"]
+    with pytest.raises(untar.TooLarge, match="more than 1 MiB"):
+        with untar.opened(path, max_bytes=1 << 20) as archive:
+            untar.extract(archive, tmp_path / "out", untar.members(archive))
+    assert not (tmp_path / "out/pkg/zeros").exists() or (tmp_path / "out/pkg/zeros").stat().st_size < 4 << 20
+
+
+def test_a_header_declaring_more_than_the_cap_is_refused_unread(tmp_path):
+    """A pax header is read whole into memory by tarfile: its size is checked first."""
+    member = info("pkg/a")
+    member.pax_headers = {"comment": "x" * (2 << 20)}
+    path = gz_of(tmp_path, (member, b"a"), mode="w:gz")
+    with pytest.raises(untar.TooLarge):
+        with untar.opened(path, max_bytes=1 << 20) as archive:
+            list(untar.members(archive))
+
+
+def test_too_many_members_or_a_sparse_one_is_refused(tmp_path):
+    path = gz_of(tmp_path, *((info(f"pkg/{i}"), b"") for i in range(11)))
+    with untar.opened(path) as archive:
+        assert len(list(untar.members(archive, max_members=11))) == 11
+    with untar.opened(path) as archive, pytest.raises(untar.TooLarge, match="more than 10 members"):
+        list(untar.members(archive, max_members=10))
+    sparse = info("pkg/s", kind=tarfile.GNUTYPE_SPARSE)
+    with tarfile.open(tmp_path / "s.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        tar.addfile(sparse, io.BytesIO(b""))
+    with untar.opened(tmp_path / "s.tar") as archive, pytest.raises(untar.TooLarge, match="sparse"):
+        list(untar.members(archive))
+
+
+def test_unpack_refuses_a_bomb_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(untar, "MAX_STREAM_BYTES", 1 << 20)
+    sdist = gz_of(tmp_path, (info("vllm-1.0.0/zeros"), bytes(4 << 20)))
+    with pytest.raises(errors.SourceError, match=r"cannot unpack bomb.tar.gz: it unpacks to more than 1 MiB"):
+        unpack(sdist, tmp_path / "tree")
+    assert not (tmp_path / "tree").exists()
