@@ -114,7 +114,7 @@ def unpack(sdist: Path, dest: Path) -> datetime:
 
     Returns the newest member's modification time (UTC), the release date
     to use when the index gives no upload time. Extracts by tarfile's ``data``
-    filter's rules (``untar``): no absolute paths, links out of the tree, or device files,
+    filter's rules (``untar``): no absolute paths, no link of any kind, no device files,
     and bounded (a decompression bomb, a sparse file or millions of members is refused).
     Raises SourceError on a damaged, truncated or refused archive, leaving no ``dest``.
     """
@@ -125,9 +125,13 @@ def unpack(sdist: Path, dest: Path) -> datetime:
                 head, _, rest = member.name.partition("/")
                 if not rest:
                     continue
+                if not (member.isreg() or member.isdir()):
+                    # No release sdist holds a link (v0.28.0..v0.34.0: none), and tarfile's data
+                    # filter lets a chain of deep links write outside the tree (CVE-2025-4517,
+                    # Python < 3.11.13): only files and folders are taken.
+                    raise untar.UnsafeMember(f"{member.name!r} is a link or special file, which no "
+                                             f"release sdist holds")
                 member.name = rest
-                if member.islnk():
-                    member.linkname = member.linkname.partition("/")[2]
                 members.append(member)
             untar.extract(archive, dest, members)
     # EOFError: a truncated gzip; LZMAError: a damaged xz

@@ -130,13 +130,10 @@ def test_unpack_strips_top_folder_and_refuses_escapes(tmp_path):
     folder.type = tarfile.DIRTYPE
     stray = tarfile.TarInfo("stray.txt")  # beside the top folder: not part of the tree
     stray.size = 1
-    link = tarfile.TarInfo("vllm-1.0.0/vllm/y.py")  # a hard link, named from the top folder
-    link.type, link.linkname = tarfile.LNKTYPE, "vllm-1.0.0/vllm/x.py"
     good = tmp_path / "good.tar.gz"
-    good.write_bytes(sdist_bytes("1.0.0", {"setup.py": "", "vllm/x.py": "X = 1\n"}, [folder, stray, link]))
+    good.write_bytes(sdist_bytes("1.0.0", {"setup.py": "", "vllm/x.py": "X = 1\n"}, [folder, stray]))
     unpack(good, tmp_path / "out")
     assert (tmp_path / "out/vllm/x.py").read_text() == "X = 1\n"
-    assert (tmp_path / "out/vllm/y.py").read_text() == "X = 1\n"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["setup.py", "vllm"]
     escape = tarfile.TarInfo("vllm-1.0.0/../../evil")
     escape.size = 1
@@ -145,13 +142,33 @@ def test_unpack_strips_top_folder_and_refuses_escapes(tmp_path):
     with pytest.raises(errors.SourceError, match="cannot unpack"):
         unpack(bad, tmp_path / "out2")
     assert not (tmp_path / "evil").exists()
-    out_link = tarfile.TarInfo("vllm-1.0.0/vllm/passwd.py")  # a link out of the tree
-    out_link.type, out_link.linkname = tarfile.SYMTYPE, "/etc/passwd"
-    linked = tmp_path / "linked.tar.gz"
-    linked.write_bytes(sdist_bytes("1.0.0", {"vllm/x.py": ""}, [out_link]))
-    with pytest.raises(errors.SourceError, match="cannot unpack linked.tar.gz"):
-        unpack(linked, tmp_path / "out3")
-    assert not (tmp_path / "out3").exists()
+
+
+@pytest.mark.parametrize("kind", ["link out", "link inside", "hard link inside", "deep link chain", "fifo"])
+def test_unpack_takes_no_link_of_any_kind(tmp_path, kind):
+    """Round 8: tarfile's data filter on Python < 3.11.13 lets a chain of deeply nested links
+    (realpath gives up resolving them) carry a hard link, then a file, outside the tree
+    (CVE-2025-4517). No release sdist holds a link, so none is taken, even a harmless one."""
+    def member(name, type_, linkname=""):
+        info = tarfile.TarInfo(f"vllm-1.0.0/{name}")
+        info.type, info.linkname = type_, linkname
+        return info
+
+    deep = "d" * 200
+    members = {
+        "link out": [member("vllm/passwd.py", tarfile.SYMTYPE, "/etc/passwd")],
+        "link inside": [member("vllm/y.py", tarfile.SYMTYPE, "x.py")],
+        "hard link inside": [member("vllm/y.py", tarfile.LNKTYPE, "vllm-1.0.0/vllm/x.py")],
+        "deep link chain": [member(f"{deep}", tarfile.SYMTYPE, "."),
+                            member(f"{deep}/{deep}", tarfile.SYMTYPE, "."),
+                            member("escape", tarfile.SYMTYPE, f"{deep}/{deep}/../../../evil")],
+        "fifo": [member("vllm/f", tarfile.FIFOTYPE)],
+    }[kind]
+    sdist = tmp_path / "linked.tar.gz"
+    sdist.write_bytes(sdist_bytes("1.0.0", {"vllm/x.py": ""}, members))
+    with pytest.raises(errors.SourceError, match="cannot unpack linked.tar.gz: .* which no release sdist holds"):
+        unpack(sdist, tmp_path / "out3")
+    assert not (tmp_path / "out3").exists() and not (tmp_path / "evil").exists()
 
 
 @pytest.mark.parametrize("damage", ["not a tarball", "truncated", "empty"])
