@@ -19,14 +19,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
+from . import git, projectlock
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
 from .files import STAGING, write_all_in_tree
 from .interrupts import deferred
 from .job import BASE_KEY, locked, record, aside, verify_change
-from .lock import workdir_lock
 from .project import COMMITTER, Project
 from .safety import refuse_git_locks
 
@@ -50,11 +49,11 @@ def export(project: Project, workdir: Path) -> ExportResult:
     rather than ours, or was laid over upstream's changes with
     ``--allow-drift``; the branch fails verification; or this repository has
     uncommitted changes in the files export rewrites. The writing itself is
-    not cut short by Ctrl-C, and holds the checkout's lock like apply does, and this
-    repository's: two exports at once (from two checkouts) wait for each other, never
-    interleave their files.
+    not cut short by Ctrl-C. It holds this repository's lock (``projectlock``: no run
+    reads its files meanwhile, two exports wait for each other), then the checkout's
+    like apply does; a killed export's writes are finished or undone by the next run.
     """
-    with locked(workdir, overlay_dir=project.overlay_dir), workdir_lock(project.root, say=aside):
+    with projectlock.writing(project, aside), locked(workdir, overlay_dir=project.overlay_dir):
         return _export(project, workdir)
 
 
@@ -110,8 +109,9 @@ def _export(project: Project, workdir: Path) -> ExportResult:
         # (killed while staging: nothing in overlay/; while renaming: the next run finishes)
         remove = tuple(_rel(project, old) for old in project.patches_dir.glob("*.patch")
                        if old.name not in patch_files)
-        write_all_in_tree(project.root, writes, staging=STAGING, remove=remove,
-                          unchanged={rel: start.get(rel) for rel in (*writes, *remove)})
+        with projectlock.recording(project):  # (a killed export: any run on any checkout finishes it)
+            write_all_in_tree(project.root, writes, staging=STAGING, remove=remove,
+                              unchanged={rel: start.get(rel) for rel in (*writes, *remove)})
         record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}

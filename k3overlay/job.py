@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from . import errors, git, journal, progress, recovery, source
+from . import claim, errors, git, journal, progress, projectlock, recovery, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .errors import UsageError
@@ -61,6 +61,11 @@ def run_apply(project: Project, opts: Options) -> Report:
     an unsafe checkout, before anything is changed. Patch conflicts, drift
     and verification failures come back in the report (see ``exit_code``).
     """
+    with projectlock.reading(project, aside):  # (an export from another checkout waits)
+        return _run_apply(project, opts)
+
+
+def _run_apply(project: Project, opts: Options) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     refuse_patches_on_overlay(patches, manifest)
@@ -125,13 +130,18 @@ def aside(text: str) -> None:
 
 @contextlib.contextmanager
 def locked(workdir: Path, *, check: bool = False, overlay_dir: Path | None = None) -> Iterator[None]:
-    """Hold ``workdir``'s lock (see ``lock``), saying so if another run has it; first finish
-    or undo what a killed run left (``journal``; with ``check``, only say what is left: a
-    --check writes nothing), then record this run's steps."""
+    """Hold ``workdir``'s lock (see ``lock``) and its claim (``claim``: runs under another cache
+    or another name of it), saying so if another run has either; first finish or undo what a
+    killed run left (``journal``; with ``check``, only say what is left: a --check writes
+    nothing), then record this run's steps."""
     with workdir_lock(workdir, say=aside):
-        with journal.recording(workdir_lock_path(workdir).with_suffix(".journal"), workdir,
-                               lambda unfinished: recovery.recover(unfinished, aside, act=not check,
-                                                                   overlay_dir=overlay_dir)):
+        path = workdir_lock_path(workdir).with_suffix(".journal")
+
+        def recover(unfinished: journal.Journal) -> None:
+            recovery.recover(unfinished, aside, act=not check, overlay_dir=overlay_dir)
+
+        with claim.claimed(workdir, path, aside, recover, check=check), \
+                journal.recording(path, workdir, recover):
             yield
 
 

@@ -38,45 +38,83 @@ from .regular import own_folder
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold the lock of ``workdir`` (need not exist yet) for the block, and where it exists
-    the lock of the folder itself (its device and inode), which one checkout reached by two
-    names (a bind mount, a second mount of a network share) shares.
+def workdir_lock(workdir: Path, say: Callable[[str], None], *,
+                 shared: bool = False) -> Iterator[Callable[[bool], None]]:
+    """Hold the lock of ``workdir`` (need not exist yet) for the block; the lock of its place
+    (its name in its parent folder, the parent known by device and inode: a fresh workdir
+    reached by two names, before either run made it); and where it exists the lock of the
+    folder itself (its device and inode): one checkout reached by two names (a bind mount, a
+    second mount of a network share) shares them.
 
-    If another run holds either, ``say`` is told once and the call waits (Ctrl-C
-    stops the wait). Raises UsageError if a lock file cannot be made.
+    Exclusive, or ``shared`` (readers of a folder another run may write: many at once, none
+    beside a writer). Yields ``relock(exclusive)``, which turns the locks held into exclusive
+    or shared ones (waiting as taking them does). If another run holds either, ``say`` is
+    told once and the call waits (Ctrl-C stops the wait). Raises UsageError if a lock file
+    cannot be made.
     """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_exclusive(workdir_lock_path(workdir), workdir, say))
-        try:
-            st = os.stat(workdir)
-        except OSError:  # a fresh workdir (or none can be: the job says why): no other name reaches it
-            st = None
-        if st is not None:
-            identity = own_folder(cache_dir() / "locks") / f"folder-{st.st_dev}-{st.st_ino}.lock"
-            stack.enter_context(_exclusive(identity, workdir, say))
-        yield
+    locks = own_folder(cache_dir() / "locks")
+    paths = [workdir_lock_path(workdir)]
+    place = _place(workdir)
+    if place is not None:  # the same name in the same parent folder, under any name of the parent
+        paths.append(locks / f"place-{hashlib.sha256(place.encode()).hexdigest()[:32]}.lock")
+    try:
+        st = os.stat(workdir)
+    except OSError:  # a fresh workdir (or none can be: the job says why): its place stands for it
+        st = None
+    if st is not None:
+        paths.append(locks / f"folder-{st.st_dev}-{st.st_ino}.lock")
+    with contextlib.ExitStack() as stack:  # (always in this order: no two runs wait on each other)
+        held_fds = [stack.enter_context(_holding(path, workdir, say, shared)) for path in paths]
+
+        def relock(exclusive: bool) -> None:
+            for fd, path in held_fds:
+                take(fd, path, workdir, say, not exclusive)
+
+        yield relock
 
 
 @contextlib.contextmanager
-def _exclusive(path: Path, workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold the lock file ``path`` for the block, waiting (and telling ``say`` once whom for)
-    while another run holds it; the holder's pid is written in it for the next one."""
+def _holding(path: Path, workdir: Path, say: Callable[[str], None],
+             shared: bool) -> Iterator[tuple[int, Path]]:
+    """Hold the lock file ``path`` for the block (yields its descriptor and path), waiting (and
+    telling ``say`` once whom for) while another run holds it; the holder's pid is written in
+    it for the next one."""
     fd = lock_file(path)
     try:
-        try:
-            flock(fd, path, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
-            say(f"waiting for {holder} to finish with {workdir}")
-            flock(fd, path, fcntl.LOCK_EX)
+        take(fd, path, workdir, say, shared)
         with contextlib.suppress(OSError):  # who holds it, for a run that waits: not on a full disk
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
-        with _watched(fd, path):
-            yield
+        with watched(fd, path):
+            yield fd, path
     finally:
         os.close(fd)
+
+
+def take(fd: int, path: Path, workdir: Path, say: Callable[[str], None], shared: bool) -> None:
+    """Lock the lock file ``path`` (open as ``fd``) exclusive or ``shared``, telling ``say`` once
+    whom it waits for (the pid the holder wrote) while another run holds it."""
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+        flock(fd, path, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
+        say(f"waiting for {holder} to finish with {workdir}")
+        flock(fd, path, mode)
+
+
+def _place(workdir: Path) -> str | None:
+    """``workdir`` as its nearest existing parent folder's device and inode, then the names
+    below it (None where no parent can be read)."""
+    below = [workdir.name]
+    for parent in workdir.parents:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            below.insert(0, parent.name)
+            continue
+        return f"{st.st_dev}-{st.st_ino}/" + "/".join(below)
+    return None
 
 
 def workdir_lock_path(workdir: Path) -> Path:
@@ -94,14 +132,14 @@ def held(path: Path) -> Iterator[None]:
     fd = lock_file(path)
     try:
         flock(fd, path, fcntl.LOCK_EX)
-        with _watched(fd, path):
+        with watched(fd, path):
             yield
     finally:
         os.close(fd)
 
 
 @contextlib.contextmanager
-def _watched(fd: int, path: Path) -> Iterator[None]:
+def watched(fd: int, path: Path) -> Iterator[None]:
     """The lock on ``fd`` held for the block, a copy of it with the watchdog (``reaper``):
     if the tool is killed, the lock is free only once its git children are gone."""
     reaper.hold(str(path), fd)

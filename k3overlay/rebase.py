@@ -19,12 +19,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from . import errors, git, journal, source
+from . import errors, git, journal, projectlock, source
 from . import manifest as manifest_mod
 from . import series as series_mod
 from .interrupts import deferred
 from .job import (
     BASE_KEY,
+    aside,
     Options,
     build,
     classify_overlay,
@@ -62,6 +63,12 @@ def run_rebase(project: Project, refs: list[str], *, vllm_repo: str | None = Non
     found yields a report with ``error`` rather than stopping the others.
     Raises OverlayError for a bad series/manifest or an unreachable source.
     """
+    with projectlock.reading(project, aside):  # (an export waits until the last ref is done)
+        return _run_rebase(project, refs, vllm_repo, stages, wheels)
+
+
+def _run_rebase(project: Project, refs: list[str], vllm_repo: str | None, stages: Stages | None,
+                wheels: WheelOptions | None) -> list[Report]:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
     refuse_patches_on_overlay(patches, manifest)
@@ -125,7 +132,7 @@ def rebase_to(project: Project, opts: Options) -> Report:
     an unsafe checkout or an unknown ref.
     """
     workdir = (opts.workdir or project.default_workdir).resolve()
-    with locked(workdir, overlay_dir=project.overlay_dir):
+    with projectlock.reading(project, aside), locked(workdir, overlay_dir=project.overlay_dir):
         return _rebase_to(project, opts, workdir)
 
 

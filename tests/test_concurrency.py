@@ -446,3 +446,48 @@ def test_one_checkout_reached_by_two_names_takes_one_run_at_a_time(tmp_path, tmp
     thread.join(timeout=10)
     assert order == ["first", "second"]
     assert said == [f"waiting for apply.py (pid {os.getpid()}) to finish with {wd}"]
+
+
+def test_runs_read_the_project_together_and_an_export_waits_for_them(tmp_path):
+    """Round 7's open list: a run on another checkout read patches/ and overlay/ while an
+    export renamed them into place, unlocked. Readers now share the project's lock; the
+    export's exclusive one waits until the last reader is done (and readers wait for it)."""
+    from k3overlay import projectlock
+
+    project = Project(tmp_path / "project")
+    project.root.mkdir()
+    said: list[str] = []
+    events: list[str] = []
+    with projectlock.reading(project, said.append), projectlock.reading(project, said.append):
+        assert said == []  # two readers at once: neither waits
+
+        def export() -> None:
+            with projectlock.writing(project, said.append):
+                events.append("export")
+
+        writer = threading.Thread(target=export)
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive() and events == []  # it waits for the readers
+        assert said and said[0].startswith("waiting for apply.py (pid ")
+        events.append("readers done")
+    writer.join(10)
+    assert events == ["readers done", "export"]
+
+
+def test_a_fresh_workdir_and_the_folder_it_becomes_share_the_lock_of_their_place(tmp_path):
+    """Round 8: two runs into one new workdir under two names (a bind-mounted parent) did not
+    wait for each other: the first locked no folder (none was there yet), so the second went
+    on into its half-made clone. Both now lock the workdir's place (its parent folder's device
+    and inode, then its name), before and after it exists."""
+    new = tmp_path / "a" / "b" / "vllm"
+    st = os.stat(tmp_path)
+    assert lock._place(new) == f"{st.st_dev}-{st.st_ino}/a/b/vllm"
+    new.mkdir(parents=True)
+    st = os.stat(new.parent)
+    assert lock._place(new) == f"{st.st_dev}-{st.st_ino}/vllm"
+    said: list[str] = []
+    with workdir_lock(new, said.append):
+        held = sorted(p.name for p in (lock.cache_dir() / "locks").glob("place-*"))
+        assert len(held) == 1
+    assert said == []

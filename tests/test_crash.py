@@ -5,6 +5,7 @@ the named point (``journal.point``, a test-only hook)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import journal, recovery
+from k3overlay import claim, journal, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
@@ -123,6 +124,40 @@ def test_killed_between_the_switch_and_the_branch_record_is_not_locked_out(proje
         f"({g(wd, 'rev-parse', 'HEAD').strip()[:12]}): finished"]
 
 
+def test_a_killed_run_is_finished_by_the_next_under_another_cache(project, upstream, tmp_path, env):
+    """Round 8: the journal lived in the killed run's cache only, so a run under another cache
+    (``sudo``, another ``HOME`` or ``XDG_CACHE_HOME``) refused the branch the killed run wrote
+    as "not created by apply.py". The checkout's claim (``.git/k3overlay.lock``) names the
+    journal: the next run finishes it from there, and a ``--check`` only says what is left."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish.switched"}, *args).returncode < 0
+    other = {**env, "XDG_CACHE_HOME": str(tmp_path / "other-cache")}
+    check = run_tool(project, other, *args, "--check")
+    assert "left publish unfinished" in check.stderr, check.stderr
+    again = run_tool(project, other, *args)
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was switching {wd} to k3-overlay/9.9.9 "
+        f"({g(wd, 'rev-parse', 'HEAD').strip()[:12]}): finished"]
+    assert run_tool(project, env, *args).stderr.count(NOTE) == 0  # done: its own cache's run finds nothing
+
+
+def test_a_killed_runs_journal_that_cannot_be_read_stops_the_next_run_in_one_line(project, upstream,
+                                                                                   tmp_path, env):
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    before = state(wd)
+    unreadable = tmp_path / "someone-elses-cache" / "x.journal"
+    unreadable.mkdir(parents=True)  # (root reads any file: a folder stands for one it cannot)
+    (wd / ".git" / claim.FILE).write_text(json.dumps({"journal": str(unreadable)}))
+    run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert f"a killed run left its journal {unreadable} for {wd}, and it cannot be read" in run.stderr
+    assert state(wd) == before
+
+
 def test_rebase_to_killed_while_laying_the_overlay_leaves_no_half_written_file(project, upstream,
                                                                               tmp_path, env):
     """The overlay is staged beside its destinations, then renamed: a kill in between left
@@ -147,7 +182,8 @@ def test_a_killed_export_leaves_no_temporary_file_in_the_projects_data(project, 
     manifest") until one on the same workdir removed them, and ``git add -A`` would commit
     them. They are now staged in the project's ``.k3-tmp/`` (git-ignored), in a folder of
     the run's own that the next run removes; a file of someone else's named like one of
-    ours is left alone."""
+    ours is left alone. Since the export's writes are journalled in the project's own journal,
+    the next run reading the project, on any checkout, removes them first."""
     wd = tmp_path / "wd"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
     root = project.root
@@ -167,10 +203,11 @@ def test_a_killed_export_leaves_no_temporary_file_in_the_projects_data(project, 
     other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
                      "--workdir", str(tmp_path / "w2"))
     assert other.returncode == 0, other.stderr  # another workdir's run reads the project as it was
+    assert [line for line in other.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}removed 5 half-written file(s) it left in {root}"]  # a patch, series, 2 overlay, manifest
     again = run_tool(project, env, "-q", "--export", "--workdir", str(wd))
     assert again.returncode == 0, again.stderr
-    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
-        f"{NOTE}removed 5 half-written file(s) it left in {root}"]  # a patch, series, 2 overlay, manifest
+    assert NOTE not in again.stderr
     assert not (root / ".k3-tmp").exists() and theirs.read_text() == "mine\n"
     assert [p for p in root.rglob("*.k3-tmp")] == [theirs]
 
@@ -236,6 +273,23 @@ def test_an_export_killed_part_way_through_its_renames_is_finished_by_the_next_r
     again = run_tool(project, env, *args)  # (the export is left for the user to commit)
     assert [line for line in again.stderr.splitlines() if NOTE in line] == [
         f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: finished"], again.stderr
+    _whole(project, upstream, env, tmp_path, NEW_SERIES)
+
+
+def test_an_export_killed_part_way_is_finished_by_a_run_on_another_checkout(project, upstream, tmp_path, env):
+    """Round 7's open list: the renames were journalled in the export's checkout only, so a run
+    on another checkout read patches/ half old, half new (the series naming a patch not there:
+    refused; or a mixed series applied). The project's own journal now has them: the first
+    run that reads the project, on any checkout, even ``--check``, finishes them first."""
+    wd = _renamed_patch(project, upstream, tmp_path)
+    assert run_tool(project, {**env, journal.KILL_AT: "rename"}, "-q", "--export", "--workdir",
+                    str(wd)).returncode == -signal.SIGKILL
+    _rename_by_hand(project, "series")
+    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+                     "--workdir", str(tmp_path / "w3"))
+    assert other.returncode == 0, other.stderr
+    assert [line for line in other.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was renaming 5 written file(s) into place in {project.root}: finished"], other.stderr
     _whole(project, upstream, env, tmp_path, NEW_SERIES)
 
 
