@@ -42,6 +42,8 @@ def finish(facts: dict) -> str | None:
     if git.resolve(repo, sha) is None:
         return None
     said = f"it was switching {top} to {branch} ({sha[:12]})"
+    if git.branch_tip(repo, branch) is None and _left_since(repo, branch, facts["since"]):
+        return f"{said}: the user left {branch} and deleted it since; nothing of it is left to finish"
     try:
         switch = _may_switch(repo, facts)
     except UsageError as err:
@@ -56,6 +58,25 @@ def finish(facts: dict) -> str | None:
     if not switch:
         return f"{said}: HEAD was moved since; the branch it wrote was recorded, not checked out"
     return f"{said}: finished"
+
+
+def _left_since(repo: git.Repo, branch: str, since: float) -> bool:
+    """Whether HEAD's reflog records the killed run's switch to ``branch`` (at ``since`` or
+    later) and, after it, a move away from ``branch``: the user undid the switch by hand
+    (finishing it again would bring back a branch they deleted). The user's own entry is
+    known by its order, not its date (their git may run with a fixed date). False where
+    there is no reflog (``core.logAllRefUpdates`` off): then nobody can tell."""
+    ok, out = git.attempt(repo, "reflog", "show", "--date=unix", "--format=%gd %gs", "HEAD", "--")
+    moves = []  # newest first: (stamp, subject)
+    for line in out.splitlines() if ok else []:
+        selector, _, subject = line.partition(" ")
+        stamp = selector.rpartition("{")[2].rstrip("}")
+        moves.append((int(stamp) if stamp.isdigit() else -1, subject))
+    switched = next((i for i, (stamp, subject) in enumerate(moves) if stamp >= int(since)
+                     and subject.startswith("checkout: moving from ") and subject.endswith(f" to {branch}")),
+                    None)
+    return switched is not None and any(subject.startswith(f"checkout: moving from {branch} to ")
+                                        for _, subject in moves[:switched])
 
 
 def _may_switch(repo: git.Repo, facts: dict) -> bool:

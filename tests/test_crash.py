@@ -144,6 +144,29 @@ def test_a_killed_run_is_finished_by_the_next_under_another_cache(project, upstr
     assert run_tool(project, env, *args).stderr.count(NOTE) == 0  # done: its own cache's run finds nothing
 
 
+def test_a_switch_the_user_undid_by_hand_is_not_brought_back(project, upstream, tmp_path, env):
+    """Round 8: killed after switching to brS; the user switched back and deleted brS. The next
+    run, for another branch, "finished" the killed switch: it made brS again and checked it out."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd), "--vllm-ref", "v1.1.0"]
+    killed = run_tool(project, {**env, journal.KILL_AT: "publish.switched"}, *args, "--branch", "brS")
+    assert killed.returncode < 0 and g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/brS"
+    g(wd, "checkout", "-q", "k3-overlay/9.9.9")
+    g(wd, "branch", "-q", "-D", "brS")
+    again = run_tool(project, env, *args, "--branch", "brOther")
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if NOTE in line] == [
+        f"{NOTE}it was switching {wd} to brS ({killed_sha(wd, 'brOther')}): the user left brS and deleted it "
+        f"since; nothing of it is left to finish"]
+    assert g(wd, "branch", "--list", "brS") == "" and g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/brOther"
+
+
+def killed_sha(wd: Path, branch: str) -> str:
+    """The killed run's result: the same series on the same ref gives the same sha on any branch."""
+    return g(wd, "rev-parse", branch).strip()[:12]
+
+
 def test_a_killed_runs_journal_that_cannot_be_read_stops_the_next_run_in_one_line(project, upstream,
                                                                                    tmp_path, env):
     wd = tmp_path / "wd"
