@@ -64,7 +64,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from k3overlay import errors, git, progress, streams
     from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
-    from k3overlay.outputs import refuse_aliases
+    from k3overlay.outputs import refuse_aliases, refuse_unresolvable
     from k3overlay.project import Project
     from k3overlay.rebase import run_rebase
     from k3overlay.redact import excepthook
@@ -217,6 +217,8 @@ def _main(argv: list[str] | None) -> int:
     reports_to = [(args.json, "--json"), (args.junit, "--junit"), (args.markdown, "--markdown")]
     folders = [(args.wheels, "--wheels"), (args.gpu_export, "--gpu-export")]
     try:
+        # first: every check below resolves these, and a traceback was what met one that cannot be
+        refuse_unresolvable(reports_to + folders + _inputs(args))
         for path, option in reports_to + folders:
             if path:
                 Project().refuse_as_output(path, option)

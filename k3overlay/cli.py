@@ -16,7 +16,7 @@ from . import errors, git, progress, releases, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
-from .outputs import refuse_aliases
+from .outputs import refuse_aliases, refuse_unresolvable
 from .printable import printable
 from .project import Project
 from .rebase import rebase_to
@@ -136,6 +136,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
     json_to = None  # where an error report may go: not before --json is known not to be our data
     report = None  # the job's report, once it has one: a bug after publishing still reports it
     try:
+        refuse_unresolvable(_paths_given(project, args))  # first: every check below resolves them
         if args.json:
             project.refuse_as_output(args.json, "--json")
             refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
@@ -235,6 +236,22 @@ def _list_releases(args: argparse.Namespace) -> int:
     for line in releases.listing(source.default_mirror()):
         print(line)
     return errors.OK
+
+
+def _paths_given(project: Project, args: argparse.Namespace) -> list[tuple[Path | None, str]]:
+    """Every path the run was given (and the checkout and wheel folder it uses when none is),
+    with the option naming it: what ``refuse_unresolvable`` checks before any other check."""
+    named = [(args.workdir, "--workdir"), (args.json, "--json"), (args.wheel_dir, "--wheel-dir"),
+             (args.release_wheel, "--release-wheel"),
+             (args.vllm_repo and source_local_path(args.vllm_repo), "--vllm-repo")]
+    if args.list_releases:  # which takes no path (it says so itself) and reads none of these
+        return named
+    source = None if args.vllm_repo else os.environ.get("VLLM_REPO")
+    named += [(source and source_local_path(source), "$VLLM_REPO"),
+              (None if args.workdir else project.default_workdir, "the checkout")]
+    if args.build_wheel and not args.wheel_dir:
+        named.append((project.default_wheel_dir, "the wheel folder"))
+    return named
 
 
 def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> None:

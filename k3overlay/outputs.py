@@ -10,7 +10,9 @@ a bind mount, a name in another case on a case-insensitive file system); a strea
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import UsageError
@@ -36,6 +38,47 @@ def refuse_aliases(outputs: Named, inputs: Named) -> None:
         if first[1] != option:
             raise UsageError(f"{option} {path} is the path {first[1]} {first[0]} names; give each "
                              f"its own")
+
+
+def refuse_unresolvable(named: Named) -> None:
+    """Raise UsageError (one line, exit 2, ``resolvable``) for the first path of ``named`` (each
+    path the run was given, with the option naming it) that cannot be resolved: run first, so
+    no later check or the job itself meets such a path as a traceback."""
+    for path, option in named:
+        if path is not None:
+            resolvable(path, option)
+
+
+def resolvable(path: Path, option: str) -> Path:
+    """``path`` (given for ``option``) as the file system resolves it (links and ``..``
+    followed). Raises UsageError (one line: "--workdir X cannot be resolved: Permission
+    denied") where it cannot be resolved or looked at: a folder on the way the user may not
+    search (``/proc/1/root`` as a user), a link loop, a name too long, an I/O error; or, for
+    a folder, one that cannot be searched (nothing in it can be looked at). Nothing there yet
+    (an output) or a file on the way is no error here: each option's own check names those."""
+    try:
+        # stat, not only resolve: resolving does not look at every name on the way (Python
+        # 3.11 ignores most errors there), but the checks after it do (``is_file``), and raise
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        info = None
+    except OSError as err:
+        raise _unresolvable(path, option, err.strerror) from err
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        try:  # a folder without search permission: every look inside it (its .git, HEAD) fails
+            os.stat(os.path.join(path, os.curdir))
+        except OSError as err:
+            raise UsageError(f"{option} {path} is a folder that cannot be searched: {err.strerror}") from err
+    try:
+        return path.resolve()
+    except RuntimeError as err:  # a link loop, as Python before 3.13 says it
+        raise _unresolvable(path, option, os.strerror(errno.ELOOP)) from err
+    except OSError as err:
+        raise _unresolvable(path, option, err.strerror) from err
+
+
+def _unresolvable(path: Path, option: str, reason: str | None) -> UsageError:
+    return UsageError(f"{option} {path} cannot be resolved: {reason or 'unknown error'}")
 
 
 def refuse_overlap(target: Path, option: str, path: Path, base: Path, name: str, advice: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .files import read_regular
-from .outputs import inside, refuse_overlap, same
+from .outputs import inside, refuse_overlap, resolvable, same
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,8 +93,9 @@ class Project:
         linked worktree's or the vLLM checkout's) or any other git folder (a bare repository
         such as the release mirror, a separate git folder), or inside the tool's cache
         (``cache_dir``: a report over a lock file let a second run in). Links are followed: the
-        file written is the one they lead to."""
-        target = path.resolve()
+        file written is the one they lead to; a path that cannot be resolved (a folder on the
+        way the user may not search, a link loop) is refused too (``outputs.resolvable``)."""
+        target = resolvable(path, option)
         for data in self.data_paths:
             data = data.resolve()
             what = f"{data.name}/" if data.is_dir() else data.name

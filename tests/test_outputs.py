@@ -5,6 +5,7 @@ are resolved first.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -197,3 +198,123 @@ def test_an_output_aliasing_an_input_by_inode_is_refused(project, sources, tmp_p
     err = capsys.readouterr().err
     assert code == errors.USAGE and said in err and err.count("\n") == 1, err
     assert _files(tmp_path) == before and os.listdir(wd) == []
+
+
+@pytest.fixture
+def unresolvable(tmp_path, monkeypatch) -> dict[str, Path]:
+    """Paths that cannot be resolved, as each comes about: ``loop``, a link to itself (ELOOP);
+    ``long``, a name of 300 characters (ENAMETOOLONG); ``locked``, a folder that cannot be
+    searched (EACCES below it: ``/proc/1/root`` for a user; faked for root, whom no mode stops)."""
+    (tmp_path / "loop").symlink_to("loop")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def refused(real):
+        def look(path, *args, **kwargs):
+            if "dir_fd" not in kwargs and isinstance(path, (str, Path)) \
+                    and os.fspath(path).startswith(f"{locked}/"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return real(path, *args, **kwargs)
+        return look
+
+    monkeypatch.setattr(os, "stat", refused(real_stat))
+    monkeypatch.setattr(os, "lstat", refused(real_lstat))
+    return {"loop": tmp_path / "loop", "long": tmp_path / ("n" * 300), "locked": locked}
+
+
+LOOP = "cannot be resolved: Too many levels of symbolic links"
+LONG = "cannot be resolved: File name too long"
+DENIED = "cannot be resolved: Permission denied"
+UNRESOLVABLE = {
+    "workdir through a link loop": (["--check", "--workdir", "{loop}/x"], "--workdir {loop}/x", LOOP),
+    "json through a link loop": (["--json", "{loop}/r.json"], "--json {loop}/r.json", LOOP),
+    "wheel folder through a link loop": (["--build-wheel", "--wheel-dir", "{loop}/w"], "--wheel-dir {loop}/w",
+                                         LOOP),
+    "release wheel through a link loop": (["--build-wheel", "--release-wheel", "{loop}/v.whl"],
+                                          "--release-wheel {loop}/v.whl", LOOP),
+    "source through a link loop": (["--vllm-repo", "{loop}/src"], "--vllm-repo {loop}/src", LOOP),
+    "export's workdir through a link loop": (["--export", "--workdir", "{loop}/x"], "--workdir {loop}/x",
+                                             LOOP),
+    "rebase-to's workdir through a link loop": (["--rebase-to", "v1.1.0", "--workdir", "{loop}/x"],
+                                                "--workdir {loop}/x", LOOP),
+    "workdir with a name too long": (["--check", "--workdir", "{long}/x"], "--workdir ", LONG),
+    "json with a name too long": (["--json", "{long}/r.json"], "--json ", LONG),
+    "wheel folder with a name too long": (["--build-wheel", "--wheel-dir", "{long}"], "--wheel-dir ", LONG),
+    "workdir in a folder that cannot be searched": (["--check", "--workdir", "{locked}/x"],
+                                                    "--workdir {locked}/x", DENIED),
+    "json in a folder that cannot be searched": (["--json", "{locked}/r.json"], "--json {locked}/r.json",
+                                                 DENIED),
+    "wheel folder in a folder that cannot be searched": (["--build-wheel", "--wheel-dir", "{locked}/w"],
+                                                         "--wheel-dir {locked}/w", DENIED),
+    "workdir a folder that cannot be searched": (["--check", "--workdir", "{locked}"], "--workdir {locked}",
+                                                 "is a folder that cannot be searched: Permission denied"),
+}
+
+
+@pytest.mark.parametrize("case", UNRESOLVABLE)
+def test_a_path_that_cannot_be_resolved_is_one_line_naming_its_option(project, upstream, tmp_path,
+                                                                       monkeypatch, capsys, unresolvable,
+                                                                       case):
+    """``--workdir /proc/1/root/tmp/x`` as a user, a path through a link loop or with a name too
+    long: the first look at it (resolving it for the checks of what a run writes) was a
+    traceback (PermissionError, RuntimeError "Symlink loop", OSError), whatever the option."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    args, named, said = UNRESOLVABLE[case]
+    argv = [a.format(**unresolvable) for a in args]
+    if "--workdir" not in argv:
+        argv += ["--workdir", str(tmp_path / "wd")]
+    if "--vllm-repo" not in argv and "--export" not in argv:
+        argv += ["--vllm-repo", str(upstream)]
+    before = _files(tmp_path)
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and err.count("\n") == 1, err
+    assert err.startswith(f"apply.py: error: {named.format(**unresolvable)}") and err.endswith(f"{said}\n")
+    assert _files(tmp_path) == before and not (tmp_path / "wd").exists()
+
+
+def test_a_default_checkout_or_wheel_folder_that_cannot_be_resolved_is_one_line(project, upstream, tmp_path,
+                                                                                capsys, monkeypatch):
+    """The paths a run uses when none is given (``work/vllm``, ``work/wheels``) are resolved as
+    given ones are: a ``work`` that is a link loop was a traceback from the job."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    (project.root / "work").symlink_to("work")
+    assert cli.main(["--check", "--vllm-repo", str(upstream)]) == errors.USAGE
+    assert cli.main(["--build-wheel", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd")]) \
+        == errors.USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        f"apply.py: error: the checkout {project.root}/work/vllm {LOOP}",
+        f"apply.py: error: the wheel folder {project.root}/work/wheels {LOOP}"]
+    assert not (tmp_path / "wd").exists()
+
+
+REBASE_UNRESOLVABLE = {
+    "json through a link loop": (["--json", "{loop}/r.json"], "--json {loop}/r.json", LOOP),
+    "junit with a name too long": (["--junit", "{long}/r.xml"], "--junit ", LONG),
+    "markdown in a folder that cannot be searched": (["--markdown", "{locked}/r.md"],
+                                                     "--markdown {locked}/r.md", DENIED),
+    "wheels through a link loop": (["--wheels", "{loop}/w"], "--wheels {loop}/w", LOOP),
+    "gpu export in a folder that cannot be searched": (["--gpu-export", "{locked}/e"],
+                                                       "--gpu-export {locked}/e", DENIED),
+    "gpu results through a link loop": (["--gpu-results", "{loop}/g"], "--gpu-results {loop}/g", LOOP),
+    "source with a name too long": (["--vllm-repo", "{long}"], "--vllm-repo ", LONG),
+}
+
+
+@pytest.mark.parametrize("case", REBASE_UNRESOLVABLE)
+def test_the_rebase_job_refuses_a_path_that_cannot_be_resolved_in_one_line(project, upstream, tmp_path,
+                                                                           monkeypatch, capsys,
+                                                                           unresolvable, case):
+    ci_rebase = load_ci_rebase()
+    monkeypatch.setattr(ci_rebase, "Project", lambda: project)
+    args, named, said = REBASE_UNRESOLVABLE[case]
+    argv = [a.format(**unresolvable) for a in args]
+    if "--vllm-repo" not in argv:
+        argv += ["--vllm-repo", str(upstream)]
+    before = _files(tmp_path)
+    code = ci_rebase.main(["--onto", "v1.1.0", "--no-tests", *argv])
+    err = capsys.readouterr().err
+    assert code == errors.USAGE and err.count("\n") == 1, err
+    assert err.startswith(f"rebase.py: error: {named.format(**unresolvable)}") and err.endswith(f"{said}\n")
+    assert _files(tmp_path) == before
