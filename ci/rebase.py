@@ -219,6 +219,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         # first: every check below resolves these, and a traceback was what met one that cannot be
         refuse_unresolvable(reports_to + folders + _inputs(args))
+        git.refuse_unreadable_config()  # a FIFO there: each git of the job waited on it, 30 s a folder
         for path, option in reports_to + folders:
             if path:
                 Project().refuse_as_output(path, option)

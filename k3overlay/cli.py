@@ -154,6 +154,7 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                                     f"branch is rebuilt on, and drifted files are 3-way merged")
         if args.list_releases:
             return _list_releases(args)
+        git.refuse_unreadable_config()  # a FIFO there: each git of the run waited on it, 30 s a folder
         _refuse_workdir_holding_project(project, args.workdir)
         for ref in (args.vllm_ref, args.rebase_to):
             if ref is not None:  # before any work; an empty one is refused, never read as "no ref"

@@ -29,6 +29,7 @@ from .gitproc import (  # noqa: F401
     _carried_config,
     environ,
     user_has_identity,
+    refuse_unreadable_config,
     open_repo,
     init_bare,
     clone,

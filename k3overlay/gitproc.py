@@ -30,22 +30,44 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
-import git as gitpython
-from git.exc import InvalidGitRepositoryError, NoSuchPathError
-
-from .errors import OverlayError
+from .errors import OverlayError, UsageError
 from . import reaper
 from .interrupts import deferred
 from .redact import redact, url_without_credentials
+from .regular import _kind
 
+
+def _gitpython():
+    """GitPython, imported with the user's git config files shut out: on import it runs ``git
+    version`` as the user would, and git reads their config files first, so a FIFO among them
+    held the import, and the tool before it said a word, forever (``refuse_unreadable_config``
+    names such a file, once the tool runs). Git's version is no setting of theirs."""
+    shut = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
+    saved = {key: os.environ.get(key) for key in shut}
+    os.environ.update(shut)
+    try:
+        return importlib.import_module("git")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+gitpython = _gitpython()
 Repo = gitpython.Repo
+InvalidGitRepositoryError = gitpython.exc.InvalidGitRepositoryError
+NoSuchPathError = gitpython.exc.NoSuchPathError
 
 
 # The transports a vLLM source may use (git's names): https, ssh, git, and file for local
@@ -240,7 +262,8 @@ def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
     autocrlf false, eol lf on this system, safecrlf matters to object writes only) or cannot
     be read. Read by git as the user runs it, in ``cwd``: an ``includeIf "gitdir:…"`` of their
     global config is for the checkout it names (read elsewhere it matches nothing). Raises
-    GitError only if git cannot be started."""
+    GitError if git cannot be started, UsageError if their config cannot be read
+    (``_users_entries``)."""
     keys = "|".join(re.escape(key) for key in _EOL_KEYS)
     try:
         entries = _users_entries(cwd, f"^({keys})$")
@@ -253,18 +276,38 @@ def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
     return tuple(given)
 
 
+_CONFIG_WAIT_S = 30  # how long one read of the user's config may take (a slow network home)
+
+# The ``_config_location``s whose config took over ``_CONFIG_WAIT_S`` to read: said once, as the
+# run's error (``_users_entries``); what runs while it unwinds (a cleanup's git) waits no more.
+_stalled: set[tuple[str, ...]] = set()
+
+
 def _users_entries(cwd: str | Path, pattern: str, *scope: str) -> tuple[tuple[str, str | None], ...] | None:
     """The entries of the user's config whose keys match ``pattern`` (of ``scope``: ``--global``,
     ``--system``; none, every scope), as their git reads them in ``cwd`` (``_users_environment``,
     includes followed): ``(key, value)`` in order, ``None`` for an entry written without a
-    value; ``()`` where none matches; None where git will not read there (a repository
-    another user owns) or takes over 30 s. Raises OSError if git cannot be started in ``cwd``."""
+    value; ``()`` where none matches, or once a read of this config has stalled; None where
+    git will not read there (a repository another user owns). Raises OSError if git cannot
+    be started in ``cwd``, UsageError (one line) if one of their config files is no file
+    (``refuse_unreadable_config``) or the read takes over ``_CONFIG_WAIT_S``: an include of a
+    FIFO or of a stalled mount would stall every later read too, folder after folder."""
+    where = _config_location()
+    if where in _stalled:  # said already: stopping rather than carry a part of their settings
+        return ()
+    refuse_unreadable_config()
     try:
         proc = subprocess.run(["git", "config", *scope, "--includes", "--null", "--get-regexp", pattern],
                               env=_users_environment(), cwd=cwd, stdin=subprocess.DEVNULL,
-                              capture_output=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return None
+                              capture_output=True, timeout=_CONFIG_WAIT_S)
+    except subprocess.TimeoutExpired as err:
+        # Stop, not go on without them: a run without the user's safe.directory, autocrlf or
+        # excludes refuses their checkout for reasons that are not so, without their
+        # credentials it cannot reach their source; and every later read waits as long.
+        _stalled.add(where)
+        raise UsageError(f"git took over {_CONFIG_WAIT_S} s to read your git config: does it include "
+                         f"a FIFO, or a file on a stalled mount? Fix that, or point GIT_CONFIG_GLOBAL "
+                         f"at another file") from err
     if proc.returncode not in (0, 1):  # 1: nothing matches
         return None
     records = (record.partition("\n") for record in _text(proc.stdout).split("\0"))
@@ -278,6 +321,67 @@ def _users_environment() -> dict[str, str]:
     kept = ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM")
     return {**{k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in kept},
             "LC_ALL": "C"}
+
+
+def refuse_unreadable_config() -> None:
+    """Raise UsageError (one line) if a file git reads the user's own config from
+    (``_config_files``) is there but is no file: a FIFO (git opens it and waits for a writer
+    forever: each read of their config then took 30 s, and was tried again folder after
+    folder), a device (``/dev/null`` is fine: git reads it as empty), a socket or a folder.
+    A link to a file is a file; a path that cannot be looked at is git's to skip or name."""
+    for name, path in _config_files():
+        try:  # (an empty variable names no file: git reads none)
+            info = os.stat(path)
+        except OSError:  # absent, or git says why itself: it waits on nothing it cannot open
+            continue
+        if stat.S_ISREG(info.st_mode) or _is_devnull(info):
+            continue
+        kind = _kind(path, follow=True)
+        why = {"FIFO": "git would wait on it forever",
+               "device": "git would read it as config, or wait on it"}.get(kind, "git cannot read it")
+        raise UsageError(f"{name} {path} is a {kind}, not a file; {why}")
+
+
+def _is_devnull(info: os.stat_result) -> bool:
+    try:
+        null = os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(info.st_mode) and info.st_rdev == null.st_rdev
+
+
+def _config_files() -> list[tuple[str, str]]:
+    """(what names it, path) of each file git reads the user's config from at the top level
+    (``git help config``, FILES), in ``_users_environment``: the system file where not
+    ``GIT_CONFIG_NOSYSTEM`` (``GIT_CONFIG_SYSTEM``, else ``/etc/gitconfig``, where the git
+    of Linux distributions keeps it), then ``GIT_CONFIG_GLOBAL`` or, where it is not set,
+    ``$XDG_CONFIG_HOME/git/config`` (``~/.config/git/config``) and ``~/.gitconfig``.
+    (``GIT_CONFIG``, which ``git config`` would read alone, is not passed to it.)"""
+    env, files = os.environ, []
+    if not _git_true(env.get("GIT_CONFIG_NOSYSTEM", "")):
+        files.append(("GIT_CONFIG_SYSTEM", env["GIT_CONFIG_SYSTEM"]) if "GIT_CONFIG_SYSTEM" in env
+                     else ("the system config", "/etc/gitconfig"))
+    if "GIT_CONFIG_GLOBAL" in env:  # git reads it alone
+        return files + [("GIT_CONFIG_GLOBAL", env["GIT_CONFIG_GLOBAL"])]
+    home, xdg = env.get("HOME"), env.get("XDG_CONFIG_HOME")
+    if xdg:
+        files.append(("the global config ($XDG_CONFIG_HOME/git/config)", os.path.join(xdg, "git", "config")))
+    elif home:
+        files.append(("the global config", os.path.join(home, ".config", "git", "config")))
+    if home:
+        files.append(("the global config", os.path.join(home, ".gitconfig")))
+    return files
+
+
+def _git_true(value: str) -> bool:
+    """Whether git reads the variable's ``value`` as true (``git_env_bool``: a number other than 0)."""
+    value = value.strip().lower()
+    if value in ("true", "yes", "on"):
+        return True
+    try:
+        return int(value) != 0
+    except ValueError:
+        return False
 
 
 def _config_location() -> tuple[str, ...]:
@@ -343,11 +447,16 @@ def _users_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str | No
     reads it there: an ``includeIf "gitdir:…"`` (a credential helper, an email for the work
     folder) applies in the repositories it names. Where git refuses to read in ``cwd`` (a
     repository another user owns), as read in ``/``, where such conditions match nothing.
+    Raises UsageError where their config cannot be read (``_users_entries``): a read that
+    stalled is not tried again in ``/``, nor in the next folder.
 
-    ``where`` is what locates those files (HOME, …), so a changed one is read afresh.
+    ``where`` is what locates those files (HOME, …), so a changed one is read afresh. No
+    system config under ``GIT_CONFIG_NOSYSTEM``, as their git reads none (``git config
+    --system`` reads it all the same).
     """
     entries: list[tuple[str, str | None]] = []
-    for scope in ("--system", "--global"):  # system first: global wins, as in git
+    nosystem = _git_true(os.environ.get("GIT_CONFIG_NOSYSTEM", ""))
+    for scope in ("--global",) if nosystem else ("--system", "--global"):  # global wins, as in git
         for folder in dict.fromkeys((cwd, os.path.abspath(os.sep))):
             with contextlib.suppress(OSError):
                 read = _users_entries(folder, ".", scope)
@@ -360,7 +469,14 @@ def _users_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str | No
 def user_has_identity() -> bool:
     """True if git, run as the user runs it (their config and variables), knows who commits:
     where it does not (a CI runner, a fresh machine) ``git am --continue`` dies with
-    "Committer identity unknown", so the commands the tool suggests must name one."""
+    "Committer identity unknown", so the commands the tool suggests must name one. False,
+    at once, where their config would stall git (``refuse_unreadable_config``)."""
+    if _config_location() in _stalled:
+        return False
+    try:
+        refuse_unreadable_config()
+    except UsageError:  # (asked for a report's next commands: never an error of its own)
+        return False
     try:
         proc = subprocess.run(["git", "var", "GIT_COMMITTER_IDENT"], cwd=os.path.abspath(os.sep),
                               stdin=subprocess.DEVNULL, capture_output=True, timeout=30)

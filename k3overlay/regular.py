@@ -91,10 +91,11 @@ def _not_regular(path: Path, kind: str) -> UsageError:
                       f"keeps only its own files there: remove it)")
 
 
-def _kind(name: str | Path, dirfd: int | None = None) -> str:
-    """What ``name`` (in folder ``dirfd``) is, in words (for an error message)."""
+def _kind(name: str | Path, dirfd: int | None = None, *, follow: bool = False) -> str:
+    """What ``name`` (in folder ``dirfd``) is, in words (for an error message); with ``follow``,
+    what a link there leads to."""
     try:
-        mode = os.lstat(name, dir_fd=dirfd).st_mode
+        mode = os.stat(name, dir_fd=dirfd, follow_symlinks=follow).st_mode
     except OSError:
         return "missing path"
     kinds = ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"),

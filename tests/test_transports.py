@@ -198,3 +198,115 @@ def test_a_real_bundle_is_taken(project, upstream, tmp_path, monkeypatch, capsys
                    capture_output=True)
     assert cli.main(["--vllm-repo", str(bundle), "--vllm-ref", "v1.1.0",
                      "--workdir", str(tmp_path / "wd")]) == errors.OK
+
+
+def _config_files(tmp_path: Path) -> dict[str, tuple[dict[str, str | None], str]]:
+    """Each file git reads the user's config from made a FIFO (or a folder, a device): the
+    variables that point git at it (None: unset), and what the refusal names."""
+    fifo, home, xdg_home, xdg = tmp_path / "fifo", tmp_path / "home", tmp_path / "xdg-home", tmp_path / "xdg"
+    os.mkfifo(fifo)
+    for path in (home / ".gitconfig", xdg_home / ".config" / "git" / "config", xdg / "git" / "config"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+    (tmp_path / "link").symlink_to(fifo)
+    (tmp_path / "folder").mkdir()
+    wait = "is a FIFO, not a file; git would wait on it forever"
+    global_files = {"GIT_CONFIG_GLOBAL": None, "XDG_CONFIG_HOME": None}
+    return {
+        "GIT_CONFIG_GLOBAL a FIFO": ({"GIT_CONFIG_GLOBAL": str(fifo)}, f"GIT_CONFIG_GLOBAL {fifo} {wait}"),
+        "GIT_CONFIG_GLOBAL a link to a FIFO": ({"GIT_CONFIG_GLOBAL": str(tmp_path / "link")},
+                                               f"GIT_CONFIG_GLOBAL {tmp_path / 'link'} {wait}"),
+        "~/.gitconfig a FIFO": (global_files | {"HOME": str(home)},
+                                f"the global config {home}/.gitconfig {wait}"),
+        "~/.config/git/config a FIFO": (global_files | {"HOME": str(xdg_home)},
+                                        f"the global config {xdg_home}/.config/git/config {wait}"),
+        "$XDG_CONFIG_HOME/git/config a FIFO": (
+            global_files | {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(xdg)},
+            f"the global config ($XDG_CONFIG_HOME/git/config) {xdg}/git/config {wait}"),
+        "GIT_CONFIG_SYSTEM a FIFO": ({"GIT_CONFIG_NOSYSTEM": None, "GIT_CONFIG_SYSTEM": str(fifo)},
+                                    f"GIT_CONFIG_SYSTEM {fifo} {wait}"),
+        "GIT_CONFIG_GLOBAL a folder": ({"GIT_CONFIG_GLOBAL": str(tmp_path / "folder")},
+                                       f"GIT_CONFIG_GLOBAL {tmp_path / 'folder'} is a folder, not a file; "
+                                       f"git cannot read it"),
+        "GIT_CONFIG_GLOBAL a device": ({"GIT_CONFIG_GLOBAL": "/dev/zero"},
+                                       "GIT_CONFIG_GLOBAL /dev/zero is a device, not a file; git would read "
+                                       "it as config, or wait on it"),
+    }
+
+
+CONFIG_CASES = ["GIT_CONFIG_GLOBAL a FIFO", "GIT_CONFIG_GLOBAL a link to a FIFO", "~/.gitconfig a FIFO",
+                "~/.config/git/config a FIFO", "$XDG_CONFIG_HOME/git/config a FIFO",
+                "GIT_CONFIG_SYSTEM a FIFO", "GIT_CONFIG_GLOBAL a folder", "GIT_CONFIG_GLOBAL a device"]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_a_config_file_git_would_wait_on_is_refused_at_once(project, upstream, tmp_path, case):
+    """``GIT_CONFIG_GLOBAL=/tmp/fifo apply.py``: nothing was said for minutes. GitPython's import
+    ran ``git version`` as the user runs git, which opened the FIFO and waited for a writer
+    forever; past that, each read of the user's config waited 30 s, again in ``/``, folder
+    after folder. A folder or a device there is no config either."""
+    variables, said = _config_files(tmp_path)[case]
+    env = {**os.environ, **{k: v for k, v in variables.items() if v is not None}}
+    for key in [k for k, v in variables.items() if v is None]:
+        env.pop(key, None)
+    proc = _apply(project.root, "-q", "--check", "--vllm-repo", str(upstream), "--workdir",
+                  str(tmp_path / "wd"), env=env, timeout=20)
+    assert proc.returncode == errors.USAGE and proc.stderr == f"apply.py: error: {said}\n", proc.stderr
+    assert not (tmp_path / "wd").exists()
+
+
+def test_the_rebase_job_refuses_a_fifo_as_the_config_at_once(upstream, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": str(tmp_path / "fifo")}
+    proc = subprocess.run([sys.executable, "-m", "ci.rebase", "--onto", "v1.1.0", "--no-tests", "--vllm-repo",
+                           str(upstream)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=20)
+    assert proc.returncode == errors.USAGE and proc.stderr == (
+        f"rebase.py: error: GIT_CONFIG_GLOBAL {tmp_path / 'fifo'} is a FIFO, not a file; git would wait "
+        f"on it forever\n"), proc.stderr
+
+
+def test_dev_null_a_link_to_a_file_or_nothing_is_config_git_reads(tmp_path, monkeypatch):
+    """Only what git would wait on or cannot read is refused: ``/dev/null`` (git reads it as
+    empty: the tool's own gits are run so), a link to a file, a path with nothing there, an
+    empty variable, and a system file with ``GIT_CONFIG_NOSYSTEM`` (git reads none) are config."""
+    config = tmp_path / "gitconfig"
+    config.write_text("[credential]\n\thelper = mine\n")
+    (tmp_path / "link").symlink_to(config)
+    os.mkfifo(tmp_path / "fifo")
+    monkeypatch.setenv("GIT_CONFIG_SYSTEM", str(tmp_path / "fifo"))  # GIT_CONFIG_NOSYSTEM=1 here
+    for given in (os.devnull, str(tmp_path / "missing"), "", str(tmp_path / "link")):
+        monkeypatch.setenv("GIT_CONFIG_GLOBAL", given)
+        gitproc.refuse_unreadable_config()
+    assert ("credential.helper", "mine") in gitproc._carried_config(gitproc._config_location(), str(tmp_path))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "0")  # git's false: the system file is read
+    with pytest.raises(errors.UsageError, match=r"^GIT_CONFIG_SYSTEM \S+/fifo is a FIFO, not a file"):
+        gitproc.refuse_unreadable_config()
+
+
+def test_a_config_read_that_stalls_stops_the_run_once_not_folder_after_folder(project, upstream, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A FIFO git finds only by reading the config (an include of one; a file on a stalled mount)
+    cost 30 s per read, each tried again in ``/``, for every folder a git ran in: minutes of
+    silence. The first read that stalls now stops the run, in one line; none is tried again."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "gitconfig").write_text(f"[include]\n\tpath = {tmp_path / 'fifo'}\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))  # a file: only git finds the FIFO
+    monkeypatch.setattr(gitproc, "_CONFIG_WAIT_S", 2)
+    monkeypatch.setattr(gitproc, "_stalled", set())
+    stalled, run = [], subprocess.run
+
+    def counted(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except subprocess.TimeoutExpired:
+            stalled.append(args[0])
+            raise
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    code = cli.main(["-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd")])
+    assert code == errors.USAGE and capsys.readouterr().err == (
+        "apply.py: error: git took over 2 s to read your git config: does it include a FIFO, or a file "
+        "on a stalled mount? Fix that, or point GIT_CONFIG_GLOBAL at another file\n")
+    assert len(stalled) == 1 and not (tmp_path / "wd").exists()
+    assert not gitproc.user_has_identity()  # (asked by a report's next commands: no wait there either)
