@@ -78,9 +78,9 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
         raise UsageError(f"a killed run left its journal {path} for {workdir}, and it cannot be read "
                          f"({getattr(err, 'strerror', None) or err}): run again as that run did (its "
                          f"user, HOME and XDG_CACHE_HOME) to finish its work") from err
-    names = {e.get("workdir") for e in entries}
     if not entries:
         return
+    names = {e.get("workdir") for e in entries}
     name = names.pop() if len(names) == 1 else None
     if not isinstance(name, str) or not _same_folder(name, workdir):
         raise UsageError(f"a killed run left unfinished steps in {path} under another name of {workdir} "

@@ -31,7 +31,7 @@ from . import series as series_mod
 from .errors import UsageError
 from .files import read_regular
 from .interrupts import deferred
-from .lock import workdir_lock, workdir_lock_path
+from .lock import journal_path, workdir_lock
 from .progress import step
 from .project import COMMITTER, IDENTITY, Project
 from .publish import BASE_KEY, TIP_KEY, publish, record
@@ -135,7 +135,7 @@ def locked(workdir: Path, *, check: bool = False, overlay_dir: Path | None = Non
     killed run left (``journal``; with ``check``, only say what is left: a --check writes
     nothing), then record this run's steps."""
     with workdir_lock(workdir, say=aside):
-        path = workdir_lock_path(workdir).with_suffix(".journal")
+        path = journal_path(workdir)
 
         def recover(unfinished: journal.Journal) -> None:
             recovery.recover(unfinished, aside, act=not check, overlay_dir=overlay_dir)

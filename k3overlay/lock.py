@@ -125,6 +125,11 @@ def workdir_lock_path(workdir: Path) -> Path:
     return own_folder(cache_dir() / "locks") / f"{key}.lock"
 
 
+def journal_path(workdir: Path) -> Path:
+    """The journal of ``workdir`` (``journal``): beside its lock in the cache."""
+    return workdir_lock_path(workdir).with_suffix(".journal")
+
+
 @contextlib.contextmanager
 def held(path: Path) -> Iterator[None]:
     """Hold the exclusive lock of the lock file ``path`` (made if missing) for the block,

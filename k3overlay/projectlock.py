@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from . import journal, recovery
-from .lock import workdir_lock, workdir_lock_path
+from .lock import journal_path, workdir_lock
 from .project import Project
 
 
@@ -29,7 +28,7 @@ def reading(project: Project, say: Callable[[str], None]) -> Iterator[None]:
     export left in its files (with the lock exclusive meanwhile). Raises as
     ``recovery.recover`` (UsageError: a file changed since; OverlayError)."""
     with workdir_lock(project.root, say, shared=True) as relock:
-        while journal.Journal(_journal_path(project), str(project.root)).unfinished():
+        while _journal(project).unfinished():
             relock(True)  # (another reader may finish it first: then this finds nothing)
             _recover(project, say)
             relock(False)
@@ -47,12 +46,12 @@ def writing(project: Project, say: Callable[[str], None]) -> Iterator[None]:
 
 def recording(project: Project) -> contextlib.AbstractContextManager[journal.Journal]:
     """The block (inside ``writing``) whose steps are recorded in ``project``'s journal."""
-    return journal.recording(_journal_path(project), project.root, lambda _: None)
+    return journal.recording(journal_path(project.root), project.root, lambda _: None)
 
 
 def _recover(project: Project, say: Callable[[str], None]) -> None:
-    recovery.recover(journal.Journal(_journal_path(project), str(project.root)), say)
+    recovery.recover(_journal(project), say)
 
 
-def _journal_path(project: Project) -> Path:
-    return workdir_lock_path(project.root).with_suffix(".journal")
+def _journal(project: Project) -> journal.Journal:
+    return journal.Journal(journal_path(project.root), str(project.root))
