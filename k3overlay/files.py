@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .interrupts import deferred
-from .regular import _kind, open_regular, read_regular  # noqa: F401  (the tool's readers)
+from .regular import kind_of, open_regular, read_regular  # noqa: F401  (the tool's readers)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -224,11 +224,11 @@ def _folder_of(root: Path, rel: str, folders: dict[str, int], *, make: bool = Tr
                 if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 raise UsageError(f"refusing to write {rel}: {here} is a "
-                                 f"{_kind(name, folders[above])}, not a folder") from err
+                                 f"{kind_of(name, folders[above])}, not a folder") from err
         dirfd, name = folders["/".join(parts[:-1])], parts[-1]
         with contextlib.suppress(FileNotFoundError):
             if not stat.S_ISREG(os.lstat(name, dir_fd=dirfd).st_mode):
-                raise UsageError(f"refusing to write {rel}: it is a {_kind(name, dirfd)} in the "
+                raise UsageError(f"refusing to write {rel}: it is a {kind_of(name, dirfd)} in the "
                                  f"tree, not a file")
     except OSError as err:
         raise UsageError(f"cannot write {rel}: {err.strerror}") from err

@@ -43,7 +43,7 @@ from .errors import OverlayError, UsageError
 from . import reaper
 from .interrupts import deferred
 from .redact import redact, url_without_credentials
-from .regular import _kind
+from .regular import kind_of
 
 
 def _gitpython():
@@ -336,7 +336,7 @@ def refuse_unreadable_config() -> None:
             continue
         if stat.S_ISREG(info.st_mode) or _is_devnull(info):
             continue
-        kind = _kind(path, follow=True)
+        kind = kind_of(path, follow=True)
         why = {"FIFO": "git would wait on it forever",
                "device": "git would read it as config, or wait on it"}.get(kind, "git cannot read it")
         raise UsageError(f"{name} {path} is a {kind}, not a file; {why}")

@@ -57,13 +57,13 @@ def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
     except FileNotFoundError:
         raise
     except OSError as err:  # ELOOP (a link), ENXIO (a FIFO nobody reads), EISDIR, EACCES, ...
-        kind = _kind(path)
+        kind = kind_of(path)
         if kind not in ("file", "missing path"):
             raise _not_regular(path, kind) from err
         raise UsageError(f"cannot open {path}: {err.strerror}") from err
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise _not_regular(path, _kind(path))
+        raise _not_regular(path, kind_of(path))
     os.set_blocking(fd, True)
     return fd
 
@@ -73,13 +73,13 @@ def own_folder(path: Path) -> Path:
     missing. Returns ``path``. Raises UsageError (one line) if a link (even to a folder: its
     files would land wherever it points), a file or anything but a folder is there, or it
     cannot be made."""
-    kind = _kind(path)
+    kind = kind_of(path)
     if kind == "missing path":
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise UsageError(f"cannot make {path}: {err.strerror}") from err
-        kind = _kind(path)
+        kind = kind_of(path)
     if kind != "folder":
         raise UsageError(f"{path} is a {kind}, not a folder; refusing to write through it (the "
                          f"tool keeps only its own files there: remove it)")
@@ -91,7 +91,7 @@ def _not_regular(path: Path, kind: str) -> UsageError:
                       f"keeps only its own files there: remove it)")
 
 
-def _kind(name: str | Path, dirfd: int | None = None, *, follow: bool = False) -> str:
+def kind_of(name: str | Path, dirfd: int | None = None, *, follow: bool = False) -> str:
     """What ``name`` (in folder ``dirfd``) is, in words (for an error message); with ``follow``,
     what a link there leads to."""
     try:
