@@ -149,7 +149,7 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
                   patches: list[series_mod.Patch], ref: str, branch: str, workdir: Path,
                   report: Report) -> None:
     source.check_ref(manifest.base, what="base in overlay.json")
-    existing = source.open_existing(workdir)
+    existing = open_checkout(workdir)
     if existing is not None:
         source.refuse_foreign_checkout(existing, workdir, overlay_folders(manifest))
         refuse_merge_attributes(existing)
@@ -220,26 +220,38 @@ def _work_repo(existing: git.Repo | None, origin: str, workdir: Path, ref: str,
         yield repo, fetched(repo, origin, ref)
 
 
+def open_checkout(workdir: Path) -> git.Repo | None:
+    """The checkout at ``workdir`` (``source.open_existing``), or None where there is none yet
+    or it is a killed run's clone never switched (``recovery.abandoned``: ``fresh_clone`` takes
+    it up). Raises UsageError as ``source.open_existing``."""
+    existing = source.open_existing(workdir)
+    return None if existing is not None and recovery.abandoned(workdir) is not None else existing
+
+
 @contextlib.contextmanager
 def fresh_clone(origin: str, workdir: Path) -> Iterator[git.Repo]:
-    """A clone of ``origin`` into the new ``workdir`` (``source.clone``), the run's own until
-    its switch (the block): removed if the block raises. A clone of the release mirror (tags,
-    no branch) has nothing checked out, and every later run would refuse it, so one the run
-    did not switch (a conflict, drift, a failed verification) is removed at the end, and one
-    killed before the switch by the next run (the journal's ``fresh``, ``recovery.fresh``);
-    only while it holds the run's own mark, which is then dropped."""
-    mark = secrets.token_hex(8)
+    """A clone of ``origin`` into the new ``workdir`` (``source.clone``), or the one a killed run
+    left there unswitched (``recovery.abandoned``), the run's own until its switch (the block):
+    removed if the block raises. A clone of the release mirror (tags, no branch) has nothing
+    checked out, so one the run made and did not switch (a conflict, drift, a failed
+    verification) is removed at the end; one taken up is never removed (the next run takes it
+    up again). The mark is dropped once the clone is switched."""
+    left = recovery.abandoned(workdir)
+    taken_up, mark = left is not None, left or secrets.token_hex(8)
     with journal.step("fresh", repo=str(workdir), mark=mark):
-        repo = source.clone(origin, workdir, mark=mark)  # if this fails, there is nothing of ours to remove
+        # (if the clone fails, there is nothing of ours to remove)
+        repo = git.open_repo(workdir) if taken_up else source.clone(origin, workdir, mark=mark)
         try:
             yield repo
         except BaseException:
-            with deferred():
-                shutil.rmtree(workdir, ignore_errors=True)
+            if not taken_up:
+                with deferred():
+                    shutil.rmtree(workdir, ignore_errors=True)
             raise
         with deferred():
             if recovery.unswitched(workdir, mark):
-                shutil.rmtree(workdir, ignore_errors=True)
+                if not taken_up:  # (one taken up stays: the user had it for a while, and may borrow from it)
+                    shutil.rmtree(workdir, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(workdir / ".git" / source.FRESH_MARK)

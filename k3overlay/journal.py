@@ -15,10 +15,11 @@ is left, and keeps the journal for the next run).
 Steps (``STEPS``; the facts each records):
   clone      ``scratch``: a clone being made beside the work directory -> removed
   fresh      ``repo``, ``mark``: a new ``--workdir``'s clone, until the run's switch gave it a
-             commit -> removed while its ``.git`` holds ``mark`` (``source.FRESH_MARK``: not a
-             repository the user made there since) and it still has no commit, no ref but tags
-             and ``origin``'s, no linked worktree and nothing but ``.git`` (a clone of the release
-             mirror checks nothing out: every later run refused it as a repository with no commit)
+             commit -> kept, and taken up by the next run as its own clone while its ``.git``
+             holds ``mark`` (``source.FRESH_MARK``: not a repository the user made there since)
+             and it still has no commit, no ref but tags and ``origin``'s, no linked worktree
+             and nothing but ``.git``; never removed (a repository of the user's may borrow its
+             objects), nor refused (a clone of the release mirror checks nothing out)
   check      ``scratch``: ``--check``'s throwaway clone -> removed
   worktree   ``repo``, ``parent``: a temporary worktree -> git's entry and the folder removed
   fetch      ``repo``, ``since``: a fetch into the checkout -> ref lock files its git left removed

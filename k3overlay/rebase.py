@@ -34,6 +34,7 @@ from .job import (
     fresh_clone,
     locked,
     next_args,
+    open_checkout,
     overlay_folders,
     publish,
     record,
@@ -145,7 +146,7 @@ def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
                     **next_args(opts))
     source.check_ref(manifest.base, what="base in overlay.json")
     origin = source.locate(opts.vllm_repo, [manifest.base, opts.ref])
-    repo = source.open_existing(workdir)
+    repo = open_checkout(workdir)
     if repo is not None:
         source.refuse_foreign_checkout(repo, workdir, overlay_folders(manifest))
         continuing = _switched(repo, origin, opts, workdir, manifest, patches, branch, report)

@@ -82,15 +82,27 @@ def clone(facts: dict) -> str | None:
 
 
 def fresh(facts: dict) -> str | None:
-    """A new work directory's clone the run had not yet switched: removed while it is the
-    run's own (its git folder holds the entry's ``mark``: the user may have made a repository
-    of their own there since the kill) and still as the clone left it (no commit, no branch,
-    nothing but ``.git``), so the next run clones afresh; anything more is somebody's, and stays."""
+    """A new work directory's clone the run had not yet switched: kept, never removed (another
+    repository of the user's may borrow its objects: ``git clone --shared``), and taken up by
+    the next run as its own clone (``abandoned``) while it is the run's own (its git folder
+    holds the entry's ``mark``) and still as the clone left it; anything more is somebody's."""
     top, mark = Path(facts["repo"]), facts.get("mark")
     if not isinstance(mark, str) or not unswitched(top, mark):
         return None
-    shutil.rmtree(top, ignore_errors=True)
-    return f"its clone {top}, not yet switched to a branch, was removed"
+    return f"its clone {top}, not yet switched to a branch, is kept for this run to take up"
+
+
+def abandoned(top: Path) -> str | None:
+    """The mark of the clone a killed run made for the new work directory ``top`` and never
+    switched (``unswitched``, by the mark its git folder holds); None where ``top`` is no such
+    clone. The next run takes it up as its own fresh clone, where before it was removed (with
+    the objects a ``--shared`` clone of the user's borrowed from it) or, had it stayed,
+    refused as "a repository with no commit yet"."""
+    mark = read_regular(top / ".git" / FRESH_MARK)
+    try:
+        return mark.decode() if mark and unswitched(top, mark.decode()) else None
+    except UnicodeDecodeError:
+        return None
 
 
 # The refs a clone of the release mirror and the run's fetches make (tags; a source's

@@ -339,11 +339,12 @@ def test_a_renamed_file_put_back_after_the_kill_leaves_every_rename_as_it_is(pro
 
 @pytest.mark.parametrize("mode", [["--rebase-to", "v1.2.0"], ["--vllm-ref", "v1.1.0"]])
 @pytest.mark.parametrize("point", ["clone.done", "fetch", "fetch.done"])
-def test_a_new_workdirs_clone_killed_before_the_switch_is_removed_by_the_next_run(
+def test_a_new_workdirs_clone_killed_before_the_switch_is_taken_up_by_the_next_run(
         project, upstream, tmp_path, env, point, mode):
     """The review of round 6: from a source of tags only (the release mirror), a new
     --workdir's clone checks nothing out; killed before the switch, every later run refused it
-    as "a git repository with no commit yet". The next run now removes it and clones again."""
+    as "a git repository with no commit yet". The next run takes it up as its own clone
+    (round 8: it removed it, and a ``--shared`` clone of the user's lost its objects)."""
     tags = tmp_path / "tags.git"
     g(tmp_path, "clone", "-q", "--bare", str(upstream), str(tags))
     g(tags, "update-ref", "-d", "refs/heads/main")
@@ -353,8 +354,32 @@ def test_a_new_workdirs_clone_killed_before_the_switch_is_removed_by_the_next_ru
     assert g(wd, "for-each-ref", "refs/heads/") == ""  # a clone with nothing checked out
     again = run_tool(project, env, *args)
     assert again.returncode == 0, again.stderr
-    assert f"{NOTE}its clone {wd}, not yet switched to a branch, was removed" in again.stderr
+    assert f"{NOTE}its clone {wd}, not yet switched to a branch, is kept for this run to take up" \
+        in again.stderr
     assert g(wd, "status", "--porcelain") == "" and g(wd, "rev-parse", "HEAD").strip()
+    assert not (wd / ".git/k3overlay-fresh").exists()  # switched: the user's checkout now
+
+
+@pytest.mark.parametrize("ref", ["v1.1.0", "v1.3.0"])
+def test_a_killed_runs_clone_another_repository_borrows_from_is_never_removed(project, upstream, tmp_path,
+                                                                             env, ref):
+    """Round 8: killed before its switch, the run left its clone; the user made a ``git clone
+    --shared`` of it (objects borrowed through ``alternates``) and committed there. The next
+    run removed the clone as its own, and the user's clone lost the objects it borrowed; with
+    a run that publishes nothing (v1.3.0: a conflict), for good. The clone is now taken up."""
+    wd, mine = tmp_path / "wd", tmp_path / "mine"
+    args = ["-q", "--vllm-repo", str(_tags_only(upstream, tmp_path)), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "fetch.done"}, *args).returncode == -signal.SIGKILL
+    g(tmp_path, "clone", "-q", "--shared", str(wd), str(mine))
+    g(mine, "checkout", "-q", "-b", "work", "v1.0.0")
+    (mine / "notes.txt").write_text("mine\n")
+    g(mine, "add", "notes.txt")
+    g(mine, "-c", "user.name=u", "-c", "user.email=u@invalid", "commit", "-q", "-m", "mine")
+    again = run_tool(project, env, *args, "--vllm-ref", ref)
+    assert again.returncode == (3 if ref == "v1.3.0" else 0), again.stderr
+    assert (wd / ".git/objects").is_dir()
+    assert subprocess.run(["git", "-C", str(mine), "fsck", "--no-dangling"], capture_output=True).returncode == 0
+    assert g(mine, "show", "work:notes.txt") == "mine\n"
 
 
 def _tags_only(upstream, tmp_path) -> Path:
