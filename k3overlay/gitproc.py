@@ -137,8 +137,10 @@ GIT = ("git", *(arg for key, value in PINNED.items() for arg in ("-c", f"{key}={
 # checkout the user's `git status` called clean. The line-ending settings of the checkout's
 # own config (``checkouts_eol``) go after the pins for those looks: every ``status``
 # (``_EOL_VERBS``: it only compares, and refreshes the index's stat data as the user's own
-# would) and the callers that hash work-tree files (``eol=True``).
-_EOL_KEYS = ("core.autocrlf", "core.eol", "core.safecrlf")
+# would) and the callers that hash work-tree files (``eol=True``). Their attributes file
+# too: ``* text eol=crlf`` there makes CRLF files their git calls clean (a filter it names
+# runs only where a driver is configured, and the tool carries none).
+_EOL_KEYS = ("core.autocrlf", "core.eol", "core.safecrlf", "core.attributesFile")
 _EOL_VERBS = ("status",)
 
 
@@ -271,9 +273,17 @@ def checkouts_eol(cwd: str | Path) -> tuple[str, ...]:
         raise GitError(f"cannot run git config in {cwd}: {err.strerror}") from err
     given = []
     for key, value in entries or ():
-        if key in _EOL_KEYS:  # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
+        if key == "core.attributesfile" and not _a_file(value, cwd):
+            continue  # (none, or a FIFO git would wait on: then the pin, and a refusal at worst)
+        if key in {k.lower() for k in _EOL_KEYS}:  # (git names keys in lower case)
+            # ``[core] autocrlf`` with no value is true, as ``-c core.autocrlf``
             given += ["-c", key if value is None else f"{key}={value}"]
     return tuple(given)
+
+
+def _a_file(path: str | None, cwd: str | Path) -> bool:
+    """Whether ``path`` (a config value: ``~`` expanded, relative to ``cwd``) is a regular file."""
+    return path is not None and os.path.isfile(os.path.join(cwd, os.path.expanduser(path)))
 
 
 _CONFIG_WAIT_S = 30  # how long one read of the user's config may take (a slow network home)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from k3overlay import cli, errors, git, job
+from k3overlay import cli, errors, git, gitproc, job
 from k3overlay.export import export
 from k3overlay.job import Options, run_apply
 from k3overlay.rebase import rebase_to
@@ -538,6 +538,34 @@ def test_a_touched_file_of_a_checkout_under_a_global_autocrlf_is_no_uncommitted_
     (wd / "pkg/user.py").write_bytes((wd / "pkg/user.py").read_bytes() + b"# mine\r\n")
     with pytest.raises(errors.UsageError, match="has uncommitted changes"):  # a real edit still is one
         apply(project, upstream, wd, ref="v1.0.0")
+
+
+@pytest.mark.parametrize("scope", ["global", "local"])
+def test_a_touched_file_under_the_users_attributes_file_with_crlf_is_no_uncommitted_change(
+        project, upstream, tmp_path, monkeypatch, scope):
+    """Round 8: the user's ``core.attributesFile`` says ``* text eol=crlf`` (their git wrote CRLF
+    and calls a file an editor saved unchanged clean); the tool pinned ``core.attributesFile``
+    to /dev/null for its status too and refused the checkout, "has uncommitted changes"."""
+    attributes = tmp_path / "my-attributes"
+    attributes.write_text("* text eol=crlf\n")
+    config = tmp_path / "gitconfig"
+    config.write_text(f"[core]\n\tattributesFile = {attributes}\n" if scope == "global" else "")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    wd = tmp_path / "wd"
+    assert apply(project, upstream, wd).ok
+    if scope == "local":
+        g(wd, "config", "--local", "core.attributesFile", str(attributes))
+    paths = ["pkg/model.txt", "pkg/user.py"]
+    _crlf_checkout(project, upstream, wd, paths, eol_config=())
+    assert not git.is_dirty(git.open_repo(wd))
+    assert apply(project, upstream, wd, ref="v1.1.0").ok
+    assert g(wd, "status", "--porcelain") == ""
+    (wd / "pkg/user.py").write_bytes((wd / "pkg/user.py").read_bytes() + b"# mine\r\n")
+    with pytest.raises(errors.UsageError, match="has uncommitted changes"):  # a real edit still is one
+        apply(project, upstream, wd, ref="v1.0.0")
+    attributes.unlink()
+    os.mkfifo(attributes)  # never waited on: not carried, so the pin holds (and a refusal at worst)
+    assert "core.attributesfile" not in " ".join(gitproc.checkouts_eol(wd))
 
 
 def test_an_autocrlf_the_global_config_includes_for_the_checkout_alone_is_read(project, upstream,
