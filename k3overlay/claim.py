@@ -19,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import journal as journal_
 from .errors import UsageError
-from .lock import lock_file, take, watched
+from .lock import journal_key, lock_file, take, watched
+from .project import CACHE_NAME
 
 FILE = "k3overlay.lock"
 
@@ -69,23 +72,43 @@ def _named(fd: int) -> str | None:
 
 def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Journal], None]) -> None:
     """Recover the steps left in the journal ``path`` (another cache's, or this cache's under
-    another name of ``workdir``) as this run's own. UsageError where they cannot be."""
+    another name of ``workdir``) as this run's own. UsageError where they cannot be, or where
+    ``path`` is no journal this user's tool wrote for a name of ``workdir`` (``_foreign``)."""
+    claim = workdir / ".git" / FILE
     try:
         if not os.path.lexists(path):
             return  # its run ended clean after all, or the user emptied that cache
-        entries = journal_.Journal(path, str(workdir)).unfinished()
+        why = _foreign(path)
+        entries = journal_.Journal(path, str(workdir)).unfinished() if why is None else []
     except (OSError, UsageError) as err:
-        raise UsageError(f"a killed run left its journal {path} for {workdir}, and it cannot be read "
-                         f"({getattr(err, 'strerror', None) or err}): run again as that run did (its "
-                         f"user, HOME and XDG_CACHE_HOME) to finish its work") from err
+        why = f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    if why is not None:
+        raise UsageError(f"{claim} names {path} as a killed run's journal, which {why}: not acted on; "
+                         f"run again as that run did (its user, HOME and XDG_CACHE_HOME), or remove "
+                         f"{claim} if no run of the tool was killed there")
     if not entries:
         return
     names = {e.get("workdir") for e in entries}
     name = names.pop() if len(names) == 1 else None
-    if not isinstance(name, str) or not _same_folder(name, workdir):
+    if not isinstance(name, str) or not _same_folder(name, workdir) or path.stem != journal_key(name):
         raise UsageError(f"a killed run left unfinished steps in {path} under another name of {workdir} "
                          f"({name or 'several'}), which no longer reaches it: run again under that name")
     recover(journal_.Journal(path, name))
+
+
+def _foreign(path: Path) -> str | None:
+    """Why ``path`` is no journal this user's tool wrote (None: it is one): a journal is a
+    licence to remove and rename files, so one another user could have written, or that is
+    not where the tool keeps them (``CACHE/vllm-k3-overlay/locks/KEY.journal``), is none."""
+    info, folder = os.lstat(path), os.lstat(path.parent)
+    if not stat.S_ISREG(info.st_mode):
+        return "is no regular file"
+    if info.st_uid != os.getuid() or folder.st_uid != os.getuid() or folder.st_mode & 0o022:
+        return "another user could have written (its owner, or its folder's)"
+    if path.parent.name != "locks" or path.parent.parent.name != CACHE_NAME \
+            or not re.fullmatch(r"[0-9a-f]{32}\.journal", path.name):
+        return "is not where the tool keeps its journals"
+    return None
 
 
 def _same_folder(a: str, b: Path) -> bool:

@@ -64,7 +64,8 @@ STEPS = ("clone", "fresh", "check", "worktree", "fetch", "publish", "write", "re
 POINTS = (*STEPS, "clone.cloned", "worktree.added", "publish.switched", "write.staged", "lay.committed",
           *(f"{s}.done" for s in STEPS))
 KILL_AT = "K3OVERLAY_TEST_KILL_AT"
-SCRATCH = ("clone", "check", "worktree")  # steps whose recovery removes a whole tree
+SCRATCH = ("clone", "check", "worktree")
+MAX_BYTES = 16 << 20  # a run writes a few kB  # steps whose recovery removes a whole tree
 
 _current: Journal | None = None
 
@@ -116,12 +117,17 @@ class Journal:
                              f"nothing was changed") from err
 
     def unfinished(self) -> list[dict]:
-        """Steps begun and not done by earlier runs, newest first."""
+        """Steps begun and not done by earlier runs, newest first. UsageError for a journal over
+        ``MAX_BYTES`` (no run writes that much) or not a regular file (``open_regular``)."""
         try:
             fd = open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return []
         with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_BYTES:  # (read whole: one named by a forged claim could be any file)
+                raise UsageError(f"the journal {self.path} is {size} bytes, more than any run writes; "
+                                 f"not read")
             lines = f.read().splitlines()
         begun: dict[str, dict] = {}
         for line in lines:

@@ -121,8 +121,12 @@ def workdir_lock_path(workdir: Path) -> Path:
     """The lock file of ``workdir`` (one folder, one lock, however it was named); its
     journal (``journal``) is the same path ending in ``.journal``. UsageError if ``locks/``
     in the cache is a link or no folder (``regular.own_folder``)."""
-    key = hashlib.sha256(os.fsencode(workdir.resolve())).hexdigest()[:32]
-    return own_folder(cache_dir() / "locks") / f"{key}.lock"
+    return own_folder(cache_dir() / "locks") / f"{journal_key(workdir)}.lock"
+
+
+def journal_key(workdir: str | Path) -> str:
+    """The name of ``workdir``'s lock and journal in the cache: its resolved path, hashed."""
+    return hashlib.sha256(os.fsencode(Path(workdir).resolve())).hexdigest()[:32]
 
 
 def journal_path(workdir: Path) -> Path:

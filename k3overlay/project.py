@@ -14,6 +14,7 @@ from .files import read_regular
 from .outputs import inside, refuse_overlap, resolvable, same
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE_NAME = "vllm-k3-overlay"  # the cache's folder, under XDG_CACHE_HOME
 
 # Commits the tool writes (patch applications, the overlay commit) carry this
 # identity, so the same series on the same ref gives the same shas on any machine.
@@ -141,4 +142,4 @@ def cache_dir() -> Path:
     if not os.path.isabs(base):
         raise UsageError(f"no folder for the cache: $HOME is {os.environ.get('HOME')!r}; set "
                          f"XDG_CACHE_HOME (or HOME) to an absolute path")
-    return Path(base) / "vllm-k3-overlay"
+    return Path(base) / CACHE_NAME

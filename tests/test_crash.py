@@ -5,6 +5,7 @@ the named point (``journal.point``, a test-only hook)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import claim, journal, recovery
+from k3overlay import claim, journal, lock, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
@@ -177,8 +178,40 @@ def test_a_killed_runs_journal_that_cannot_be_read_stops_the_next_run_in_one_lin
     (wd / ".git" / claim.FILE).write_text(json.dumps({"journal": str(unreadable)}))
     run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert f"a killed run left its journal {unreadable} for {wd}, and it cannot be read" in run.stderr
+    assert f"{wd / '.git' / claim.FILE} names {unreadable} as a killed run's journal, which is no regular " \
+           f"file: not acted on" in run.stderr
     assert state(wd) == before
+
+
+@pytest.mark.parametrize("forged", ["outside the cache", "another user's", "its folder writable by others",
+                                    "keyed for another name"])
+def test_a_forged_journal_named_by_the_claim_is_never_acted_on(project, upstream, tmp_path, env, forged):
+    """Round 8b: the claim's journal was trusted like the run's own: whoever could write the
+    checkout's .git (a shared checkout, a sudo run on another user's) had it remove any file
+    whose sha256 they knew, and rename theirs anywhere. Only a journal of this user's tool,
+    where it keeps them and keyed for a name of this checkout, is acted on."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "important.txt").write_text("precious\n")
+    digest = hashlib.sha256(b"precious\n").hexdigest()
+    entry = {"step": "rename", "id": "1.1", "workdir": str(wd), "root": str(victim), "moves": [],
+             "remove": [["important.txt", digest]]}
+    locks = tmp_path / "cache2" / "vllm-k3-overlay" / "locks"
+    folder = tmp_path / "elsewhere" if forged == "outside the cache" else locks
+    folder.mkdir(parents=True)
+    name = "0" * 32 if forged == "keyed for another name" else lock.journal_key(wd)
+    forgery = folder / f"{name}.journal"
+    forgery.write_text(json.dumps(entry) + "\n")
+    if forged == "another user's":
+        os.chown(forgery, 65534, 65534)
+    if forged == "its folder writable by others":
+        folder.chmod(0o777)
+    (wd / ".git" / claim.FILE).write_text(json.dumps({"journal": str(forgery)}))
+    run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert (victim / "important.txt").read_text() == "precious\n" and forgery.exists()
 
 
 def test_rebase_to_killed_while_laying_the_overlay_leaves_no_half_written_file(project, upstream,

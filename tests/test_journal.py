@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
-from k3overlay import cli, errors
+import pytest
+
+from k3overlay import cli, errors, journal
 from k3overlay.lock import workdir_lock_path
 
 
@@ -74,3 +76,12 @@ def test_a_lay_entry_naming_the_users_files_by_their_digest_removes_nothing(proj
     err = capsys.readouterr().err
     assert "left as it is (not this project's overlay files)" in err, err
     assert (wd / "NOTES.txt").read_text() == "mine\n" and (wd / "pkg/model.txt").read_text() == "my edit\n"
+
+
+def test_a_journal_larger_than_any_run_writes_is_not_read(tmp_path):
+    """Round 8b: a claim naming a 1.5 GB file took 2 GB of memory, the journal read whole."""
+    path = tmp_path / "big.journal"
+    with open(path, "wb") as f:
+        f.truncate(journal.MAX_BYTES + 1)  # (sparse: nothing written)
+    with pytest.raises(errors.UsageError, match="more than any run writes"):
+        journal.Journal(path, str(tmp_path)).unfinished()
