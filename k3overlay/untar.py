@@ -8,7 +8,12 @@ is checked here by the same rules, then extracted one by one.
 
 An archive from an index is also bounded before it is read (``opened``, ``members``): a
 decompression bomb (GiBs of zeros in a few MiB of gzip), a header declaring GiBs that
-tarfile would read into memory, or millions of members is refused, not unpacked.
+tarfile would read into memory, or millions of members is refused, not unpacked. So is a
+header tarfile would follow out of bounds, before it reads or seeks for it: a negative size
+(base-256 size fields and pax ``size`` records admit one; tarfile would read the whole stream
+for it, or seek back to an earlier header and loop), a member whose header is not after the
+one before it, more than ``MAX_HEADER_BYTES`` of long-name and pax headers before one member
+(tarfile reads them whole, one nested call each), and any sparse member, GNU or pax.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 # vLLM 0.34.0's sdist unpacks to a 0.11 GiB tar stream of 8,000 members: far under both.
 MAX_STREAM_BYTES = 4 << 30
 MAX_MEMBERS = 200_000
+# a member's GNU long name/link and pax headers: a few paths and keywords in any real archive
+MAX_HEADER_BYTES = 64 << 10
 _COMPRESSED = ((b"\x1f\x8b", lambda f: gzip.GzipFile(fileobj=f, mode="rb")), (b"BZh", bz2.BZ2File),
                (b"\xfd7zXZ\x00", lzma.LZMAFile))
 
@@ -35,7 +42,12 @@ class UnsafeMember(tarfile.TarError):
 
 
 class TooLarge(tarfile.TarError):
-    """An archive past ``MAX_STREAM_BYTES`` unpacked or ``MAX_MEMBERS`` members, or a sparse member."""
+    """An archive past ``MAX_STREAM_BYTES`` unpacked or ``MAX_MEMBERS`` members, a member with more
+    than ``MAX_HEADER_BYTES`` of extended headers, or a sparse member."""
+
+
+class BadHeader(tarfile.TarError):
+    """A header tarfile would follow out of bounds: a negative size, or one pointing back."""
 
 
 @contextlib.contextmanager
@@ -51,41 +63,80 @@ def opened(path: Path, max_bytes: int | None = None) -> Iterator[tarfile.TarFile
         opener = next((cls for prefix, cls in _COMPRESSED if magic.startswith(prefix)), None)
         with contextlib.ExitStack() as stack:
             stream = stack.enter_context(opener(raw)) if opener else raw
-            yield stack.enter_context(tarfile.open(fileobj=_Capped(stream, max_bytes), mode="r:"))
+            yield stack.enter_context(tarfile.open(fileobj=_Capped(stream, max_bytes), mode="r:",
+                                                   tarinfo=_Header))
 
 
 def members(archive: tarfile.TarFile, max_members: int | None = None) -> Iterator[tarfile.TarInfo]:
     """``archive``'s members, read one at a time; TooLarge at the one past ``max_members``
     (default ``MAX_MEMBERS``), or at a sparse member (unpacked, it could be far larger than the
-    stream says)."""
+    stream says); BadHeader at a member with a negative size (a pax ``size`` record can give
+    one) or one whose header is not after the one before: tarfile went back, and would loop."""
     max_members = MAX_MEMBERS if max_members is None else max_members
+    previous = -1
     for count, member in enumerate(archive, 1):
         if count > max_members:
             raise TooLarge(f"more than {max_members} members")
         if member.issparse():
             raise TooLarge(f"{member.name!r} is a sparse file")
+        if member.size < 0:
+            raise BadHeader(f"{member.name!r} has a header with a negative size")
+        if member.offset <= previous:
+            raise BadHeader(f"{member.name!r} has a header pointing back at an earlier one")
+        previous = member.offset
         yield member
+
+
+class _Header(tarfile.TarInfo):
+    """A TarInfo that refuses, before tarfile reads or seeks for it, a header with a negative size,
+    more than ``MAX_HEADER_BYTES`` of long-name and pax headers before one member (read whole,
+    each nesting a call), and a sparse member (GNU's extended headers or pax 1.0's map are read
+    block by block, as many as the stream holds)."""
+
+    def _proc_member(self, tarfile_):
+        if self.size < 0:
+            raise BadHeader(f"{self.name!r} has a header with a negative size")
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise TooLarge(f"{self.name!r} is a sparse file")
+        # tarfile_.offset is where this member's first header began; the headers so far lie between
+        headers = self.offset - tarfile_.offset + tarfile.BLOCKSIZE
+        if self.type in _EXTENDED:
+            headers += self._block(self.size)
+        if headers > MAX_HEADER_BYTES:
+            raise TooLarge(f"{self.name!r} has more than {MAX_HEADER_BYTES >> 10} KiB of headers")
+        return super()._proc_member(tarfile_)
+
+    def _proc_gnusparse_00(self, member, *_):
+        raise TooLarge(f"{member.name!r} is a sparse file")
+
+    _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
+
+_EXTENDED = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+             tarfile.SOLARIS_XHDTYPE)
 
 
 class _Capped:
     """A seekable stream that refuses to go past ``limit`` bytes: the decompressor's read or
-    seek is refused before it decompresses (or tarfile allocates) what lies beyond."""
+    seek is refused before it decompresses (or tarfile allocates) what lies beyond.
+
+    tarfile reading an archive (``open``, iterating, extracting) always reads a size: a read of
+    no size or a negative one comes from a header with a negative size, and is refused unread,
+    as is a seek to before the start."""
 
     def __init__(self, stream, limit: int) -> None:
         self._stream, self._limit = stream, limit
 
-    def read(self, size: int = -1) -> bytes:
-        left = self._limit - self._stream.tell()
+    def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
-            data = self._stream.read(left + 1)
-            if len(data) > left:
-                raise self._past()
-            return data
-        if size > left:
+            raise BadHeader("a header with a negative size")
+        if size > self._limit - self._stream.tell():
             raise self._past()
         return self._stream.read(size)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_SET and offset < 0:
+            raise BadHeader("a header pointing before the start of the archive")
         if whence == os.SEEK_SET and offset > self._limit:
             raise self._past()
         return self._stream.seek(offset, whence)
