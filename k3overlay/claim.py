@@ -6,12 +6,13 @@ took other locks, so two runs could switch one checkout at once; and the run aft
 looked for the journal under its own cache and name only, so a killed run's steps under
 another cache or another name of the checkout (a bind mount) were never finished or undone.
 
-So a run also holds ``.git/k3overlay.lock`` in the checkout (an ``flock``, after the
-cache's locks: every run of every cache takes it), which names the journal of the run
-holding it, and is emptied when that run ends clean. A run finding another journal named
-there with steps left finishes or undoes them first, as its own, where that journal's
-checkout is this one; where it cannot read it, or the name no longer reaches this checkout,
-it stops in one line naming the journal, before anything is changed.
+So a run also holds ``.git/k3overlay.lock`` in the checkout (a linked worktree: in its own
+git folder; an ``flock``, after the cache's locks: every run of every cache takes it), which
+names the journal of the run holding it, and is emptied when that run ends clean. A run
+finding another journal named there with steps left finishes or undoes them first, as its
+own, where it is a journal this user's tool wrote for a name of this checkout
+(``_foreign``); else it stops in one line naming the claim, before anything is changed.
+A journal is a licence to remove and rename files: a forged one is never acted on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 from . import journal as journal_
 from .errors import UsageError
 from .lock import journal_key, lock_file, take, watched
+from .outputs import same
+from .regular import read_regular
 from .project import CACHE_NAME
 
 FILE = "k3overlay.lock"
@@ -38,10 +41,10 @@ def claimed(workdir: Path, journal_path: Path, say: Callable[[str], None],
     """Hold ``workdir``'s claim for the block (waiting, and telling ``say``, while another run
     holds it), after recovering (``recover``) the steps another cache's or another name's
     journal left on it. ``check`` (a ``--check``) writes no claim: it only waits for one.
-    Nothing is claimed where ``workdir`` has no ``.git`` folder (a fresh workdir, a linked
-    worktree). Raises UsageError for a journal it cannot act on, or a claim file it cannot make."""
-    git_dir = workdir / ".git"
-    if git_dir.is_symlink() or not git_dir.is_dir() or (check and not os.path.lexists(git_dir / FILE)):
+    Nothing is claimed where ``workdir`` has no git folder yet (a fresh workdir). Raises
+    UsageError for a journal it cannot act on, or a claim file it cannot make."""
+    git_dir = git_folder(workdir)
+    if git_dir is None or (check and not os.path.lexists(git_dir / FILE)):
         yield
         return
     path = git_dir / FILE
@@ -53,7 +56,8 @@ def claimed(workdir: Path, journal_path: Path, say: Callable[[str], None],
             if other and other != str(journal_path):
                 _recover_elsewhere(Path(other), workdir, recover)
             if not check:  # (a --check records no step: it writes nothing in the checkout)
-                _write(fd, json.dumps({"journal": str(journal_path), "pid": os.getpid()}))
+                # (the first line for a run that waits, as in every lock file: ``lock.take``)
+                _write(fd, f"apply.py (pid {os.getpid()})\n{json.dumps({'journal': str(journal_path)})}\n")
             yield
             if not check and not os.path.lexists(journal_path):  # ended clean: no step left for anyone
                 _write(fd, "")
@@ -64,7 +68,7 @@ def claimed(workdir: Path, journal_path: Path, say: Callable[[str], None],
 def _named(fd: int) -> str | None:
     """The journal the claim file names (None: none, or not a claim this tool wrote)."""
     try:
-        named = json.loads(os.pread(fd, 65536, 0) or b"null")
+        named = json.loads((os.pread(fd, 65536, 0).splitlines() or [b"null"])[-1])
     except ValueError:
         return None
     return named.get("journal") if isinstance(named, dict) and isinstance(named.get("journal"), str) else None
@@ -74,7 +78,7 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
     """Recover the steps left in the journal ``path`` (another cache's, or this cache's under
     another name of ``workdir``) as this run's own. UsageError where they cannot be, or where
     ``path`` is no journal this user's tool wrote for a name of ``workdir`` (``_foreign``)."""
-    claim = workdir / ".git" / FILE
+    claim = (git_folder(workdir) or workdir / ".git") / FILE
     try:
         if not os.path.lexists(path):
             return  # its run ended clean after all, or the user emptied that cache
@@ -90,10 +94,25 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
         return
     names = {e.get("workdir") for e in entries}
     name = names.pop() if len(names) == 1 else None
-    if not isinstance(name, str) or not _same_folder(name, workdir) or path.stem != journal_key(name):
+    if not isinstance(name, str) or not same(Path(name), workdir) or path.stem != journal_key(name):
         raise UsageError(f"a killed run left unfinished steps in {path} under another name of {workdir} "
                          f"({name or 'several'}), which no longer reaches it: run again under that name")
     recover(journal_.Journal(path, name))
+
+
+def git_folder(top: Path) -> Path | None:
+    """The git folder of the work tree ``top``: its ``.git`` folder, or the one its ``.git`` file
+    names (a linked worktree's, ``gitdir: …``); None where there is neither (or a link)."""
+    dot = top / ".git"
+    if dot.is_symlink():
+        return None
+    if dot.is_dir():
+        return dot
+    named = read_regular(dot)
+    if not named or not named.startswith(b"gitdir: "):
+        return None
+    folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
+    return folder if folder.is_dir() and not folder.is_symlink() else None
 
 
 def _foreign(path: Path) -> str | None:
@@ -109,13 +128,6 @@ def _foreign(path: Path) -> str | None:
             or not re.fullmatch(r"[0-9a-f]{32}\.journal", path.name):
         return "is not where the tool keeps its journals"
     return None
-
-
-def _same_folder(a: str, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _write(fd: int, text: str) -> None:

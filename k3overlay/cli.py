@@ -16,7 +16,7 @@ from . import errors, git, progress, releases, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
-from .outputs import refuse_aliases, refuse_unresolvable
+from .outputs import inside, refuse_aliases, refuse_unresolvable, same
 from .printable import printable
 from .project import Project
 from .rebase import rebase_to
@@ -271,14 +271,15 @@ def _refuse_outputs_over_inputs(project: Project, args: argparse.Namespace) -> N
 
 
 def _refuse_workdir_holding_project(project: Project, workdir: Path | None) -> None:
-    """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it
+    """UsageError if ``--workdir`` is this repository's own checkout or a folder holding it, by
+    any name (a bind mount of it: the run also waited on its own lock, for ever)
     (publishing there would switch the tool's own files out for vLLM's), or lies inside
     its data or a ``.git`` folder (``Project.refuse_as_output``)."""
     if workdir is None:
         return
     project.refuse_as_output(workdir, "--workdir")
-    root, chosen = project.root.resolve(), workdir.resolve()
-    if root == chosen or chosen in root.parents:
+    root = project.root.resolve()
+    if same(workdir, root) or inside(root, workdir):
         raise errors.UsageError(f"--workdir {workdir} holds this repository ({root}); give a "
                                 f"folder of its own (default: work/vllm)")
 

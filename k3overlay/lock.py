@@ -38,25 +38,22 @@ from .regular import own_folder
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: Path, say: Callable[[str], None], *,
-                 shared: bool = False) -> Iterator[Callable[[bool], None]]:
-    """Hold the lock of ``workdir`` (need not exist yet) for the block; the lock of its place
-    (its name in its parent folder, the parent known by device and inode: a fresh workdir
-    reached by two names, before either run made it); and where it exists the lock of the
-    folder itself (its device and inode): one checkout reached by two names (a bind mount, a
-    second mount of a network share) shares them.
+def workdir_lock(workdir: Path, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold the lock of ``workdir`` (need not exist yet) for the block; the locks of its places
+    (its names below each existing folder above it, that folder known by device and inode: a
+    fresh workdir reached by two names, before either run made it or the folders on its way);
+    and where it exists the lock of the folder itself (its device and inode): one checkout
+    reached by two names (a bind mount, a second mount of a network share) shares them.
 
-    Exclusive, or ``shared`` (readers of a folder another run may write: many at once, none
-    beside a writer). Yields ``relock(exclusive)``, which turns the locks held into exclusive
-    or shared ones (waiting as taking them does). If another run holds either, ``say`` is
-    told once and the call waits (Ctrl-C stops the wait). Raises UsageError if a lock file
-    cannot be made.
+    If another run holds one, ``say`` is told once and the call waits (Ctrl-C stops the
+    wait). Raises UsageError if a lock file cannot be made.
     """
     locks = own_folder(cache_dir() / "locks")
     paths = [workdir_lock_path(workdir)]
-    place = _place(workdir)
-    if place is not None:  # the same name in the same parent folder, under any name of the parent
-        paths.append(locks / f"place-{hashlib.sha256(place.encode()).hexdigest()[:32]}.lock")
+    # the same names below the same folder, under any name of that folder: every folder above
+    # that exists, as a run that made the folders between sees them and one before it did not
+    paths += [locks / f"place-{hashlib.sha256(place.encode()).hexdigest()[:32]}.lock"
+              for place in _places(workdir)]
     try:
         st = os.stat(workdir)
     except OSError:  # a fresh workdir (or none can be: the job says why): its place stands for it
@@ -64,21 +61,17 @@ def workdir_lock(workdir: Path, say: Callable[[str], None], *,
     if st is not None:
         paths.append(locks / f"folder-{st.st_dev}-{st.st_ino}.lock")
     with contextlib.ExitStack() as stack:  # (always in this order: no two runs wait on each other)
-        held_fds = [stack.enter_context(_holding(path, workdir, say, shared)) for path in paths]
-
-        def relock(exclusive: bool) -> None:
-            for fd, path in held_fds:
-                take(fd, path, workdir, say, not exclusive)
-
-        yield relock
+        for path in paths:
+            stack.enter_context(holding(path, workdir, say, shared=False))
+        yield
 
 
 @contextlib.contextmanager
-def _holding(path: Path, workdir: Path, say: Callable[[str], None],
-             shared: bool) -> Iterator[tuple[int, Path]]:
-    """Hold the lock file ``path`` for the block (yields its descriptor and path), waiting (and
-    telling ``say`` once whom for) while another run holds it; the holder's pid is written in
-    it for the next one."""
+def holding(path: Path, workdir: Path, say: Callable[[str], None], *, shared: bool) -> Iterator[int]:
+    """Hold the lock file ``path`` (made if missing) exclusive or ``shared`` for the block (yields
+    its descriptor, for ``take`` to turn it into the other kind), waiting (and telling ``say``
+    once whom for) while another run holds it; the holder's pid is written in it for the next
+    one. Raises UsageError as ``lock_file``."""
     fd = lock_file(path)
     try:
         take(fd, path, workdir, say, shared)
@@ -86,7 +79,7 @@ def _holding(path: Path, workdir: Path, say: Callable[[str], None],
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
         with watched(fd, path):
-            yield fd, path
+            yield fd
     finally:
         os.close(fd)
 
@@ -98,23 +91,22 @@ def take(fd: int, path: Path, workdir: Path, say: Callable[[str], None], shared:
     try:
         flock(fd, path, mode | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another run"
+        holder = (os.pread(fd, 200, 0).decode(errors="replace").strip().splitlines() or ["another run"])[0]
         say(f"waiting for {holder} to finish with {workdir}")
         flock(fd, path, mode)
 
 
-def _place(workdir: Path) -> str | None:
-    """``workdir`` as its nearest existing parent folder's device and inode, then the names
-    below it (None where no parent can be read)."""
-    below = [workdir.name]
-    for parent in workdir.parents:
+def _places(workdir: Path) -> list[str]:
+    """``workdir`` as each existing folder above it (its device and inode) and the names below
+    that folder, the topmost first."""
+    places = []
+    for above in reversed(workdir.parents):
         try:
-            st = os.stat(parent)
+            st = os.stat(above)
         except OSError:
-            below.insert(0, parent.name)
-            continue
-        return f"{st.st_dev}-{st.st_ino}/" + "/".join(below)
-    return None
+            break  # (nothing below a folder that is not there)
+        places.append(f"{st.st_dev}-{st.st_ino}/{workdir.relative_to(above)}")
+    return places
 
 
 def workdir_lock_path(workdir: Path) -> Path:

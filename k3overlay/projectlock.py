@@ -6,32 +6,40 @@ A reader that saw half the renames would publish a series that never existed. So
 that reads them holds the project's lock shared for the whole job (many runs at once), and
 an export holds it exclusive (none beside it).
 
-The export's writes are recorded in the project's own journal (``journal``, keyed by the
-project's root like a checkout's), not its checkout's: a killed export's half-renamed
-files are finished or undone by the next run that takes the lock, from whatever checkout
-(before, a run on another checkout read them as the kill left them).
+The export's writes are recorded in the project's own journal, not its checkout's: a
+killed export's half-renamed files are finished or undone by the next run that takes the
+lock, from whatever checkout. Lock and journal live in the project's ``.git`` folder where
+it has one (``k3overlay-project.lock``, ``.journal``), so runs under every cache (``sudo``,
+another ``HOME``) share them; else in the cache. The journal is acted on for the export's
+steps alone, in the project's own tree (``recovery.recover``'s ``steps``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from . import journal, recovery
-from .lock import journal_path, workdir_lock
+from .claim import git_folder
+from .lock import holding, journal_path, take, workdir_lock_path
 from .project import Project
+
+_STEPS = ("write", "rename")  # what an export records in the project's journal
 
 
 @contextlib.contextmanager
 def reading(project: Project, say: Callable[[str], None]) -> Iterator[None]:
     """Hold ``project``'s lock shared for the block, after finishing or undoing what a killed
-    export left in its files (with the lock exclusive meanwhile). Raises as
+    export left in its files (with the lock exclusive meanwhile: one lock, so two readers
+    turning theirs into exclusive ones never wait on each other). Raises as
     ``recovery.recover`` (UsageError: a file changed since; OverlayError)."""
-    with workdir_lock(project.root, say, shared=True) as relock:
+    lock, _ = _files(project)
+    with holding(lock, project.root, say, shared=True) as fd:
         while _journal(project).unfinished():
-            relock(True)  # (another reader may finish it first: then this finds nothing)
+            take(fd, lock, project.root, say, shared=False)  # (another reader may finish it first)
             _recover(project, say)
-            relock(False)
+            take(fd, lock, project.root, say, shared=True)
         yield
 
 
@@ -39,19 +47,28 @@ def reading(project: Project, say: Callable[[str], None]) -> Iterator[None]:
 def writing(project: Project, say: Callable[[str], None]) -> Iterator[None]:
     """Hold ``project``'s lock exclusive for the block, after finishing or undoing what a killed
     export left. Raises as ``reading``."""
-    with workdir_lock(project.root, say):
+    lock, _ = _files(project)
+    with holding(lock, project.root, say, shared=False):
         _recover(project, say)
         yield
 
 
 def recording(project: Project) -> contextlib.AbstractContextManager[journal.Journal]:
     """The block (inside ``writing``) whose steps are recorded in ``project``'s journal."""
-    return journal.recording(journal_path(project.root), project.root, lambda _: None)
+    return journal.recording(_files(project)[1], project.root, lambda _: None)
 
 
 def _recover(project: Project, say: Callable[[str], None]) -> None:
-    recovery.recover(_journal(project), say)
+    recovery.recover(_journal(project), say, steps=_STEPS)
 
 
 def _journal(project: Project) -> journal.Journal:
-    return journal.Journal(journal_path(project.root), str(project.root))
+    return journal.Journal(_files(project)[1], str(project.root))
+
+
+def _files(project: Project) -> tuple[Path, Path]:
+    """The project's lock file and journal: in its ``.git`` folder, else in the cache."""
+    git_dir = git_folder(project.root)
+    if git_dir is not None:
+        return git_dir / "k3overlay-project.lock", git_dir / "k3overlay-project.journal"
+    return workdir_lock_path(project.root), journal_path(project.root)

@@ -12,7 +12,7 @@ import functools
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from . import git, publish, resume
@@ -236,28 +236,35 @@ HANDLERS = {"clone": clone, "fresh": fresh, "check": check, "worktree": worktree
             "publish": resume.finish, "write": write, "rename": rename, "lay": lay}
 
 
+# The fact naming the tree each step writes in, for the steps that write in the work directory.
+_WRITES_IN = {"fresh": "repo", "fetch": "repo", "publish": "repo", "lay": "repo", "write": "root",
+              "rename": "root"}
+
+
 def _elsewhere(entry: dict, workdir: str) -> str | None:
-    """The other checkout ``entry`` names (its work directory, or the repository a step
-    writes in), or None if it is ``workdir``'s own."""
+    """The other checkout ``entry`` names (its work directory, or the tree a step writes in:
+    a journal is no licence to write in another folder), or None if it is ``workdir``'s own."""
     if entry["workdir"] != workdir:
         return entry["workdir"]
-    repo = entry.get("repo") if entry.get("step") in ("fresh", "fetch", "publish", "lay") else None
+    repo = entry.get(_WRITES_IN.get(entry.get("step"), ""))
     if isinstance(repo, str) and os.path.realpath(repo) != os.path.realpath(workdir):
         return repo
     return None
 
 
 def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True,
-            overlay_dir: Path | None = None) -> None:
+            overlay_dir: Path | None = None, steps: Collection[str] = tuple(HANDLERS)) -> None:
     """Finish or undo every step a killed run left unfinished on ``journal.workdir`` (newest
     first), then empty the journal. Steps naming another work directory (a copied or
     restored cache) are left alone. With ``act`` False (``--check``) nothing is done: what
-    is left is said, and the journal kept for the next run. Raises what a recovery raises
+    is left is said, and the journal kept for the next run. Only ``steps`` are acted on (the
+    project's journal: an export's ``write`` and ``rename``); the rest is left alone as
+    unreadable. Raises what a recovery raises
     (UsageError: the user must decide; ``resume.LeftAlone`` after saying what was left)."""
     unfinished = journal.unfinished()
     named = [e for e in unfinished if isinstance(e.get("workdir"), str)]
     mine = [e for e in named if _elsewhere(e, journal.workdir) is None]
-    entries = [e for e in mine if readable(e)]
+    entries = [e for e in mine if e.get("step") in steps and readable(e)]
     # Scratch trees go first: what was written inside one then needs nothing more.
     entries.sort(key=lambda e: e["step"] not in journal_.SCRATCH)
     notes: list[str] = []

@@ -215,9 +215,12 @@ def test_rebase_job_usage_errors_are_one_line():
 # out of the user's work tree.
 
 
-@pytest.mark.parametrize("where", ["root", "parent"])
+@pytest.mark.parametrize("where", ["root", "parent", "a bind mount of the root",
+                                   "a bind mount of the parent"])
 def test_workdir_holding_the_project_is_refused_and_left_as_it_was(project, upstream, tmp_path,
                                                                   monkeypatch, capsys, where):
+    """Round 8b: a bind mount of the project (another name for it) was taken for a checkout of
+    its own; the run then waited on its own lock, for ever."""
     root = project.root
     (root / ".gitignore").write_text("work/\n")
     g(root, "init", "-q", "-b", "main")
@@ -225,14 +228,28 @@ def test_workdir_holding_the_project_is_refused_and_left_as_it_was(project, upst
     g(root, "commit", "-qm", "the overlay project")
     before = snapshot(root)
     monkeypatch.setattr(cli, "Project", lambda: project)
-    workdir = root if where == "root" else root.parent
+    workdir = root if where.endswith("root") else root.parent
+    if where.startswith("a bind mount"):
+        alias = tmp_path / "alias"
+        alias.mkdir()
+        if subprocess.run(["mount", "--bind", str(workdir), str(alias)], capture_output=True).returncode:
+            pytest.skip("mount --bind needs root (CI runs as root)")
+        workdir = alias
+    try:
+        _refused_everywhere(project, upstream, workdir, root, monkeypatch, capsys)
+    finally:
+        if where.startswith("a bind mount"):  # (whatever the asserts said)
+            subprocess.run(["umount", str(workdir)], check=True)
+    assert snapshot(root) == before and (root / "overlay.json").is_file()
+
+
+def _refused_everywhere(project, upstream, workdir, root, monkeypatch, capsys):
     for mode in ([], ["--check"], ["--export"], ["--rebase-to", "v1.1.0"]):
         extra = [] if mode == ["--export"] else ["--vllm-repo", str(upstream)]
         assert cli.main(["-q", "--workdir", str(workdir), *extra, *mode]) == errors.USAGE
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"apply.py: error: --workdir {workdir} holds this repository "
                        f"({root.resolve()}); give a folder of its own (default: work/vllm)"], mode
-    assert snapshot(root) == before and (root / "overlay.json").is_file()
 
 
 @pytest.mark.parametrize("branch", ["HEAD", "-f", "@{-1}", "a b", "x.lock", "a..b"])

@@ -478,16 +478,49 @@ def test_runs_read_the_project_together_and_an_export_waits_for_them(tmp_path):
 def test_a_fresh_workdir_and_the_folder_it_becomes_share_the_lock_of_their_place(tmp_path):
     """Round 8: two runs into one new workdir under two names (a bind-mounted parent) did not
     wait for each other: the first locked no folder (none was there yet), so the second went
-    on into its half-made clone. Both now lock the workdir's place (its parent folder's device
-    and inode, then its name), before and after it exists."""
+    on into its half-made clone. Both now lock the workdir's places (each existing folder above
+    it by device and inode, then the names below it), before and after it exists; round 8b:
+    also once the first run made the folders on its way (a place below the topmost only)."""
     new = tmp_path / "a" / "b" / "vllm"
     st = os.stat(tmp_path)
-    assert lock._place(new) == f"{st.st_dev}-{st.st_ino}/a/b/vllm"
+    before = lock._places(new)
+    assert before[-1] == f"{st.st_dev}-{st.st_ino}/a/b/vllm" and len(before) == len(tmp_path.parents) + 1
     new.mkdir(parents=True)
+    after = lock._places(new)
     st = os.stat(new.parent)
-    assert lock._place(new) == f"{st.st_dev}-{st.st_ino}/vllm"
+    assert after[-1] == f"{st.st_dev}-{st.st_ino}/vllm" and set(before) < set(after)
     said: list[str] = []
     with workdir_lock(new, said.append):
         held = sorted(p.name for p in (lock.cache_dir() / "locks").glob("place-*"))
-        assert len(held) == 1
+        assert len(held) == len(after)
     assert said == []
+
+
+def test_a_linked_worktree_is_claimed_in_its_own_git_folder(tmp_path):
+    """Round 8b: a checkout that is a linked worktree (``.git`` a file) had no claim, so two
+    runs under two caches both published to it. It is claimed in its own git folder."""
+    from k3overlay import claim
+
+    main, tree = tmp_path / "main", tmp_path / "wt"
+    g(tmp_path, "init", "-q", str(main))
+    g(main, "-c", "user.name=u", "-c", "user.email=u@invalid", "commit", "-q", "--allow-empty", "-m", "x")
+    g(main, "worktree", "add", "-q", "--detach", str(tree))
+    own = main / ".git" / "worktrees" / "wt"
+    assert claim.git_folder(tree) == own and claim.git_folder(main) == main / ".git"
+    said: list[str] = []
+    events: list[str] = []
+    with claim.claimed(tree, tmp_path / "a.journal", said.append, lambda _: None):
+        assert (own / claim.FILE).exists()
+
+        def second() -> None:  # another cache's run: its own journal path, the same claim
+            with claim.claimed(tree, tmp_path / "b.journal", said.append, lambda _: None):
+                events.append("second")
+
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(1.0)
+        assert other.is_alive() and events == [] and said == [f"waiting for apply.py (pid {os.getpid()}) to "
+                                                               f"finish with {tree}"]
+        events.append("first done")
+    other.join(10)
+    assert events == ["first done", "second"]

@@ -332,16 +332,20 @@ def test_an_export_killed_part_way_through_its_renames_is_finished_by_the_next_r
     _whole(project, upstream, env, tmp_path, NEW_SERIES)
 
 
-def test_an_export_killed_part_way_is_finished_by_a_run_on_another_checkout(project, upstream, tmp_path, env):
+@pytest.mark.parametrize("cache", ["its cache", "another cache"])
+def test_an_export_killed_part_way_is_finished_by_a_run_on_another_checkout(project, upstream, tmp_path, env,
+                                                                           cache):
     """Round 7's open list: the renames were journalled in the export's checkout only, so a run
     on another checkout read patches/ half old, half new (the series naming a patch not there:
     refused; or a mixed series applied). The project's own journal now has them: the first
-    run that reads the project, on any checkout, even ``--check``, finishes them first."""
+    run that reads the project, on any checkout, even ``--check``, finishes them first; round
+    8b: under any cache too (the journal is in the project's git folder)."""
     wd = _renamed_patch(project, upstream, tmp_path)
     assert run_tool(project, {**env, journal.KILL_AT: "rename"}, "-q", "--export", "--workdir",
                     str(wd)).returncode == -signal.SIGKILL
     _rename_by_hand(project, "series")
-    other = run_tool(project, env, "-q", "--check", "--vllm-repo", str(upstream),
+    env2 = env if cache == "its cache" else {**env, "XDG_CACHE_HOME": str(tmp_path / "other-cache")}
+    other = run_tool(project, env2, "-q", "--check", "--vllm-repo", str(upstream),
                      "--workdir", str(tmp_path / "w3"))
     assert other.returncode == 0, other.stderr
     assert [line for line in other.stderr.splitlines() if NOTE in line] == [
