@@ -532,6 +532,12 @@ def test_a_touched_file_of_a_checkout_under_a_global_autocrlf_is_no_uncommitted_
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     wd = tmp_path / "wd"
     _crlf_checkout(project, upstream, wd, ["pkg/model.txt", "pkg/user.py"], eol_config=())
+    _clean_and_a_real_edit_refused(project, upstream, wd)
+
+
+def _clean_and_a_real_edit_refused(project, upstream, wd):
+    """The CRLF checkout ``wd`` is clean to the tool, which switches it; then a real edit of
+    the user's is still an uncommitted change."""
     assert not git.is_dirty(git.open_repo(wd))
     assert apply(project, upstream, wd, ref="v1.1.0").ok
     assert g(wd, "status", "--porcelain") == ""
@@ -557,12 +563,7 @@ def test_a_touched_file_under_the_users_attributes_file_with_crlf_is_no_uncommit
         g(wd, "config", "--local", "core.attributesFile", str(attributes))
     paths = ["pkg/model.txt", "pkg/user.py"]
     _crlf_checkout(project, upstream, wd, paths, eol_config=())
-    assert not git.is_dirty(git.open_repo(wd))
-    assert apply(project, upstream, wd, ref="v1.1.0").ok
-    assert g(wd, "status", "--porcelain") == ""
-    (wd / "pkg/user.py").write_bytes((wd / "pkg/user.py").read_bytes() + b"# mine\r\n")
-    with pytest.raises(errors.UsageError, match="has uncommitted changes"):  # a real edit still is one
-        apply(project, upstream, wd, ref="v1.0.0")
+    _clean_and_a_real_edit_refused(project, upstream, wd)
     attributes.unlink()
     os.mkfifo(attributes)  # never waited on: not carried, so the pin holds (and a refusal at worst)
     assert "core.attributesfile" not in " ".join(gitproc.checkouts_eol(wd))
