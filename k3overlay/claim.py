@@ -29,7 +29,6 @@ from . import journal as journal_
 from .errors import UsageError
 from .lock import journal_key, lock_file, take, watched
 from .outputs import same
-from .regular import read_regular
 from .project import CACHE_NAME
 
 FILE = "k3overlay.lock"
@@ -102,28 +101,57 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
 
 def git_folder(top: Path) -> Path | None:
     """The git folder of the work tree ``top``: its ``.git`` folder, or the one its ``.git`` file
-    names (a linked worktree's, ``gitdir: …``); None where there is neither (or a link)."""
+    names (a linked worktree's, ``gitdir: …``) where that is one git would take (it holds
+    ``HEAD`` and ``commondir``: a hostile line must not have the claim made in ``/etc``);
+    None where there is neither (or a link, or a name the system refuses)."""
     dot = top / ".git"
-    if dot.is_symlink():
+    try:
+        if dot.is_symlink():
+            return None
+        if dot.is_dir():
+            return dot
+        named = _head_of(dot)
+        if not named.startswith(b"gitdir: "):
+            return None
+        folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
+        ours = folder.is_dir() and not folder.is_symlink() and (folder / "HEAD").is_file() \
+            and (folder / "commondir").is_file()
+    except (OSError, ValueError):  # a name too long, a NUL: no git folder of anyone's
         return None
-    if dot.is_dir():
-        return dot
-    named = read_regular(dot)
-    if not named or not named.startswith(b"gitdir: "):
-        return None
-    folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
-    return folder if folder.is_dir() and not folder.is_symlink() else None
+    return folder if ours else None
+
+
+def _head_of(file: Path) -> bytes:
+    """The first 4 kB of the regular file ``file`` (a ``.git`` file is one line); b"" else."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 4096) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
 
 
 def _foreign(path: Path) -> str | None:
     """Why ``path`` is no journal this user's tool wrote (None: it is one): a journal is a
     licence to remove and rename files, so one another user could have written, or that is
-    not where the tool keeps them (``CACHE/vllm-k3-overlay/locks/KEY.journal``), is none."""
-    info, folder = os.lstat(path), os.lstat(path.parent)
+    not where the tool keeps them (``CACHE/vllm-k3-overlay/locks/KEY.journal``), is none.
+    Every folder on its way must be no link, and this user's or root's, writable by no one
+    else (or sticky, as ``/tmp``): else another user could swap the file or a folder between
+    this look and the reads after it."""
+    info = os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         return "is no regular file"
-    if info.st_uid != os.getuid() or folder.st_uid != os.getuid() or folder.st_mode & 0o022:
-        return "another user could have written (its owner, or its folder's)"
+    if info.st_uid != os.getuid():
+        return "another user could have written (its owner)"
+    for folder in Path(os.path.abspath(path)).parents:
+        above = os.lstat(folder)
+        if stat.S_ISLNK(above.st_mode):
+            return f"is reached through a link ({folder})"
+        if above.st_uid not in (os.getuid(), 0) or \
+                (above.st_mode & 0o022 and not above.st_mode & stat.S_ISVTX):
+            return f"another user could have written (the folder {folder})"
     if path.parent.name != "locks" or path.parent.parent.name != CACHE_NAME \
             or not re.fullmatch(r"[0-9a-f]{32}\.journal", path.name):
         return "is not where the tool keeps its journals"

@@ -524,3 +524,22 @@ def test_a_linked_worktree_is_claimed_in_its_own_git_folder(tmp_path):
         events.append("first done")
     other.join(10)
     assert events == ["first done", "second"]
+
+
+
+@pytest.mark.parametrize("line", ["gitdir: {target}", "gitdir: ../..", "gitdir: " + "a/" * 3000,
+                                  "gitdir: a\0b"])
+def test_a_git_file_naming_no_git_folder_gets_no_claim(tmp_path, line):
+    """Round 8b: a ``.git`` file whose ``gitdir:`` names any folder (``/etc`` as root) had the
+    claim made there before the checkout was refused; a name too long was a traceback."""
+    from k3overlay import claim
+
+    target = tmp_path / "target"
+    target.mkdir()
+    top = tmp_path / "w" / "h1"
+    top.mkdir(parents=True)
+    (top / ".git").write_text(line.format(target=target) + "\n")
+    assert claim.git_folder(top) is None
+    with claim.claimed(top, tmp_path / "a.journal", print, lambda _: None):
+        pass
+    assert not list(tmp_path.rglob(claim.FILE))

@@ -184,7 +184,8 @@ def test_a_killed_runs_journal_that_cannot_be_read_stops_the_next_run_in_one_lin
 
 
 @pytest.mark.parametrize("forged", ["outside the cache", "another user's", "its folder writable by others",
-                                    "keyed for another name"])
+                                    "keyed for another name", "reached through a link", "a folder above "
+                                    "another user's"])
 def test_a_forged_journal_named_by_the_claim_is_never_acted_on(project, upstream, tmp_path, env, forged):
     """Round 8b: the claim's journal was trusted like the run's own: whoever could write the
     checkout's .git (a shared checkout, a sudo run on another user's) had it remove any file
@@ -208,7 +209,13 @@ def test_a_forged_journal_named_by_the_claim_is_never_acted_on(project, upstream
         os.chown(forgery, 65534, 65534)
     if forged == "its folder writable by others":
         folder.chmod(0o777)
-    (wd / ".git" / claim.FILE).write_text(json.dumps({"journal": str(forgery)}))
+    if forged == "a folder above another user's":  # (who could swap the folders below it)
+        os.chown(tmp_path / "cache2", 65534, 65534)
+    named = forgery
+    if forged == "reached through a link":  # (one another user could point elsewhere between looks)
+        (tmp_path / "cache3").symlink_to(tmp_path / "cache2")
+        named = tmp_path / "cache3" / forgery.relative_to(tmp_path / "cache2")
+    (wd / ".git" / claim.FILE).write_text(json.dumps({"journal": str(named)}))
     run = run_tool(project, env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd))
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert (victim / "important.txt").read_text() == "precious\n" and forgery.exists()
