@@ -14,7 +14,8 @@ of module are needed:
   and ``vllm.platforms.current_platform`` (PDL from SM90 on; no SM100 family).
 
 ``python -m k3lab.decode_step.imports extract DEST [--mirror GIT_DIR | --tree VLLM_TREE]``
-writes the three v0.28.0 files to DEST; ``... pristine DEST`` writes v0.28.0's own copy of
+writes the three v0.28.0 files to DEST (a ``--tree`` with git is read at v0.28.0, never its
+patched files; one without must be v0.28.0's unpacked sdist); ``... pristine DEST`` writes v0.28.0's own copy of
 every file the patch series modifies (DEST/vllm/..., for ``k3lab/device/run.sh model_check``);
 ``... stub DEST`` writes the stand-in package
 (DEST/vllm) for tools such as pytest that import ``vllm.models.kimi_k3.nvidia.*``.
@@ -135,14 +136,35 @@ def extract_pristine(dest: pathlib.Path, mirror: pathlib.Path | None, tree: path
 
 def _write_release_files(dest: pathlib.Path, files: dict[str, str], mirror, tree) -> None:
     """``files``: path under ``dest`` -> path in the v0.28.0 release (a tree, else the mirror)."""
+    read = _release_reader(mirror, tree)
     for out, src in files.items():
-        if tree is not None:
-            text = (tree / src).read_text()
-        else:
-            text = subprocess.run(["git", f"--git-dir={mirror}", "show", f"{REF}:{src}"],
-                                  check=True, capture_output=True, text=True).stdout  # fmt: skip
+        text = read(src)
         (dest / out).parent.mkdir(parents=True, exist_ok=True)
         (dest / out).write_text(text)
+
+
+def _release_reader(mirror: pathlib.Path | None, tree: pathlib.Path | None):
+    """How to read a path of the v0.28.0 release. A git tree is read at ``REF``, never its
+    files: README command 1's ``work/vllm`` is a v0.28.0 checkout whose files are patched,
+    and the model check would then check the patched model against itself. A tree without
+    git must be the release's unpacked sdist (its ``PKG-INFO`` says the version). Raises
+    OSError for a tree that is neither."""
+    if tree is None:
+        return lambda src: _git_show(["--git-dir", str(mirror)], src)
+    if (tree / ".git").exists():
+        return lambda src: _git_show(["-C", str(tree)], src)
+    info = tree / "PKG-INFO"
+    version = next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                    if line.startswith("Version:")), None) if info.is_file() else None  # fmt: skip
+    if version != REF.removeprefix("v"):
+        raise OSError(f"--tree {tree}: neither a git checkout (read at {REF}) nor vLLM {REF}'s "
+                      f"unpacked sdist (PKG-INFO says {version or 'nothing'})")
+    return lambda src: (tree / src).read_text()
+
+
+def _git_show(where: list[str], src: str) -> str:
+    return subprocess.run(["git", *where, "show", f"{REF}:{src}"],
+                          check=True, capture_output=True, text=True).stdout  # fmt: skip
 
 
 def write_stub(dest: pathlib.Path) -> None:

@@ -223,6 +223,7 @@ def test_pristine_holds_v028s_copy_of_every_file_the_series_modifies(tmp_path) -
     for i, rel in enumerate(wanted):
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(f"v0.28.0 copy {i}\n")
+    (tree / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm\nVersion: 0.28.0\n")
     imports.extract_pristine(tmp_path / "out", None, tree)
     written = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert written == wanted
@@ -232,6 +233,43 @@ def test_pristine_holds_v028s_copy_of_every_file_the_series_modifies(tmp_path) -
                for line in (imports.ROOT / "patches" / name).read_text().splitlines()
                if line.startswith("diff --git a/")}  # fmt: skip
     assert touched == set(wanted)
+
+
+def test_pristine_from_a_patched_checkout_is_v028s_copy_not_its_files(tmp_path) -> None:
+    """README command 1 leaves work/vllm: a v0.28.0 checkout whose files are patched. Read as
+    files, the model check would lay the patched model over the patched model."""
+    import subprocess
+
+    from k3lab.decode_step import imports
+
+    tree, wanted = tmp_path / "vllm", imports.patched_paths()
+    for rel in wanted:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(f"v0.28.0's own {rel}\n")
+    git = ["git", "-C", str(tree)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "release"], check=True)
+    subprocess.run([*git, "tag", imports.REF], check=True)
+    for rel in wanted:
+        (tree / rel).write_text("patched by the series\n")
+    assert imports.main(["pristine", str(tmp_path / "out"), "--tree", str(tree)]) == 0
+    assert [(tmp_path / "out" / rel).read_text() for rel in wanted] == [f"v0.28.0's own {rel}\n" for rel in wanted]
+
+
+@pytest.mark.parametrize("pkg_info", [None, "Name: vllm\nVersion: 0.29.0\n"])
+def test_pristine_refuses_a_tree_that_is_neither_git_nor_v028s_sdist(tmp_path, capsys, pkg_info) -> None:
+    from k3lab.decode_step import imports
+
+    tree, rel = tmp_path / "vllm", imports.patched_paths()[0]
+    (tree / rel).parent.mkdir(parents=True)
+    (tree / rel).write_text("whose?\n")
+    if pkg_info:
+        (tree / "PKG-INFO").write_text(pkg_info)
+    assert imports.main(["pristine", str(tmp_path / "out"), "--tree", str(tree)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither a git checkout" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_measure_paths_lets_only_the_named_paths_run_in_this_mode() -> None:
