@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -65,6 +66,14 @@ def commit_tag(repo: Path, files: dict[str, str], tag: str) -> None:
     g(repo, "add", "-A")
     g(repo, "commit", "-q", "-m", f"release {tag}")
     g(repo, "tag", tag)
+
+
+def as_in_a_terminal() -> None:
+    """Child setup (``preexec_fn``) for a run a test interrupts with SIGINT: SIGINT at its
+    default, as a shell gives a foreground command. A test run started in the background
+    (``cmd &`` in a script, as CI runners and nohup do) ignores SIGINT, and Python then keeps
+    ignoring it in every child: the interrupt tests would see runs finish with exit 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock
 from k3overlay.project import Project
 
-from .conftest import g, snapshot, write
+from .conftest import as_in_a_terminal, g, snapshot, write
 
 ROOT = Path(__file__).resolve().parent.parent
 # apply.py's own main, on a synthetic project (argv[1]) instead of this repository
@@ -39,13 +39,6 @@ def tmpdir_env(tmp_path) -> dict[str, str]:
     """The environment for child runs: temporary folders under tmp_path/t (checked empty after)."""
     (tmp_path / "t").mkdir()
     return {**os.environ, "TMPDIR": str(tmp_path / "t")}
-
-
-def as_in_a_terminal() -> None:
-    """Child setup: SIGINT at its default, as a shell gives a foreground command. A test run
-    started in the background (``cmd &`` in a script) ignores SIGINT, and Python then keeps
-    ignoring it in every child: the interrupt tests would see runs finish with exit 0."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def spawn(project: Project, env: dict[str, str], *args: str) -> subprocess.Popen:

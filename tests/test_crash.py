@@ -20,7 +20,7 @@ from k3overlay import claim, journal, lock, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
-from .conftest import g
+from .conftest import as_in_a_terminal, g
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
@@ -39,7 +39,7 @@ LEAVES_WORK = {"clone", "clone.cloned", "check", "worktree", "worktree.added", "
 
 def run_tool(project, env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", RUNNER, str(project.root), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=as_in_a_terminal)
 
 
 def state(wd: Path) -> dict:
