@@ -116,9 +116,15 @@ def index_entries(repo: Repo, paths: list[str]) -> dict[str, tuple[str, str]]:
 
 def cut_short(repo: Repo, paths: list[str], rev: str) -> set[str]:
     """Those of ``paths`` whose work-tree file is a prefix (maybe empty) of the file commit
-    ``rev`` has there: the file git was writing when it was killed or the disk filled up.
-    Callers ask only where the index still holds the old entry: git writes the index after
-    every file, so once it holds the new one a short file is somebody's edit."""
+    ``rev`` has there: the file git was writing when the disk filled up.
+
+    Only for a run's own checkout that git began and that failed (``publish._undo``): git
+    checked the files it changes were unchanged before it wrote any, so the run saw git
+    write. Never for a killed run's switch (``resume``): its journal entry is written before
+    git starts, and an emptied file or the first lines of the new content are as likely the
+    user's edit since, which a forced checkout would destroy. Callers ask only where the
+    index still holds the old entry: git writes the index once, after every file, so once it
+    holds the new one a short file is somebody's edit."""
     from .gitobjects import read_files
 
     top = Path(repo.working_tree_dir)

@@ -7,9 +7,18 @@ allowed to make it: no git lock file is there (the tool deletes none it did not 
 no am/rebase/merge is in progress, the work branch is not checked out in another
 worktree and holds no commit apply.py did not make, and every path that differs from a
 clean checkout is one the switch writes and holds either the old or the new content
-(index and work tree), or in the work tree the start of the new (the file git was
-writing when the run was killed). Anything else stops the run with the normal run's own refusal,
-after a note of what the killed run left (``LeftAlone``).
+(index and work tree). Anything else stops the run with the normal run's own refusal,
+after a note of what the killed run left (``LeftAlone``); a file the switch writes that
+holds neither is named.
+
+No file is taken for the one git was writing when the run was killed, not even the start
+(or none) of the new content: the journal's ``publish`` entry is written before git's
+checkout starts, so it cannot tell a kill before git wrote anything (the user then
+emptied the file, or cut it to its first lines) from one in the middle of git's write,
+and forcing the checkout over the user's edit loses it. A kill inside git's checkout
+leaves git's ``index.lock`` (the run stops at it first); once the user removed that, the
+cut-short file is refused like an edit: ``git checkout -- FILE`` drops it, a commit or a
+stash keeps it, and the switch goes on.
 """
 
 from __future__ import annotations
@@ -94,16 +103,23 @@ def _may_switch(repo: git.Repo, facts: dict) -> bool:
                      "--ignored=matching")
     entries = [entry for entry in status.split("\0") if len(entry) > 3]
     changed = sorted({entry[3:] for entry in entries if not entry.startswith("!! ")})
-    # The finishing checkout is forced (it overwrites the files git half wrote), and a forced
-    # checkout also overwrites files git ignores, which status never shows: one in the
-    # switch's way counts as a change, one on its way (a folder where a file goes) refuses.
+    # The finishing checkout is forced (over the files git wrote whole), and a forced checkout
+    # also overwrites files git ignores, which status never shows: one in the switch's way
+    # counts as a change, one on its way (a folder where a file goes) refuses.
     in_way, blocking = _ignored_in_the_way(repo, [e[3:] for e in entries if e.startswith("!! ")], writes)
     blocking += _neither_old_nor_new(repo, old_head, sha, in_way)  # not git's own write
     if blocking:
         named = ", ".join(sorted(blocking)[:3]) + (" ..." if len(blocking) > 3 else "")
         raise UsageError(f"{repo.working_tree_dir}: files git ignores are where {branch} has files, "
                          f"and a checkout would overwrite them: {named}; move them away first")
-    if any(path not in writes for path in changed) or _neither_old_nor_new(repo, old_head, sha, changed):
+    mine = _neither_old_nor_new(repo, old_head, sha, [path for path in changed if path in writes])
+    if mine:  # what the forced checkout would overwrite: named (a file git cut short is one too)
+        named = ", ".join(mine[:3]) + (" ..." if len(mine) > 3 else "")
+        raise UsageError(f"{safety.dirty(repo)}: the killed switch to {branch} would overwrite {named}, "
+                         f"which {'holds' if len(mine) == 1 else 'hold'} neither its old nor its new "
+                         f"content (an edit of yours, or the file git was writing when it was killed: "
+                         f"`git checkout -- FILE` drops that)")
+    if any(path not in writes for path in changed):
         raise safety.dirty(repo)
     return ours
 
@@ -142,17 +158,15 @@ def _is_folder(path: Path) -> bool:
 
 def _neither_old_nor_new(repo: git.Repo, old: str | None, new: str, paths: list[str]) -> list[str]:
     """Those of ``paths`` that do not hold, in the index and in the work tree, what commit
-    ``old`` or commit ``new`` has there (mode and content; absent where the commit has none),
-    nor in the work tree a prefix of ``new``'s file (git was writing it when the run was killed)."""
+    ``old`` or commit ``new`` has there (mode and content; absent where the commit has none).
+
+    A file holding only the start of ``new``'s (or nothing) is one of them: the journal
+    cannot tell it from the user's edit (emptied, cut to its first lines), see the module's
+    docstring, and it is never overwritten."""
     if not paths:
         return []
     trees = [git.tree_entries(repo, old, paths) if old else {}, git.tree_entries(repo, new, paths)]
     index = git.index_entries(repo, paths)
     work = git.work_tree_entries(repo, paths)
-    # the file git was writing when the run was killed (F5): a prefix of the new content,
-    # and only while the index is still the old one (git writes it after every file)
-    odd = [p for p in paths
-           if work.get(p) not in {t.get(p) for t in trees} and index.get(p) == trees[0].get(p)]
-    cut = git.cut_short(repo, odd, new) if odd else set()
     return [p for p in paths if index.get(p) not in {t.get(p) for t in trees}
-            or (p not in cut and work.get(p) not in {t.get(p) for t in trees})]
+            or work.get(p) not in {t.get(p) for t in trees}]

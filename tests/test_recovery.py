@@ -6,6 +6,7 @@ Every kill is real (``test_crash``'s harness: the run SIGKILLs itself at a recor
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,23 +74,70 @@ def test_a_file_the_switch_writes_edited_since_is_never_forced_over(project, ups
     assert workdir_lock_path(wd).with_suffix(".journal").exists()  # the next run still knows
 
 
-def _result_file(project, upstream, tmp_path, path: str) -> bytes:
-    """``path`` as the v1.1.0 result has it (a run of its own, elsewhere)."""
-    ref = tmp_path / "reference"
-    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=ref, ref="v1.1.0")).ok
-    return (ref / path).read_bytes()
+def _new_content(wd: Path, path: str) -> bytes:
+    """``path`` as the commit the killed switch was checking out has it (its journal says which)."""
+    lines = workdir_lock_path(wd).with_suffix(".journal").read_text().splitlines()
+    [sha] = [entry["sha"] for entry in map(json.loads, lines) if entry.get("step") == "publish"]
+    return subprocess.run(["git", "show", f"{sha}:{path}"], cwd=wd, check=True, capture_output=True).stdout
 
 
-@pytest.mark.parametrize("cut", [0, 2])
-def test_the_file_git_was_writing_when_the_run_was_killed_lets_the_switch_finish(project, upstream,
-                                                                                 tmp_path, env, cut):
-    """Round 5 (F5): killed in the middle of git's checkout (HEAD and index still the old
-    ones), one file holds the start of its new content (git was writing it); the next run
-    refused the checkout as dirty and advised committing the half-switched files."""
+def _first_lines(data: bytes) -> bytes:
+    return b"".join(data.splitlines(keepends=True)[:2])
+
+
+def names(run: subprocess.CompletedProcess, path: str) -> None:
+    """The refusal names ``path`` as the file the switch would overwrite, and how to drop it."""
+    error = run.stderr.splitlines()[-1]
+    assert f"would overwrite {path}, which holds neither its old nor its new content" in error, error
+    assert "`git checkout -- FILE` drops that" in error, error
+
+
+@pytest.mark.parametrize("how", ["emptied", "cut to its first lines"])
+def test_a_file_emptied_or_cut_short_after_a_kill_before_git_wrote_is_the_users_and_is_kept(
+        project, upstream, tmp_path, env, how):
+    """The tester's case: killed at 'publish', before git's checkout wrote anything; the user
+    then empties pkg/model.txt (or cuts it to its first two lines, "line 1 (upstream)" and
+    "line 2": the start of the new content). The rerun took any prefix of the new content for the file git was
+    writing, forced the checkout over it and said "finished": the edit was gone. The journal
+    cannot tell git's write from the user's, so a normal run's refusal, the file named."""
     wd = tmp_path / "wd"
     args = killed(project, upstream, wd, env, "publish")
-    full = _result_file(project, upstream, tmp_path, "pkg/model.txt")
-    (wd / "pkg/model.txt").write_bytes(full[: len(full) // cut] if cut else b"")
+    full = _new_content(wd, "pkg/model.txt")
+    mine = b"" if how == "emptied" else _first_lines(full)
+    assert full.startswith(mine) and mine != full and mine != (wd / "pkg/model.txt").read_bytes()
+    (wd / "pkg/model.txt").write_bytes(mine)
+    assert g(wd, "status", "--porcelain") == " M pkg/model.txt\n"
+    before = snapshot(wd)
+    run = run_tool(project, env, *args)
+    refused(run, wd, DIRTY)
+    names(run, "pkg/model.txt")
+    assert snapshot(wd) == before and (wd / "pkg/model.txt").read_bytes() == mine
+    assert workdir_lock_path(wd).with_suffix(".journal").exists()  # the next run still knows
+
+
+def test_a_file_git_was_writing_when_killed_is_named_and_the_switch_goes_on_once_dropped(
+        project, upstream, tmp_path, env):
+    """Round 5 (F5), made safe: killed inside git's checkout, git leaves its index.lock and the
+    file it was writing holds the start of the new content (HEAD and index the old ones). That
+    file used to be taken for git's and forced over, which also forced over a user's edit
+    that looked the same (above). Now: the run stops at the lock; once the user removed it,
+    at the file, named, never overwritten; `git checkout -- FILE` drops it and the switch
+    finishes. (The kill's state is made by hand after a kill at 'publish'.)"""
+    wd = tmp_path / "wd"
+    args = killed(project, upstream, wd, env, "publish")
+    full = _new_content(wd, "pkg/model.txt")
+    (wd / "pkg/model.txt").write_bytes(full[: len(full) // 2])
+    lock = wd / ".git" / "index.lock"
+    lock.write_bytes(b"")  # what git's SIGKILLed checkout leaves
+    first = run_tool(project, env, *args)
+    assert first.returncode == errors.USAGE
+    assert first.stderr.splitlines()[-1].startswith(f"apply.py: error: {lock} exists"), first.stderr
+    lock.unlink()  # "remove the file if no git runs there"
+    second = run_tool(project, env, *args)
+    refused(second, wd, DIRTY)
+    names(second, "pkg/model.txt")
+    assert (wd / "pkg/model.txt").read_bytes() == full[: len(full) // 2]
+    g(wd, "checkout", "--", "pkg/model.txt")
     again = run_tool(project, env, *args)
     assert again.returncode == 0 and ": finished" in again.stderr, again.stderr
     assert (wd / "pkg/model.txt").read_bytes() == full and g(wd, "status", "--porcelain") == ""
@@ -143,6 +191,34 @@ def test_an_ignored_file_or_folder_where_the_switch_adds_a_file_is_never_forced_
     assert g(wd, "status", "--porcelain") == ""
     refused(run_tool(project, env, *args), wd, IGNORED_IN_THE_WAY)
     assert mine.read_text() == EDIT
+
+
+@pytest.mark.parametrize("how", ["empty", "its first half"])
+@pytest.mark.parametrize("what", ["untracked", "ignored"])
+def test_a_file_of_the_users_holding_the_start_of_one_the_switch_adds_is_never_forced_over(
+        project, upstream, tmp_path, env, what, how):
+    """The neighbour: where the switch adds pkg/new.py, the user makes one after the kill,
+    empty (`touch`) or holding the first half of the new file, untracked or ignored (status then
+    clean). Neither is git's (git had not started), yet each was taken for the file git was
+    writing and the forced checkout wrote over it. A normal run refuses either."""
+    wd = tmp_path / "wd"
+    g(tmp_path, "clone", "-q", str(upstream), str(wd))
+    g(wd, "checkout", "-q", "v1.0.0")
+    args = ["-q", "--vllm-repo", str(upstream), "--workdir", str(wd)]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish"}, *args).returncode < 0
+    full = _new_content(wd, "pkg/new.py")
+    mine = b"" if how == "empty" else full[: len(full) // 2]  # (it is one line)
+    assert full.startswith(mine) and mine != full
+    if what == "ignored":
+        (wd / ".git/info/exclude").write_text("new.py\n")
+    (wd / "pkg/new.py").write_bytes(mine)
+    run = run_tool(project, env, *args)
+    if what == "ignored":
+        refused(run, wd, IGNORED_IN_THE_WAY)
+    else:
+        refused(run, wd, DIRTY)
+        names(run, "pkg/new.py")
+    assert (wd / "pkg/new.py").read_bytes() == mine
 
 
 @pytest.fixture(scope="module")
