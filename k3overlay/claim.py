@@ -22,6 +22,7 @@ import json
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,28 +41,77 @@ def claimed(workdir: Path, journal_path: Path, say: Callable[[str], None],
     """Hold ``workdir``'s claim for the block (waiting, and telling ``say``, while another run
     holds it), after recovering (``recover``) the steps another cache's or another name's
     journal left on it. ``check`` (a ``--check``) writes no claim: it only waits for one.
-    Nothing is claimed where ``workdir`` has no git folder yet (a fresh workdir). Raises
-    UsageError for a journal it cannot act on, or a claim file it cannot make."""
+    Nothing is claimed here where ``workdir`` has no git folder yet (a fresh workdir): the run
+    claims the clone it makes before putting it in place (``held``). Raises UsageError for a
+    journal it cannot act on, or a claim file it cannot make."""
     git_dir = git_folder(workdir)
     if git_dir is None or (check and not os.path.lexists(git_dir / FILE)):
         yield
         return
+    if check:  # (a --check records no step: it writes nothing in the checkout)
+        with _taken(git_dir, workdir, say) as fd:
+            _recover_named(fd, workdir, journal_path, recover)
+            yield
+        return
+    with held(git_dir, workdir, journal_path, say, before=lambda fd: _recover_named(
+            fd, workdir, journal_path, recover)):
+        yield
+
+
+@contextlib.contextmanager
+def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], None],
+         before: Callable[[int], None] = lambda fd: None) -> Iterator[None]:
+    """Hold the claim in ``git_dir`` (``workdir``'s git folder) naming ``journal_path`` for the
+    block, waiting while another run holds it; ``before`` runs once it is taken, before it is
+    written. Where this run holds it already (its ``claimed``), the block just runs: a second
+    ``flock`` of the same file by this process would wait for itself. Emptied at the end
+    where the run left no journal. Raises UsageError for a claim file it cannot make."""
+    key, ours = os.path.realpath(git_dir), _ours()
+    if key in ours:
+        yield
+        return
+    with _taken(git_dir, workdir, say) as fd:
+        before(fd)
+        # (the first line for a run that waits, as in every lock file: ``lock.take``)
+        _write(fd, f"apply.py (pid {os.getpid()})\n{json.dumps({'journal': str(journal_path)})}\n")
+        ours.add(key)
+        try:
+            yield
+        finally:
+            ours.discard(key)
+        if not os.path.lexists(journal_path):  # ended clean: no step left for anyone
+            _write(fd, "")
+
+
+_held = threading.local()
+
+
+def _ours() -> set[str]:
+    """The git folders whose claim this run holds (a run is a thread: tests run two at once)."""
+    if not hasattr(_held, "folders"):
+        _held.folders = set()
+    return _held.folders
+
+
+@contextlib.contextmanager
+def _taken(git_dir: Path, workdir: Path, say: Callable[[str], None]) -> Iterator[int]:
+    """The claim file in ``git_dir``, open and locked (waiting) for the block, a copy with the
+    watchdog (``lock.watched``)."""
     path = git_dir / FILE
     fd = lock_file(path)
     try:
         take(fd, path, workdir, say, shared=False)
         with watched(fd, path):
-            other = _named(fd)
-            if other and other != str(journal_path):
-                _recover_elsewhere(Path(other), workdir, recover)
-            if not check:  # (a --check records no step: it writes nothing in the checkout)
-                # (the first line for a run that waits, as in every lock file: ``lock.take``)
-                _write(fd, f"apply.py (pid {os.getpid()})\n{json.dumps({'journal': str(journal_path)})}\n")
-            yield
-            if not check and not os.path.lexists(journal_path):  # ended clean: no step left for anyone
-                _write(fd, "")
+            yield fd
     finally:
         os.close(fd)
+
+
+def _recover_named(fd: int, workdir: Path, journal_path: Path,
+                   recover: Callable[[journal_.Journal], None]) -> None:
+    other = _named(fd)
+    if other and other != str(journal_path):
+        _recover_elsewhere(Path(other), workdir, recover)
 
 
 def _named(fd: int) -> str | None:

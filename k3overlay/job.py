@@ -235,12 +235,27 @@ def fresh_clone(origin: str, workdir: Path) -> Iterator[git.Repo]:
     removed if the block raises. A clone of the release mirror (tags, no branch) has nothing
     checked out, so one the run made and did not switch (a conflict, drift, a failed
     verification) is removed at the end; one taken up is never removed (the next run takes it
-    up again). The mark is dropped once the clone is switched."""
+    up again). The mark is dropped once the clone is switched.
+
+    The run claims the clone (``claim.held``) before it is put in place and holds the claim to
+    the end: a run under another cache finding it there waits, rather than taking it up as a
+    killed run's and switching it under this one. Raises UsageError where the clone to take
+    up was another live run's, switched while this run waited for it."""
     left = recovery.abandoned(workdir)
     taken_up, mark = left is not None, left or secrets.token_hex(8)
-    with journal.step("fresh", repo=str(workdir), mark=mark):
+    with contextlib.ExitStack() as held:
+        def claimed(git_dir: Path) -> None:
+            held.enter_context(claim.held(git_dir, workdir, journal_path(workdir), aside))
+
+        if taken_up:  # (claimed before its step: a run killed while it waits leaves no step on it)
+            claimed(claim.git_folder(workdir) or workdir / ".git")
+            if not recovery.unswitched(workdir, left):
+                raise errors.UsageError(f"{workdir} was made by another run, which switched it while "
+                                        f"this one waited: run again")
+        held.enter_context(journal.step("fresh", repo=str(workdir), mark=mark))
         # (if the clone fails, there is nothing of ours to remove)
-        repo = git.open_repo(workdir) if taken_up else source.clone(origin, workdir, mark=mark)
+        repo = git.open_repo(workdir) if taken_up else source.clone(origin, workdir, mark=mark,
+                                                                     before_placed=claimed)
         try:
             yield repo
         except BaseException:

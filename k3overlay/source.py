@@ -13,6 +13,7 @@ import shutil
 import stat
 import tempfile
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 from . import git, journal, pipconfig, redact
@@ -261,9 +262,11 @@ def refuse_object_format(repo: git.Repo, what: str) -> None:
                          f"SHA-1: use a SHA-1 clone of vLLM")
 
 
-def clone(origin: str, workdir: Path, *, mark: str | None = None) -> git.Repo:
+def clone(origin: str, workdir: Path, *, mark: str | None = None,
+          before_placed: Callable[[Path], None] = lambda git_dir: None) -> git.Repo:
     """Clone ``origin`` into ``workdir`` (missing, or an empty folder); with ``mark``, the
-    clone's git folder holds it in ``FRESH_MARK`` before the clone is put in place.
+    clone's git folder holds it in ``FRESH_MARK`` before the clone is put in place, after
+    which ``before_placed`` is called with that git folder (the run claims it there).
 
     The clone is made in a temporary folder beside ``workdir`` and renamed into
     place when complete, so an interrupted or failed clone leaves no half-made
@@ -289,6 +292,7 @@ def clone(origin: str, workdir: Path, *, mark: str | None = None) -> git.Repo:
                     refuse_object_format(cloned, f"--vllm-repo {origin}")
                 if mark is not None:
                     (scratch / "vllm" / ".git" / FRESH_MARK).write_text(mark)
+                before_placed(scratch / "vllm" / ".git")
                 journal.point("clone.cloned")
                 try:
                     os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too

@@ -636,6 +636,38 @@ def test_two_exports_at_once_into_one_project_wait_for_each_other(project, upstr
     _whole(project, upstream, env, tmp_path, ["0001-model-line-4.patch", "series"])
 
 
+@pytest.mark.parametrize("point", ["clone.done", "worktree", "publish"])
+def test_a_run_into_a_new_workdir_under_another_cache_waits_for_the_one_making_it(
+        project, upstream, tmp_path, env, point):
+    """Round 9 of hostile input: a run under a second cache found the first one's clone in the
+    new workdir (its claim not yet made: there was no git folder when it started), took it up
+    as a killed run's and switched it; the user committed on it, and the first run, going on,
+    reset the work branch over their commit. The clone is claimed before it is put in place."""
+    wd = tmp_path / "wd"
+    args = [sys.executable, "-c", RUNNER, str(project.root), "-q", "--vllm-repo", str(upstream),
+            "--workdir", str(wd)]
+    one = subprocess.Popen(args, cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                           env={**env, "XDG_CACHE_HOME": str(tmp_path / "a"), journal.KILL_AT: point,
+                                journal.KILL_AT + "_SIGNAL": "SIGSTOP"})
+    try:
+        deadline = time.monotonic() + 60
+        while not _stopped(one.pid):
+            assert one.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        two = subprocess.Popen(args, cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                               env={**env, "XDG_CACHE_HOME": str(tmp_path / "b")})
+        with pytest.raises(subprocess.TimeoutExpired):
+            two.wait(timeout=10)  # it waits for the first, which is stopped
+    finally:
+        os.kill(one.pid, signal.SIGCONT)
+    assert one.wait(timeout=120) == 0, one.stderr.read()
+    assert two.wait(timeout=120) == 0
+    said = two.stderr.read()
+    assert f"waiting for apply.py (pid {one.pid}) to finish with {wd}" in said, said
+    assert g(wd, "status", "--porcelain") == "" and g(wd, "symbolic-ref", "HEAD").strip() == \
+        "refs/heads/k3-overlay/9.9.9"
+
+
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
     wd = tmp_path / "wd"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
