@@ -252,6 +252,18 @@ def _elsewhere(entry: dict, workdir: str) -> str | None:
     return None
 
 
+def _in_scratch(entry: dict, entries: list[dict], workdir: str) -> bool:
+    """Whether ``entry`` wrote in a temporary worktree that a ``worktree`` step of the same
+    work directory's journal (``entries``) made: its recovery removes that folder whole."""
+    tree = entry.get(_WRITES_IN.get(entry.get("step"), ""))
+    if not isinstance(tree, str) or entry.get("workdir") != workdir:
+        return False
+    return any(e.get("step") == "worktree" and e.get("workdir") == workdir
+               and isinstance(e.get("parent"), str) and Path(e["parent"]).name.startswith(git._WORKTREE_PREFIX)
+               and Path(os.path.realpath(tree)).is_relative_to(os.path.realpath(e["parent"]))
+               for e in entries)  # fmt: skip
+
+
 def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool = True,
             overlay_dir: Path | None = None, steps: Collection[str] = tuple(HANDLERS)) -> None:
     """Finish or undo every step a killed run left unfinished on ``journal.workdir`` (newest
@@ -262,6 +274,8 @@ def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool 
     unreadable. Raises what a recovery raises
     (UsageError: the user must decide; ``resume.LeftAlone`` after saying what was left)."""
     unfinished = journal.unfinished()
+    # Steps that wrote in one of the run's own scratch trees need nothing: the tree goes whole.
+    unfinished = [e for e in unfinished if not _in_scratch(e, unfinished, journal.workdir)]
     named = [e for e in unfinished if isinstance(e.get("workdir"), str)]
     mine = [e for e in named if _elsewhere(e, journal.workdir) is None]
     entries = [e for e in mine if e.get("step") in steps and readable(e)]
