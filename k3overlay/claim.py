@@ -144,15 +144,29 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
     names = {e.get("workdir") for e in entries}
     name = names.pop() if len(names) == 1 else None
     if not isinstance(name, str) or not same(Path(name), workdir) or path.stem != journal_key(name):
-        raise UsageError(f"a killed run left unfinished steps in {path} under another name of {workdir} "
-                         f"({name or 'several'}), which no longer reaches it: run again under that name")
+        raise UsageError(_not_here(claim, path, workdir, name))
     recover(journal_.Journal(path, name))
+
+
+def _not_here(claim: Path, path: Path, workdir: Path, name: str | None) -> str:
+    """Why the steps a killed run left for the checkout ``name`` (its journal ``path``) are
+    not finished here, and what to do: the claim came with a copy of that checkout, or the
+    checkout was moved (a journal's steps are acted on only where they were recorded)."""
+    start = f"{claim} names a killed run's unfinished steps in {path}, recorded for "
+    if name is None:
+        return f"{start}several checkouts: not acted on; remove {claim} and check {workdir} with git status"
+    if os.path.lexists(name):
+        return (f"{start}{name}, another checkout (this one a copy of it?): not acted on here; run "
+                f"again with --workdir {name} to finish them there, and remove {claim}")
+    return (f"{start}{name}, which is gone (moved here?): not acted on; check {workdir} with git "
+            f"status, then remove {claim}")
 
 
 def git_folder(top: Path) -> Path | None:
     """The git folder of the work tree ``top``: its ``.git`` folder, or the one its ``.git`` file
-    names (a linked worktree's, ``gitdir: …``) where that is one git would take (it holds
-    ``HEAD`` and ``commondir``: a hostile line must not have the claim made in ``/etc``);
+    names (``gitdir: …``: a linked worktree's, a ``clone --separate-git-dir``'s, a submodule's)
+    where that is one git would take (it holds ``HEAD`` and ``commondir``, or ``HEAD``,
+    ``objects/`` and ``refs/``: a hostile line must not have the claim made in ``/etc``);
     None where there is neither (or a link, or a name the system refuses)."""
     dot = top / ".git"
     try:
@@ -164,8 +178,8 @@ def git_folder(top: Path) -> Path | None:
         if not named.startswith(b"gitdir: "):
             return None
         folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
-        ours = folder.is_dir() and not folder.is_symlink() and (folder / "HEAD").is_file() \
-            and (folder / "commondir").is_file()
+        ours = folder.is_dir() and not folder.is_symlink() and (folder / "HEAD").is_file() and (
+            (folder / "commondir").is_file() or (folder / "objects").is_dir() and (folder / "refs").is_dir())
     except (OSError, ValueError):  # a name too long, a NUL: no git folder of anyone's
         return None
     return folder if ours else None

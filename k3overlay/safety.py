@@ -53,11 +53,17 @@ def refuse_checked_out_elsewhere(repo: git.Repo, branch: str) -> None:
     here would leave that worktree's index and files on the old commit (staged changes
     nobody made)."""
     here = Path(repo.working_tree_dir).resolve()
-    tree = None
+    # The main worktree is listed first, under a path git may get wrong where the git folder
+    # is apart from the files (``clone --separate-git-dir``, a submodule: git 2.39 lists the
+    # git folder): where this checkout is the main one, that entry is this checkout.
+    main_here = Path(git.run(repo, "rev-parse", "--absolute-git-dir").strip()).resolve() == Path(
+        git.run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()).resolve()
+    tree, index = None, -1
     for line in git.run(repo, "worktree", "list", "--porcelain", "-z").split("\0"):
         if line.startswith("worktree "):
-            tree = Path(line[len("worktree "):])
-        elif line == f"branch refs/heads/{branch}" and tree is not None and tree.resolve() != here:
+            tree, index = Path(line[len("worktree "):]), index + 1
+        elif line == f"branch refs/heads/{branch}" and tree is not None and tree.resolve() != here \
+                and not (index == 0 and main_here):
             raise UsageError(f"branch {branch} is checked out in the worktree {tree}; moving it "
                              f"from here would leave that worktree on the old files; run apply.py "
                              f"with --workdir {tree}, or choose another with --branch")

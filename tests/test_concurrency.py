@@ -536,3 +536,25 @@ def test_a_git_file_naming_no_git_folder_gets_no_claim(tmp_path, line):
     with claim.claimed(top, tmp_path / "a.journal", print, lambda _: None):
         pass
     assert not list(tmp_path.rglob(claim.FILE))
+
+
+@pytest.mark.parametrize("layout", ["separate-git-dir", "linked"])
+def test_a_checkout_whose_git_folder_is_apart_is_claimed_and_runs_again(project, upstream, tmp_path, layout):
+    """Round 9: a ``clone --separate-git-dir`` checkout (and a submodule's) had no claim, and
+    every run after the first refused "branch k3 is checked out in the worktree …/sep.git"
+    (git 2.39 lists the git folder as the main worktree's path)."""
+    from k3overlay import claim
+
+    wd, sep = tmp_path / "wd", tmp_path / "sep.git"
+    if layout == "separate-git-dir":
+        g(tmp_path, "clone", "-q", f"--separate-git-dir={sep}", str(upstream), str(wd))
+        own = sep
+    else:
+        g(tmp_path, "clone", "-q", str(upstream), str(tmp_path / "main"))
+        g(tmp_path / "main", "worktree", "add", "-q", "--detach", str(wd), "v1.0.0")
+        own = tmp_path / "main" / ".git" / "worktrees" / "wd"
+    assert claim.git_folder(wd) == own
+    for _ in range(2):
+        report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, branch="k3"))
+        assert report.ok, report.notes
+    assert (own / claim.FILE).is_file() and g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/k3"

@@ -670,6 +670,28 @@ def test_a_run_into_a_new_workdir_under_another_cache_waits_for_the_one_making_i
         "refs/heads/k3-overlay/9.9.9"
 
 
+def test_a_checkout_copied_or_moved_after_a_kill_is_told_where_the_steps_belong(project, upstream,
+                                                                              tmp_path, env):
+    """Round 9: both were told "run again under that name", for a copy whose original is
+    another checkout, and for a move, whose old name is gone."""
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    args = ["-q", "--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0", "--workdir"]
+    assert run_tool(project, {**env, journal.KILL_AT: "publish.switched"}, *args, str(wd)).returncode < 0
+    subprocess.run(["cp", "-a", str(wd), str(tmp_path / "copy")], check=True)
+    copied = run_tool(project, env, *args, str(tmp_path / "copy"))
+    claim_file = tmp_path / "copy" / ".git" / claim.FILE
+    assert copied.returncode == 2 and copied.stderr.splitlines()[-1].endswith(
+        f"recorded for {wd}, another checkout (this one a copy of it?): not acted on here; run again "
+        f"with --workdir {wd} to finish them there, and remove {claim_file}"), copied.stderr
+    os.rename(wd, tmp_path / "moved")
+    moved = run_tool(project, env, *args, str(tmp_path / "moved"))
+    claim_file = tmp_path / "moved" / ".git" / claim.FILE
+    assert moved.returncode == 2 and moved.stderr.splitlines()[-1].endswith(
+        f"recorded for {wd}, which is gone (moved here?): not acted on; check {tmp_path / 'moved'} with "
+        f"git status, then remove {claim_file}"), moved.stderr
+
+
 def test_a_killed_switch_is_not_forced_over_files_changed_since(project, upstream, tmp_path, env):
     wd = tmp_path / "wd"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
