@@ -603,6 +603,18 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
+def _stopped_at(point: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """The run ``args`` started and stopped (SIGSTOP) at the journal point ``point``; the
+    caller sends SIGCONT."""
+    run = subprocess.Popen(args, cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                           env={**env, journal.KILL_AT: point, journal.KILL_AT + "_SIGNAL": "SIGSTOP"})
+    deadline = time.monotonic() + 60
+    while not _stopped(run.pid):
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    return run
+
+
 def test_two_exports_at_once_into_one_project_wait_for_each_other(project, upstream, tmp_path, env):
     """Two exports from two checkouts into one project took only their checkouts' locks:
     one stopped between staging and renaming while the other exported a renamed patch
@@ -613,14 +625,8 @@ def test_two_exports_at_once_into_one_project_wait_for_each_other(project, upstr
     first = tmp_path / "wd1"
     assert run_apply(project, Options(vllm_repo=str(upstream), workdir=first)).ok
     start = [sys.executable, "-c", RUNNER, str(project.root), "-q", "--export", "--workdir"]
-    one = subprocess.Popen([*start, str(first)], cwd=ROOT, text=True, stderr=subprocess.PIPE,
-                           env={**env, journal.KILL_AT: "write.staged",
-                                journal.KILL_AT + "_SIGNAL": "SIGSTOP"})
+    one = _stopped_at("write.staged", [*start, str(first)], env)
     try:
-        deadline = time.monotonic() + 60
-        while not _stopped(one.pid):
-            assert one.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
         two = subprocess.Popen([*start, str(renamed)], cwd=ROOT, text=True, stderr=subprocess.PIPE,
                                env=env)
         try:
@@ -648,14 +654,8 @@ def test_a_run_into_a_new_workdir_under_another_cache_waits_for_the_one_making_i
     wd = tmp_path / "wd"
     args = [sys.executable, "-c", RUNNER, str(project.root), "-q", "--vllm-repo", str(upstream),
             "--workdir", str(wd)]
-    one = subprocess.Popen(args, cwd=ROOT, text=True, stderr=subprocess.PIPE,
-                           env={**env, "XDG_CACHE_HOME": str(tmp_path / "a"), journal.KILL_AT: point,
-                                journal.KILL_AT + "_SIGNAL": "SIGSTOP"})
+    one = _stopped_at(point, args, {**env, "XDG_CACHE_HOME": str(tmp_path / "a")})
     try:
-        deadline = time.monotonic() + 60
-        while not _stopped(one.pid):
-            assert one.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
         two = subprocess.Popen(args, cwd=ROOT, text=True, stderr=subprocess.PIPE,
                                env={**env, "XDG_CACHE_HOME": str(tmp_path / "b")})
         with pytest.raises(subprocess.TimeoutExpired):
