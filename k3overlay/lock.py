@@ -14,16 +14,27 @@ killed run's git children are gone: a copy of each lock is held by its watchdog
 ``held`` is the same exclusive lock for the cache's own files (downloads, the
 release mirror, test environments). Every lock file is opened without following
 a link or waiting on a FIFO (``files.open_regular``): anything but a regular
-file at its path is refused in one line, exit 2.
+file with one name at its path (a hard link too: writing the holder's line in it
+would change the file under its other names) is refused in one line, exit 2.
+
+A lock needs only a descriptor to ``flock``, and one opened read-only will do: a
+lock file is made readable to every user (0644, whatever the umask), and one this
+user cannot write in (another user's: a run under ``sudo`` made it; a read-only
+file system) is opened read-only, its holder's line left as it is. So one run as
+root locks no one out, and the user's runs and root's still wait for each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
+import pwd
+import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +45,17 @@ from .errors import UsageError
 from .files import open_regular
 from .interrupts import deferred
 from .project import cache_dir
-from .regular import own_folder
+from .regular import CannotOpen, own_folder
+
+# why a lock file cannot be opened for writing where it may still be opened read-only (or why
+# one cannot be made: its folder is another user's, or on a read-only file system)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+_HOLDER = re.compile(r"apply\.py \(pid ([1-9][0-9]{0,9})\)")  # a lock file's first line
+
+
+class CannotMake(UsageError):
+    """A lock file is not there and cannot be made: its folder is not this user's to write in
+    (another user's, a read-only file system). ``projectlock`` then locks a reader elsewhere."""
 
 
 @contextlib.contextmanager
@@ -71,13 +92,14 @@ def holding(path: Path, workdir: Path, say: Callable[[str], None], *, shared: bo
     """Hold the lock file ``path`` (made if missing) exclusive or ``shared`` for the block (yields
     its descriptor, for ``take`` to turn it into the other kind), waiting (and telling ``say``
     once whom for) while another run holds it; the holder's pid is written in it for the next
-    one. Raises UsageError as ``lock_file``."""
+    one, where this user can write in it (``lock_file``). Raises UsageError as ``lock_file``."""
     fd = lock_file(path)
     try:
         take(fd, path, workdir, say, shared)
-        with contextlib.suppress(OSError):  # who holds it, for a run that waits: not on a full disk
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
+        if writable(fd):
+            with contextlib.suppress(OSError):  # who holds it, for a run that waits: not on a full disk
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"apply.py (pid {os.getpid()})\n".encode(), 0)
         with watched(fd, path):
             yield fd
     finally:
@@ -86,14 +108,33 @@ def holding(path: Path, workdir: Path, say: Callable[[str], None], *, shared: bo
 
 def take(fd: int, path: Path, workdir: Path, say: Callable[[str], None], shared: bool) -> None:
     """Lock the lock file ``path`` (open as ``fd``) exclusive or ``shared``, telling ``say`` once
-    whom it waits for (the pid the holder wrote) while another run holds it."""
+    whom it waits for (the pid the holder wrote: ``holder``) while another run holds it."""
     mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         flock(fd, path, mode | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = (os.pread(fd, 200, 0).decode(errors="replace").strip().splitlines() or ["another run"])[0]
-        say(f"waiting for {holder} to finish with {workdir}")
+        say(f"waiting for {holder(fd)} to finish with {workdir}")
         flock(fd, path, mode)
+
+
+def holder(fd: int) -> str:
+    """Who holds the lock file open as ``fd``, from its first line: "apply.py (pid N)" where
+    process N lives; else "another run". The line is the last one a run that could write in
+    the file wrote: a holder that could not (another user's file) left it stale, and text
+    that is no such line (anyone's, with a terminal's control codes) is never shown."""
+    try:
+        found = _HOLDER.fullmatch(os.pread(fd, 200, 0).split(b"\n", 1)[0].decode("ascii", "replace").strip())
+    except OSError:
+        found = None
+    if found is None:
+        return "another run"
+    try:
+        os.kill(int(found[1]), 0)  # (signal 0: only whether it is there)
+    except PermissionError:
+        pass  # another user's process: there
+    except (OSError, OverflowError):  # gone (ProcessLookupError), or no pid this system has
+        return "another run"
+    return found[0]
 
 
 def _places(workdir: Path) -> list[str]:
@@ -165,16 +206,66 @@ def flock(fd: int, path: Path, operation: int, *, moved_by: str = "XDG_CACHE_HOM
 
 
 def lock_file(path: Path) -> int:
-    """A descriptor of the lock file ``path``, made (and its folder) if missing.
+    """A descriptor of the lock file ``path``, made (and its folder) if missing, readable to
+    every user whatever the umask (0644: another user's run may need to take it too).
 
-    Raises UsageError (one line) if it cannot be made, or if something other than a
-    regular file is there (a link is not followed, a FIFO not waited on).
+    A lock needs only a descriptor to ``flock``: a lock file this user cannot write in
+    (another user's, a read-only file system) is opened read-only (``writable`` says which).
+    Raises CannotMake (a UsageError) if it is missing and its folder is not this user's to
+    write in (EACCES, EPERM, EROFS); UsageError (one line) if it cannot be made or opened
+    otherwise (another user's that this one cannot read), or if anything but a regular file
+    with one name is there (a link is not followed, a FIFO not waited on, a hard link not
+    written in: ``open_regular``).
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open_regular(path, os.O_RDWR | os.O_CREAT)
     except OSError as err:
+        kind = CannotMake if err.errno in _NOT_WRITABLE else UsageError
+        raise kind(f"cannot make the lock file {path}: {err.strerror}") from err
+    try:
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, one_link=True)
+    except CannotOpen as err:
+        if err.errno not in _NOT_WRITABLE:
+            raise
+        return _read_only(path, err)
+    except OSError as err:  # (its folder removed meanwhile)
         raise UsageError(f"cannot make the lock file {path}: {err.strerror}") from err
+    info = os.fstat(fd)
+    if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o044 != 0o044:
+        with contextlib.suppress(OSError):  # made under a strict umask (sudo's), or by an older version
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o044)
+    return fd
+
+
+def _read_only(path: Path, why: CannotOpen) -> int:
+    """``path`` opened read-only, as it could not be for writing (``why``)."""
+    try:
+        return open_regular(path, os.O_RDONLY, one_link=True)
+    except FileNotFoundError:
+        raise CannotMake(f"cannot make the lock file {path}: {os.strerror(why.errno or 0)}") from why
+    except CannotOpen as err:
+        if err.errno not in _NOT_WRITABLE:
+            raise
+        try:
+            owner = _user(os.stat(path).st_uid)
+        except OSError:
+            owner = "another user"
+        raise UsageError(f"cannot open the lock file {path}: {os.strerror(err.errno or 0)}; it is {owner}'s "
+                         f"(made by a run as that user, sudo?): have it made readable to every user "
+                         f"(chmod a+r), or removed while no run of the tool is going on") from err
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def writable(fd: int) -> bool:
+    """Whether the lock file open as ``fd`` (``lock_file``) is open for writing: not where
+    this user cannot write in it, which is then open read-only."""
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
 
 
 STALE_AFTER_S = 60  # a folder younger than this may belong to a run that has not locked it yet
