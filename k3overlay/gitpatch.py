@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,14 +81,23 @@ def diff_of(patch: Path) -> Iterator[Path]:
     """A file holding the diff ``git am`` applies of mailbox ``patch`` (``git mailinfo``: a
     base64 or quoted-printable body decoded, as am decodes it), for the block: git apply,
     patch-id and their trials read no diff in an encoded body, and called a patch that
-    applies unreadable (or never landed). Read in an empty folder no repository holds."""
+    applies unreadable (or never landed)."""
+    with tempfile.TemporaryDirectory(prefix="k3-diff-") as tmp:
+        diff = Path(tmp) / "diff"
+        diff.write_bytes(_decoded(patch.read_bytes()))
+        yield diff
+
+
+@functools.lru_cache(maxsize=512)
+def _decoded(mail: bytes) -> bytes:
+    """The diff of the mail ``mail``, decoded once per content (a run reads each patch's diff
+    for its paths, its trials and its patch id: one ``git mailinfo`` each, before). Read in
+    an empty folder no repository holds."""
     with tempfile.TemporaryDirectory(prefix="k3-diff-") as tmp:
         diff = Path(tmp) / "diff"
         _execute(["mailinfo", "-b", str(Path(tmp) / "msg"), str(diff)], cwd=tmp,
-                 env={"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}, stdin=patch.read_bytes())
-        if not diff.exists():
-            diff.write_bytes(b"")
-        yield diff
+                 env={"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}, stdin=mail)
+        return diff.read_bytes() if diff.exists() else b""
 
 
 def patch_paths(repo: Repo, patch: Path) -> list[str]:

@@ -598,6 +598,27 @@ def test_a_patch_with_a_base64_body_is_classified_and_rebased_like_any_other(pro
     assert rebased.ok and [p.status for p in rebased.patches] == ["applied-3way"]
 
 
+def test_a_patch_is_decoded_once_per_content_and_again_when_it_changes(project, monkeypatch):
+    """Each patch's diff was decoded by ``git mailinfo`` for its paths, every apply trial and
+    its patch id: one git process each. Decoded once per content now, a changed file anew."""
+    from k3overlay import gitpatch
+
+    patch = project.patches_dir / "0001-model-line-4.patch"
+    _base64_body(patch)
+    real, calls = gitpatch._execute, []
+    monkeypatch.setattr(gitpatch, "_execute", lambda args, **kw: calls.append(args[0]) or real(args, **kw))
+    gitpatch._decoded.cache_clear()
+    diffs = []
+    for _ in range(3):
+        with gitpatch.diff_of(patch) as diff:
+            diffs.append(diff.read_bytes())
+    assert calls == ["mailinfo"] and diffs[0] == diffs[2] and b"+line 4 (ours)" in diffs[0]
+    patch.write_text(patch.read_text().replace("Subject:", "Subject: [PATCH]", 1))
+    with gitpatch.diff_of(patch) as diff:
+        assert diff.read_bytes() == diffs[0]
+    assert calls == ["mailinfo", "mailinfo"]
+
+
 # -- Found by the second adversarial pass: a checkout of this repository whose line endings
 # git converted (``core.autocrlf=true``, common on Windows and WSL) made every patch of the
 # series a "conflict" (exit 3, naming hunks of upstream's files that were never the
