@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import journal as journal_
 from .errors import UsageError
-from .lock import journal_key, lock_file, take, watched
+from .lock import journal_key, lock_file, take, watched, writable
 from .outputs import same
 from .project import CACHE_NAME
 
@@ -72,6 +72,9 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
         return
     with _taken(git_dir, workdir, say) as fd:
         before(fd)
+        if not writable(fd):  # another user's (a sudo run's): held all the same, naming nothing
+            say(f"note: {git_dir / FILE} is not yours to write: held, but a killed run's steps are found "
+                f"only under this cache; remove it once no run is going")
         # (the first line for a run that waits, as in every lock file: ``lock.take``)
         _write(fd, f"apply.py (pid {os.getpid()})\n{json.dumps({'journal': str(journal_path)})}\n")
         ours.add(key)

@@ -105,7 +105,8 @@ class Journal:
     def _append(self, entry: dict) -> None:
         line = (json.dumps(entry, sort_keys=True) + "\n").encode()
         try:
-            fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            # (one name only: a ``cp -al`` copy's journal would be appended to the original's)
+            fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, one_link=True)
             try:
                 if os.write(fd, line) != len(line):
                     raise OSError(28, os.strerror(28))

@@ -85,3 +85,15 @@ def test_a_journal_larger_than_any_run_writes_is_not_read(tmp_path):
         f.truncate(journal.MAX_BYTES + 1)  # (sparse: nothing written)
     with pytest.raises(errors.UsageError, match="more than any run writes"):
         journal.Journal(path, str(tmp_path)).unfinished()
+
+
+def test_a_journal_with_a_second_name_is_never_appended_to(tmp_path):
+    """Round 9: the project's journal sits in its git folder, and a ``cp -al`` copy of the
+    project shares it by a hard link: a step the copy's run recorded would be the original's."""
+    original = tmp_path / "original.journal"
+    original.write_text("")
+    path = tmp_path / "copy.journal"
+    path.hardlink_to(original)
+    with pytest.raises(errors.UsageError, match="hard link"):
+        journal.Journal(path, str(tmp_path)).begin("write", root=str(tmp_path), folders=[])
+    assert original.read_text() == ""

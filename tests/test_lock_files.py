@@ -258,6 +258,9 @@ def test_one_run_as_root_does_not_lock_the_user_out(project, upstream, shared):
     assert [os.stat(p).st_uid for p in roots] == [0, 0]
     again = shared.run(proj, "-q", "--vllm-repo", str(up), "--workdir", str(wd))
     assert again.returncode == 0, again.stderr
+    # the claim held read-only names no journal: said, with what to do
+    assert f"note: {roots[1]} is not yours to write: held, but a killed run's steps are found only under " \
+        f"this cache; remove it once no run is going" in again.stderr, again.stderr
     check = shared.run(proj, "-q", "--check", "--vllm-repo", str(up), "--workdir", str(shared.folder / "w2"))
     assert check.returncode == 0, check.stderr
     exported = shared.run(proj, "-q", "--export", "--workdir", str(wd))  # a writer takes it read-only too
