@@ -11,7 +11,8 @@ cluster kernel's loads and store without its math, options ``cluster`` and ``syn
 cluster barrier; its output is not attn-res, so only its time counts).
 
 ``python -m k3lab.decode_step.attn_res_bench --stock-dir DIR [--out DIR] [--m 1,2,4,8,16]
-[--kinds ours,loop,cluster,last,row,spin] [--tag T]`` on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
+[--kinds ours,loop,cluster,last,row,spin] [--tag T]`` (default kinds ``ours,cluster``: the
+SM90 fused table routes attn-res to ``cluster``) on a CUDA GPU (no vLLM: :mod:`k3lab.decode_step.imports`).
 Writes ``attn_res_bench_<date><tag>.json`` to ``--out`` (default ``$OUT``) and prints the
 best config of each kind (lowest summed µs over the M asked for). Exit codes: 0 done,
 2 bad usage / no GPU / missing stock files.
@@ -42,6 +43,9 @@ from k3lab.decode_step.layers import EPS, NB, H
 COPIES = 8
 #: The kinds of the overlay's launcher (``--apply-best`` chooses among them).
 OURS = ("ours", "loop", "cluster")
+#: What a run times unless told: the SM90 fused table's attn-res row is a ``cluster`` one, and
+#: its fallback the tile kernel (a default of ``ours`` alone timed a kernel no model runs).
+DEFAULT_KINDS = ("ours", "cluster")
 GRID = {  # kind -> list of option dicts
     # NB = 8 blocks (u apart): one tile of 8 (block_s None) or two of 4
     "ours": [dict(num_warps=w, block_s=b, reload=r)
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-dir", type=pathlib.Path, required=True)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", ".")))
     ap.add_argument("--m", default="1,2,4,8,16")
-    ap.add_argument("--kinds", default="ours")
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tag", default="")
     ap.add_argument("--grid", default="{}", help="JSON {kind: [options, ...]} replacing GRID[kind]")

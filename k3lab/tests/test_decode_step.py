@@ -342,3 +342,15 @@ def test_the_model_checks_c_stand_ins_return_nothing_as_their_schemas_say(monkey
     monkeypatch.setattr(stock, "situ_and_mul", lambda x, beta, out=None: seen.append((x, beta, out)) or out)
     assert model_check._situ_and_mul_out("out", "x", 1.0, 0.5) is None
     assert seen == [("x", 1.0, "out")]
+
+
+def test_attn_res_bench_times_by_default_the_kernel_the_table_routes_to() -> None:
+    """A run with no --kinds timed only the tile kernel (H100, 2026-12-05), while the SM90
+    fused table routes attn-res to the cluster kernel."""
+    import runpy
+
+    from k3lab.decode_step import attn_res_bench, imports
+
+    table = runpy.run_path(str(imports.OVERLAY_PKG / "low_latency_fused_sm90.py"))["FUSED_SM90"]
+    kinds = {row[1][0] for row in table["attn_res"].values()}
+    assert kinds and kinds <= set(attn_res_bench.DEFAULT_KINDS) <= set(attn_res_bench.OURS)
