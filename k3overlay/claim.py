@@ -50,10 +50,10 @@ def claimed(workdir: Path, journal_path: Path, say: Callable[[str], None],
         return
     if check:  # (a --check records no step: it writes nothing in the checkout)
         with _taken(git_dir, workdir, say) as fd:
-            _recover_named(fd, workdir, journal_path, recover)
+            recover_named(fd, workdir, journal_path, recover)
             yield
         return
-    with held(git_dir, workdir, journal_path, say, before=lambda fd: _recover_named(
+    with held(git_dir, workdir, journal_path, say, before=lambda fd: recover_named(
             fd, workdir, journal_path, recover)):
         yield
 
@@ -110,8 +110,11 @@ def _taken(git_dir: Path, workdir: Path, say: Callable[[str], None]) -> Iterator
         os.close(fd)
 
 
-def _recover_named(fd: int, workdir: Path, journal_path: Path,
-                   recover: Callable[[journal_.Journal], None]) -> None:
+def recover_named(fd: int, workdir: Path, journal_path: Path,
+                  recover: Callable[[journal_.Journal], None]) -> None:
+    """Recover (``recover``) the steps left in the journal the claim open as ``fd`` names, where
+    that is not ``journal_path`` (this run's own): another cache's, or another name's.
+    UsageError as ``_recover_elsewhere``."""
     other = _named(fd)
     if other and other != str(journal_path):
         _recover_elsewhere(Path(other), workdir, recover)
@@ -144,7 +147,7 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
                          f"{claim} if no run of the tool was killed there")
     if not entries:
         return
-    names = {e.get("workdir") for e in entries}
+    names = {e.get("workdir") if isinstance(e.get("workdir"), str) else None for e in entries}
     name = names.pop() if len(names) == 1 else None
     if not isinstance(name, str) or not same(Path(name), workdir) or path.stem != journal_key(name):
         raise UsageError(_not_here(claim, path, workdir, name))
@@ -157,7 +160,8 @@ def _not_here(claim: Path, path: Path, workdir: Path, name: str | None) -> str:
     checkout was moved (a journal's steps are acted on only where they were recorded)."""
     start = f"{claim} names a killed run's unfinished steps in {path}, recorded for "
     if name is None:
-        return f"{start}several checkouts: not acted on; remove {claim} and check {workdir} with git status"
+        return (f"{start}several checkouts, or for none it can read: not acted on; check {workdir} with git "
+                f"status, then remove {claim}")
     if os.path.lexists(name):
         return (f"{start}{name}, another checkout (this one a copy of it?): not acted on here; run "
                 f"again with --workdir {name} to finish them there, and remove {claim}")
@@ -166,26 +170,38 @@ def _not_here(claim: Path, path: Path, workdir: Path, name: str | None) -> str:
 
 
 def git_folder(top: Path) -> Path | None:
-    """The git folder of the work tree ``top``: its ``.git`` folder, or the one its ``.git`` file
-    names (``gitdir: …``: a linked worktree's, a ``clone --separate-git-dir``'s, a submodule's)
-    where that is one git would take (it holds ``HEAD`` and ``commondir``, or ``HEAD``,
-    ``objects/`` and ``refs/``: a hostile line must not have the claim made in ``/etc``);
-    None where there is neither (or a link, or a name the system refuses)."""
+    """The git folder of the work tree ``top``: its ``.git`` folder; or the one its ``.git``
+    link leads to, or its ``.git`` file names (``gitdir: …``: a linked worktree's, a ``clone
+    --separate-git-dir``'s, a submodule's), where that is one git would take: it holds
+    ``HEAD`` and ``commondir``, or ``HEAD``, ``objects/`` and ``refs/`` (a hostile line must
+    not have the claim made in ``/etc``), and is ``_trusted``. None where there is none (or a
+    name the system refuses)."""
     dot = top / ".git"
     try:
-        if dot.is_symlink():
-            return None
-        if dot.is_dir():
+        if dot.is_dir() and not dot.is_symlink():
             return dot
-        named = _head_of(dot)
-        if not named.startswith(b"gitdir: "):
-            return None
-        folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
+        if dot.is_symlink():  # (git follows it: the claim goes where git's own files are)
+            folder = Path(os.path.realpath(dot))
+        else:
+            named = _head_of(dot)
+            if not named.startswith(b"gitdir: "):
+                return None
+            folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
         ours = folder.is_dir() and not folder.is_symlink() and (folder / "HEAD").is_file() and (
             (folder / "commondir").is_file() or (folder / "objects").is_dir() and (folder / "refs").is_dir())
+        return folder if ours and _trusted(folder) else None
     except (OSError, ValueError):  # a name too long, a NUL: no git folder of anyone's
         return None
-    return folder if ours else None
+
+
+def _trusted(folder: Path) -> bool:
+    """Whether a git folder reached through a link or a ``.git`` file is one this user's claim
+    may go in: theirs, as git wants it (root's runs: the folder of the user ``sudo`` names,
+    ``SUDO_UID``, too), and writable by no other user (one could hold a claim made there
+    forever, or swap it)."""
+    info, me = os.stat(folder), os.geteuid()
+    owner = info.st_uid == me or (me == 0 and str(info.st_uid) == os.environ.get("SUDO_UID"))
+    return owner and not (info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX)
 
 
 def _head_of(file: Path) -> bytes:

@@ -243,12 +243,16 @@ def fresh_clone(origin: str, workdir: Path) -> Iterator[git.Repo]:
     up was another live run's, switched while this run waited for it."""
     left = recovery.abandoned(workdir)
     taken_up, mark = left is not None, left or secrets.token_hex(8)
+    journal_file = journal_path(workdir)
     with contextlib.ExitStack() as held:
-        def claimed(git_dir: Path) -> None:
-            held.enter_context(claim.held(git_dir, workdir, journal_path(workdir), aside))
+        def claimed(git_dir: Path, before=lambda fd: None) -> None:
+            held.enter_context(claim.held(git_dir, workdir, journal_file, aside, before=before))
 
         if taken_up:  # (claimed before its step: a run killed while it waits leaves no step on it)
-            claimed(claim.git_folder(workdir) or workdir / ".git")
+            # The clone's run, killed under another cache, left its steps in the journal its
+            # claim names: finished or undone now (its switch too), not at some later run.
+            claimed(claim.git_folder(workdir) or workdir / ".git", before=lambda fd: claim.recover_named(
+                fd, workdir, journal_file, lambda left: recovery.recover(left, aside)))
             if not recovery.unswitched(workdir, left):
                 raise errors.UsageError(f"{workdir} was made by another run, which switched it while "
                                         f"this one waited: run again")

@@ -141,7 +141,9 @@ class Journal:
             if isinstance(entry.get("done"), str):
                 begun.pop(entry["done"], None)
             elif entry.get("step") in STEPS and isinstance(entry.get("id"), str):
-                begun[entry["id"]] = entry  # its facts are checked by whoever undoes it
+                # its facts are checked by whoever undoes it; a NUL (no path holds one) is
+                # refused by every call on a path: such an entry keeps only its step and id
+                begun[entry["id"]] = {"step": entry["step"], "id": entry["id"]} if _nul_in(entry) else entry
         return list(reversed(begun.values()))
 
 
@@ -177,6 +179,15 @@ def step(name: str, **facts: object) -> Iterator[None]:
         yield
     finally:
         journal.done(entry)
+
+
+def _nul_in(value: object) -> bool:
+    """Whether a NUL is in any string of the JSON value ``value``."""
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_nul_in(k) or _nul_in(v) for k, v in value.items())
+    return isinstance(value, list) and any(_nul_in(v) for v in value)
 
 
 def point(name: str) -> None:

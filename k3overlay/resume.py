@@ -62,6 +62,8 @@ def finish(facts: dict) -> str | None:
                 or git.is_dirty(repo):
             git.run(repo, "checkout", "--quiet", "--force", "--no-overwrite-ignore", "-B", branch, sha)
     elif git.branch_tip(repo, branch) != sha:
+        if git.resolve(repo, "HEAD") is None:  # (a new workdir's clone: the run taking it up switches it)
+            return f"{said}: its new clone had nothing checked out yet; it is taken up as it is"
         return f"{said}: HEAD was moved since; nothing of it is left to finish"
     record(repo, branch, facts["ref"])  # the tip is the one it wrote (the journal says so)
     if not switch:

@@ -558,3 +558,55 @@ def test_a_checkout_whose_git_folder_is_apart_is_claimed_and_runs_again(project,
         report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, branch="k3"))
         assert report.ok, report.notes
     assert (own / claim.FILE).is_file() and g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/k3"
+
+
+def test_a_checkout_whose_git_is_a_link_is_claimed_where_the_link_leads(tmp_path):
+    """Round 9: ``.git`` a link to the git folder got no claim, so two runs under two caches
+    both switched the checkout (and one reset the branch over the user's commit)."""
+    from k3overlay import claim
+
+    wd = tmp_path / "wd"
+    g(tmp_path, "init", "-q", str(wd))
+    (wd / ".git").rename(tmp_path / "wd.gitdir")
+    (wd / ".git").symlink_to(tmp_path / "wd.gitdir")
+    assert claim.git_folder(wd) == tmp_path / "wd.gitdir"
+
+
+@pytest.mark.parametrize("whose", ["writable by others", "another user's"])
+def test_no_claim_goes_in_a_git_folder_another_user_could_hold(tmp_path, whose):
+    """Round 9: a ``.git`` file naming a folder of root's that anyone can write in (HEAD,
+    objects/, refs/ in it) had the user's claim made there, and the folder's owner, holding a
+    claim file made first, kept the run waiting for ever."""
+    from k3overlay import claim
+
+    wd, evil = tmp_path / "wd", tmp_path / "evil"
+    for sub in ("objects", "refs"):
+        (evil / sub).mkdir(parents=True)
+    (evil / "HEAD").write_text("ref: refs/heads/main\n")
+    wd.mkdir()
+    (wd / ".git").write_text(f"gitdir: {evil}\n")
+    assert claim.git_folder(wd) == evil
+    if whose == "writable by others":
+        evil.chmod(0o777)
+    else:
+        os.chown(evil, 65534, 65534) if os.geteuid() == 0 else pytest.skip("needs root to give a folder away")
+    assert claim.git_folder(wd) is None
+
+
+def test_a_branch_in_the_main_worktree_of_a_separate_git_folder_is_not_named_by_that_folder(
+        project, upstream, tmp_path):
+    """Round 9: from a linked worktree of a ``clone --separate-git-dir`` checkout, a work
+    branch checked out in the main one was said to be "in the worktree …/sep.git", and the
+    advice, ``--workdir …/sep.git``, was refused in turn (a git folder)."""
+    from k3overlay import errors as errors_
+
+    main, sep, linked = tmp_path / "main", tmp_path / "sep.git", tmp_path / "linked"
+    g(tmp_path, "clone", "-q", f"--separate-git-dir={sep}", str(upstream), str(main))
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=main, branch="k3")).ok
+    g(main, "worktree", "add", "-q", "--detach", str(linked), "v1.0.0")
+    with pytest.raises(errors_.UsageError) as refused:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=linked, branch="k3"))
+    assert str(refused.value) == (
+        f"branch k3 is checked out in the main worktree of {sep} (git does not record where its files "
+        f"are); moving it from here would leave that worktree on the old files; run apply.py in that "
+        f"worktree, or choose another with --branch")

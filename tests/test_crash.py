@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import claim, journal, lock, recovery
+from k3overlay import claim, errors, job, journal, lock, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
@@ -426,6 +426,28 @@ def test_a_killed_runs_clone_another_repository_borrows_from_is_never_removed(pr
     assert (wd / ".git/objects").is_dir()
     assert subprocess.run(["git", "-C", str(mine), "fsck", "--no-dangling"], capture_output=True).returncode == 0
     assert g(mine, "show", "work:notes.txt") == "mine\n"
+
+
+def test_a_clone_taken_up_under_another_cache_finishes_its_killed_runs_steps_first(
+        project, upstream, tmp_path, env, monkeypatch, capsys):
+    """Round 9: a run that took a killed run's clone up under another cache (it started before
+    the clone was there, so its claim had not recovered the journal the clone's claim names)
+    left that journal: a run under the first cache, days later, finished its stale switch over
+    the user's newer one. Taking a clone up now settles that journal first."""
+    wd, tags = tmp_path / "wd", _tags_only(upstream, tmp_path)
+    args = ["-q", "--vllm-repo", str(tags), "--workdir", str(wd)]
+    cache_a = {**env, "XDG_CACHE_HOME": str(tmp_path / "a")}
+    assert run_tool(project, {**cache_a, journal.KILL_AT: "publish"}, *args).returncode == -signal.SIGKILL
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a"))
+    theirs = lock.journal_path(wd)
+    assert theirs.exists()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
+    with job.fresh_clone(str(tags), wd):
+        assert not theirs.exists()  # settled before the clone was this run's
+    said = "".join(capsys.readouterr())
+    assert "its new clone had nothing checked out yet; it is taken up as it is" in said, said
+    again = run_tool(project, cache_a, *args)
+    assert again.returncode == 0 and NOTE not in again.stderr, again.stderr
 
 
 def _tags_only(upstream, tmp_path) -> Path:
