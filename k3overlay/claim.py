@@ -72,7 +72,7 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
         return
     with _taken(git_dir, workdir, say) as fd:
         before(fd)
-        if not writable(fd):  # another user's (a sudo run's): held all the same, naming nothing
+        if not writable(fd) and os.fstat(fd).st_uid != os.geteuid():  # a sudo run's: held, naming nothing
             say(f"note: {git_dir / FILE} is not yours to write: held, but a killed run's steps are found "
                 f"only under this cache; remove it once no run is going")
         # (the first line for a run that waits, as in every lock file: ``lock.take``)
