@@ -135,9 +135,11 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
     ``path`` is no journal this user's tool wrote for a name of ``workdir`` (``_foreign``)."""
     claim = (git_folder(workdir) or workdir / ".git") / FILE
     try:
-        if not os.path.lexists(path):
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
             return  # its run ended clean after all, or the user emptied that cache
-        why = _foreign(path)
+        why = _foreign(path)  # (one this user cannot look at: "cannot be read", below)
         entries = journal_.Journal(path, str(workdir)).unfinished() if why is None else []
     except (OSError, UsageError) as err:
         why = f"cannot be read ({getattr(err, 'strerror', None) or err})"
@@ -170,38 +172,43 @@ def _not_here(claim: Path, path: Path, workdir: Path, name: str | None) -> str:
 
 
 def git_folder(top: Path) -> Path | None:
-    """The git folder of the work tree ``top``: its ``.git`` folder; or the one its ``.git``
-    link leads to, or its ``.git`` file names (``gitdir: …``: a linked worktree's, a ``clone
-    --separate-git-dir``'s, a submodule's), where that is one git would take: it holds
+    """The git folder of the work tree ``top``, as git finds it: its ``.git`` folder, or the one
+    its ``.git`` file names (``gitdir: …``: a linked worktree's, a ``clone --separate-git-dir``'s,
+    a submodule's), links followed on the way, where that is one git would take: it holds
     ``HEAD`` and ``commondir``, or ``HEAD``, ``objects/`` and ``refs/`` (a hostile line must
-    not have the claim made in ``/etc``), and is ``_trusted``. None where there is none (or a
-    name the system refuses)."""
+    not have the claim made in ``/etc``). None where there is none (git refuses the checkout
+    then), or a name the system refuses. UsageError for one reached through a link or a
+    ``.git`` file that is another user's (``_refuse_others``)."""
     dot = top / ".git"
     try:
         if dot.is_dir() and not dot.is_symlink():
             return dot
-        if dot.is_symlink():  # (git follows it: the claim goes where git's own files are)
-            folder = Path(os.path.realpath(dot))
+        real = Path(os.path.realpath(dot))  # (git follows links, to the folder or to a .git file)
+        if real.is_dir():
+            folder = real
         else:
-            named = _head_of(dot)
+            named = _head_of(real)
             if not named.startswith(b"gitdir: "):
                 return None
-            folder = top / os.fsdecode(named[len(b"gitdir: "):].strip())  # (an absolute path stays one)
-        ours = folder.is_dir() and not folder.is_symlink() and (folder / "HEAD").is_file() and (
-            (folder / "commondir").is_file() or (folder / "objects").is_dir() and (folder / "refs").is_dir())
-        return folder if ours and _trusted(folder) else None
+            folder = Path(os.path.realpath(real.parent / os.fsdecode(named[len(b"gitdir: "):].strip())))
+        whole = (folder / "objects").is_dir() and (folder / "refs").is_dir()
+        if not (folder / "HEAD").is_file() or not ((folder / "commondir").is_file() or whole):
+            return None
     except (OSError, ValueError):  # a name too long, a NUL: no git folder of anyone's
         return None
+    _refuse_others(folder, top)
+    return folder
 
 
-def _trusted(folder: Path) -> bool:
-    """Whether a git folder reached through a link or a ``.git`` file is one this user's claim
-    may go in: theirs, as git wants it (root's runs: the folder of the user ``sudo`` names,
-    ``SUDO_UID``, too), and writable by no other user (one could hold a claim made there
-    forever, or swap it)."""
-    info, me = os.stat(folder), os.geteuid()
-    owner = info.st_uid == me or (me == 0 and str(info.st_uid) == os.environ.get("SUDO_UID"))
-    return owner and not (info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX)
+def _refuse_others(folder: Path, top: Path) -> None:
+    """UsageError where the git folder ``folder`` of ``top`` (reached through a link or a ``.git``
+    file) is not this user's (root's runs: nor the ``sudo`` user's, ``SUDO_UID``), as git
+    wants it: its owner could hold a claim made there for ever, and a run without the claim
+    is not kept apart from another cache's (``safe.directory`` lets git take it all the same)."""
+    owner, me = os.stat(folder).st_uid, os.geteuid()
+    if owner != me and not (me == 0 and str(owner) == os.environ.get("SUDO_UID")):
+        raise UsageError(f"the git folder of {top}, {folder}, is another user's (uid {owner}): no run of "
+                         f"this tool is kept apart from another there; run as its owner")
 
 
 def _head_of(file: Path) -> bytes:

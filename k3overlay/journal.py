@@ -141,9 +141,9 @@ class Journal:
             if isinstance(entry.get("done"), str):
                 begun.pop(entry["done"], None)
             elif entry.get("step") in STEPS and isinstance(entry.get("id"), str):
-                # its facts are checked by whoever undoes it; a NUL (no path holds one) is
+                # its facts are checked by whoever undoes it; a path no file can have (a NUL) is
                 # refused by every call on a path: such an entry keeps only its step and id
-                begun[entry["id"]] = {"step": entry["step"], "id": entry["id"]} if _nul_in(entry) else entry
+                begun[entry["id"]] = {"step": entry["step"], "id": entry["id"]} if _unusable(entry) else entry
         return list(reversed(begun.values()))
 
 
@@ -181,13 +181,18 @@ def step(name: str, **facts: object) -> Iterator[None]:
         journal.done(entry)
 
 
-def _nul_in(value: object) -> bool:
-    """Whether a NUL is in any string of the JSON value ``value``."""
+def _unusable(value: object) -> bool:
+    """Whether a string of the JSON value ``value`` can name no file: a NUL, or a lone
+    surrogate (``\\ud800``) no file name encodes to. Every call on such a path raises."""
     if isinstance(value, str):
+        try:
+            value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return True
         return "\0" in value
     if isinstance(value, dict):
-        return any(_nul_in(k) or _nul_in(v) for k, v in value.items())
-    return isinstance(value, list) and any(_nul_in(v) for v in value)
+        return any(_unusable(k) or _unusable(v) for k, v in value.items())
+    return isinstance(value, list) and any(_unusable(v) for v in value)
 
 
 def point(name: str) -> None:

@@ -572,25 +572,42 @@ def test_a_checkout_whose_git_is_a_link_is_claimed_where_the_link_leads(tmp_path
     assert claim.git_folder(wd) == tmp_path / "wd.gitdir"
 
 
-@pytest.mark.parametrize("whose", ["writable by others", "another user's"])
-def test_no_claim_goes_in_a_git_folder_another_user_could_hold(tmp_path, whose):
-    """Round 9: a ``.git`` file naming a folder of root's that anyone can write in (HEAD,
-    objects/, refs/ in it) had the user's claim made there, and the folder's owner, holding a
-    claim file made first, kept the run waiting for ever."""
+def test_a_git_folder_reached_by_any_mix_of_links_and_git_files_is_claimed(tmp_path):
+    """Round 9c: a ``.git`` link to a ``.git`` file, and a ``.git`` file naming a link to the
+    git folder (git follows both), got no claim: the commit loss of round 9b again."""
     from k3overlay import claim
 
-    wd, evil = tmp_path / "wd", tmp_path / "evil"
+    wd, real = tmp_path / "wd", tmp_path / "wd.gitdir"
+    g(tmp_path, "init", "-q", str(wd))
+    (wd / ".git").rename(real)
+    (tmp_path / "gitfile").write_text(f"gitdir: {real}\n")
+    (wd / ".git").symlink_to(tmp_path / "gitfile")
+    assert claim.git_folder(wd) == real
+    (wd / ".git").unlink()
+    (tmp_path / "gd.link").symlink_to(real)
+    (wd / ".git").write_text(f"gitdir: {tmp_path / 'gd.link'}\n")
+    assert claim.git_folder(wd) == real
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_git_folder_of_another_users_is_refused_in_one_line_not_claimed(tmp_path):
+    """Round 9b: a ``.git`` file naming a folder of root's that anyone can write in had the
+    user's claim made there, and the folder's owner, holding a claim file made first, kept the
+    run waiting for ever; then (9c) such a folder got no claim, and two caches' runs switched
+    the checkout at once. A folder another user owns is refused (git wants it the user's too)."""
+    from k3overlay import claim, errors as errors_
+
+    wd, other = tmp_path / "wd", tmp_path / "other"
     for sub in ("objects", "refs"):
-        (evil / sub).mkdir(parents=True)
-    (evil / "HEAD").write_text("ref: refs/heads/main\n")
+        (other / sub).mkdir(parents=True)
+    (other / "HEAD").write_text("ref: refs/heads/main\n")
     wd.mkdir()
-    (wd / ".git").write_text(f"gitdir: {evil}\n")
-    assert claim.git_folder(wd) == evil
-    if whose == "writable by others":
-        evil.chmod(0o777)
-    else:
-        os.chown(evil, 65534, 65534) if os.geteuid() == 0 else pytest.skip("needs root to give a folder away")
-    assert claim.git_folder(wd) is None
+    (wd / ".git").write_text(f"gitdir: {other}\n")
+    other.chmod(0o777)
+    assert claim.git_folder(wd) == other  # the user's own, shared with everyone: claimed
+    os.chown(other, 65534, 65534)
+    with pytest.raises(errors_.UsageError, match=r"is another user's \(uid 65534\): no run of this tool"):
+        claim.git_folder(wd)
 
 
 def test_a_branch_in_the_main_worktree_of_a_separate_git_folder_is_not_named_by_that_folder(
@@ -610,3 +627,24 @@ def test_a_branch_in_the_main_worktree_of_a_separate_git_folder_is_not_named_by_
         f"branch k3 is checked out in the main worktree of {sep} (git does not record where its files "
         f"are); moving it from here would leave that worktree on the old files; run apply.py in that "
         f"worktree, or choose another with --branch")
+
+
+def test_a_claims_journal_this_user_cannot_look_at_is_refused_not_taken_for_ended(tmp_path, monkeypatch):
+    """Round 9c: a claim of root's naming a journal under /root/.cache, which the user cannot
+    look at: ``lexists`` said no such file (any error is False), and the run went on as if that
+    run had ended clean; a killed one's steps were then never finished or undone."""
+    from k3overlay import claim, errors as errors_
+
+    wd = tmp_path / "wd"
+    g(tmp_path, "init", "-q", str(wd))
+    hidden = tmp_path / "root-cache" / "vllm-k3-overlay" / "locks" / ("0" * 32 + ".journal")
+    real_lstat = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        if str(path) == str(hidden):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(claim.os, "lstat", lstat)
+    with pytest.raises(errors_.UsageError, match=r"which cannot be read \(Permission denied\): not acted on"):
+        claim._recover_elsewhere(hidden, wd, lambda _: None)

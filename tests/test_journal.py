@@ -101,15 +101,16 @@ def test_a_journal_with_a_second_name_is_never_appended_to(tmp_path):
 
 def test_a_journal_entry_with_a_nul_is_set_aside_never_a_traceback(project, upstream, tmp_path, monkeypatch,
                                                                    capsys):
-    """Round 9: a NUL in an entry's path (``\\u0000`` in its JSON) raised ValueError from every
-    call on it, on every run, ``--check`` too."""
+    """Round 9: a NUL in an entry's path (``\\u0000`` in its JSON), or a lone surrogate
+    (``\\ud800``), raised ValueError from every call on it, on every run, ``--check`` too."""
     monkeypatch.setattr(cli, "Project", lambda: project)
     wd = tmp_path / "wd"
     args = ["--vllm-repo", str(upstream), "--workdir", str(wd)]
     assert cli.main(args) == errors.OK
     entries = [{"step": "publish", "id": "1", "repo": f"{wd}\0x", "workdir": str(wd)},
                {"step": "worktree", "id": "2", "repo": str(wd), "parent": "/tmp/k3-worktree-x", "workdir": str(wd)},
-               {"step": "write", "id": "3", "root": "/tmp/k3-worktree-x/tree\0", "folders": [], "workdir": str(wd)}]
+               {"step": "write", "id": "3", "root": "/tmp/k3-worktree-x/tree\0", "folders": [], "workdir": str(wd)},
+               {"step": "publish", "id": "4", "repo": "/x\ud800y", "workdir": str(wd)}]  # (9c: a lone surrogate)
     path = workdir_lock_path(wd).with_suffix(".journal")
     for extra in (["--check"], []):
         path.write_text("".join(json.dumps(e) + "\n" for e in entries))
