@@ -82,8 +82,8 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
             yield
         finally:
             ours.discard(key)
-        if not os.path.lexists(journal_path):  # ended clean: no step left for anyone
-            _write(fd, "")
+            if not os.path.lexists(journal_path):  # no step left for anyone (a refusal ends so too)
+                _write(fd, "")
 
 
 _held = threading.local()
@@ -141,7 +141,7 @@ def _recover_elsewhere(path: Path, workdir: Path, recover: Callable[[journal_.Jo
             return  # its run ended clean after all, or the user emptied that cache
         why = _foreign(path)  # (one this user cannot look at: "cannot be read", below)
         entries = journal_.Journal(path, str(workdir)).unfinished() if why is None else []
-    except (OSError, UsageError) as err:
+    except (OSError, ValueError, UsageError) as err:  # (ValueError: a NUL, a lone surrogate in the name)
         why = f"cannot be read ({getattr(err, 'strerror', None) or err})"
     if why is not None:
         raise UsageError(f"{claim} names {path} as a killed run's journal, which {why}: not acted on; "
@@ -190,7 +190,9 @@ def git_folder(top: Path) -> Path | None:
             named = _head_of(real)
             if not named.startswith(b"gitdir: "):
                 return None
-            folder = Path(os.path.realpath(real.parent / os.fsdecode(named[len(b"gitdir: "):].strip())))
+            # (git strips only the line's end, and reads a relative path from the checkout, ``top``,
+            # wherever a link to the .git file leads)
+            folder = Path(os.path.realpath(top / os.fsdecode(named[len(b"gitdir: "):].rstrip(b"\r\n"))))
         whole = (folder / "objects").is_dir() and (folder / "refs").is_dir()
         if not (folder / "HEAD").is_file() or not ((folder / "commondir").is_file() or whole):
             return None

@@ -134,7 +134,7 @@ class Journal:
         for line in lines:
             try:
                 entry = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # (RecursionError: a line nested past the parser)
                 continue  # cut short as it was written: that step had not begun
             if not isinstance(entry, dict):
                 continue  # no line this tool writes
@@ -183,16 +183,23 @@ def step(name: str, **facts: object) -> Iterator[None]:
 
 def _unusable(value: object) -> bool:
     """Whether a string of the JSON value ``value`` can name no file: a NUL, or a lone
-    surrogate (``\\ud800``) no file name encodes to. Every call on such a path raises."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            return True
-        return "\0" in value
-    if isinstance(value, dict):
-        return any(_unusable(k) or _unusable(v) for k, v in value.items())
-    return isinstance(value, list) and any(_unusable(v) for v in value)
+    surrogate (``\\ud800``) no file name encodes to. Every call on such a path raises.
+    (Walked with a list, not recursion: a line nests as deep as it likes.)"""
+    left = [value]
+    while left:
+        item = left.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                return True
+            if "\0" in item:
+                return True
+        elif isinstance(item, dict):
+            left += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            left += item
+    return False
 
 
 def point(name: str) -> None:

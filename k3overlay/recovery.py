@@ -173,9 +173,13 @@ def write(facts: dict) -> str | None:
     ours = re.compile(rf"^\..*\.{re.escape(token)}\.k3-tmp$") if token else TEMPORARY
     for folder in [*facts["folders"], *([staging] if staging else [])]:
         where = root / folder if folder else root
-        if where.is_symlink() or not where.is_dir():
+        try:
+            if where.is_symlink() or not where.is_dir():
+                continue
+            entries = list(os.scandir(where))
+        except OSError:  # a name too long, a folder gone: nothing of ours can be there
             continue
-        for entry in os.scandir(where):
+        for entry in entries:
             if ours.match(entry.name) and entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 removed += 1
@@ -252,6 +256,9 @@ def _elsewhere(entry: dict, workdir: str) -> str | None:
     return None
 
 
+_SCRATCH = git._WORKTREE_PREFIX
+
+
 def _in_scratch(entry: dict, entries: list[dict], workdir: str) -> bool:
     """Whether ``entry`` wrote in a temporary worktree that a ``worktree`` step of the same
     work directory's journal (``entries``) made: its recovery removes that folder whole."""
@@ -259,7 +266,7 @@ def _in_scratch(entry: dict, entries: list[dict], workdir: str) -> bool:
     if not isinstance(tree, str) or entry.get("workdir") != workdir:
         return False
     return any(e.get("step") == "worktree" and e.get("workdir") == workdir
-               and isinstance(e.get("parent"), str) and Path(e["parent"]).name.startswith(git._WORKTREE_PREFIX)
+               and isinstance(e.get("parent"), str) and Path(e["parent"]).name.startswith(_SCRATCH)
                and Path(os.path.realpath(tree)).is_relative_to(os.path.realpath(e["parent"]))
                for e in entries)  # fmt: skip
 

@@ -587,6 +587,43 @@ def test_a_git_folder_reached_by_any_mix_of_links_and_git_files_is_claimed(tmp_p
     (tmp_path / "gd.link").symlink_to(real)
     (wd / ".git").write_text(f"gitdir: {tmp_path / 'gd.link'}\n")
     assert claim.git_folder(wd) == real
+    # (9d) a link to a .git file naming the folder relative to the checkout, as git reads it;
+    # a name with a leading space, which git keeps
+    (wd / ".git").unlink()
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "gitfile").write_text("gitdir: ../wd.gitdir\n")
+    (wd / ".git").symlink_to(tmp_path / "meta" / "gitfile")
+    assert claim.git_folder(wd) == real
+    (wd / ".git").unlink()
+    real.rename(wd / " g")
+    (wd / ".git").write_text("gitdir:  g\n")
+    assert claim.git_folder(wd) == wd / " g"
+
+
+def test_a_claim_naming_a_journal_no_file_can_be_is_refused_in_one_line(tmp_path):
+    """Round 9d: a claim naming ``/x\\u0000y`` (or a lone surrogate) as its journal: a traceback on
+    every run, ``--check`` too, from the lstat 109f920 put in lexists' place."""
+    from k3overlay import claim, errors as errors_
+
+    wd = tmp_path / "wd"
+    g(tmp_path, "init", "-q", str(wd))
+    for name in ("/x\0y", "/x\ud800y"):
+        with pytest.raises(errors_.UsageError, match="which cannot be read"):
+            claim._recover_elsewhere(Path(name), wd, lambda _: None)
+
+
+def test_a_refused_run_leaves_its_claim_naming_no_journal(project, upstream, tmp_path):
+    """Round 9d: a run ending in a refusal left the claim naming its journal, removed by then:
+    where that journal was root's (a sudo run), the user's next run was refused, "cannot be
+    read", with nothing killed."""
+    from k3overlay import claim, errors as errors_
+
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    (wd / "pkg" / "user.py").write_text("mine\n")
+    with pytest.raises(errors_.UsageError, match="uncommitted changes"):
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, ref="v1.1.0"))
+    assert (wd / ".git" / claim.FILE).read_text() == ""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")

@@ -110,10 +110,13 @@ def test_a_journal_entry_with_a_nul_is_set_aside_never_a_traceback(project, upst
     entries = [{"step": "publish", "id": "1", "repo": f"{wd}\0x", "workdir": str(wd)},
                {"step": "worktree", "id": "2", "repo": str(wd), "parent": "/tmp/k3-worktree-x", "workdir": str(wd)},
                {"step": "write", "id": "3", "root": "/tmp/k3-worktree-x/tree\0", "folders": [], "workdir": str(wd)},
-               {"step": "publish", "id": "4", "repo": "/x\ud800y", "workdir": str(wd)}]  # (9c: a lone surrogate)
+               {"step": "publish", "id": "4", "repo": "/x\ud800y", "workdir": str(wd)},  # (9c: a lone surrogate)
+               {"step": "write", "id": "5", "root": str(wd), "folders": ["a" * 300], "workdir": str(wd)},
+               {"step": "fetch", "id": "6", "repo": [[[["x"]]]] * 3, "workdir": str(wd)}]  # (9d: too long, nested)
     path = workdir_lock_path(wd).with_suffix(".journal")
+    nested = "[" * 100_000 + "]" * 100_000 + "\n"  # (9d: past the JSON parser's depth)
     for extra in (["--check"], []):
-        path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+        path.write_text(nested + "".join(json.dumps(e) + "\n" for e in entries))
         capsys.readouterr()
         assert cli.main([*args, *extra]) == errors.OK
         said = capsys.readouterr().err
