@@ -124,7 +124,7 @@ def _named(fd: int) -> str | None:
     """The journal the claim file names (None: none, or not a claim this tool wrote)."""
     try:
         named = json.loads((os.pread(fd, 65536, 0).splitlines() or [b"null"])[-1])
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: a line nested past the parser)
         return None
     return named.get("journal") if isinstance(named, dict) and isinstance(named.get("journal"), str) else None
 

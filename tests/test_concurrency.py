@@ -610,6 +610,9 @@ def test_a_claim_naming_a_journal_no_file_can_be_is_refused_in_one_line(tmp_path
     for name in ("/x\0y", "/x\ud800y"):
         with pytest.raises(errors_.UsageError, match="which cannot be read"):
             claim._recover_elsewhere(Path(name), wd, lambda _: None)
+    (wd / ".git" / claim.FILE).write_text("apply.py (pid 1)\n" + "[" * 30_000 + "\n")  # past the parser's depth
+    with claim.claimed(wd, tmp_path / "j.journal", print, lambda _: None):
+        pass
 
 
 def test_a_refused_run_leaves_its_claim_naming_no_journal(project, upstream, tmp_path):
