@@ -18,6 +18,7 @@ A journal is a licence to remove and rename files: a forged one is never acted o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -84,6 +85,28 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
             ours.discard(key)
             if not os.path.lexists(journal_path):  # no step left for anyone (a refusal ends so too)
                 _write(fd, "")
+
+
+def release(workdir: Path, journal_path: Path) -> None:
+    """Empty ``workdir``'s claim where it still names ``journal_path`` and that journal is gone:
+    a new workdir's clone is claimed inside its journal's life (``job.fresh_clone``), so its
+    claim outlived the journal, and another user's next run (after a ``sudo`` run) was
+    refused, its journal unreadable. Left as it is where another run holds it now."""
+    try:
+        git_dir = git_folder(workdir)
+        if git_dir is None or os.path.lexists(journal_path) or not os.path.lexists(git_dir / FILE):
+            return
+        fd = lock_file(git_dir / FILE)
+    except (OSError, UsageError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _named(fd) == str(journal_path):
+            _write(fd, "")
+    except OSError:  # (held by another run now: its claim, not ours)
+        pass
+    finally:
+        os.close(fd)
 
 
 _held = threading.local()

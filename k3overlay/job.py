@@ -140,9 +140,12 @@ def locked(workdir: Path, *, check: bool = False, overlay_dir: Path | None = Non
         def recover(unfinished: journal.Journal) -> None:
             recovery.recover(unfinished, aside, act=not check, overlay_dir=overlay_dir)
 
-        with claim.claimed(workdir, path, aside, recover, check=check), \
-                journal.recording(path, workdir, recover):
-            yield
+        try:
+            with claim.claimed(workdir, path, aside, recover, check=check), \
+                    journal.recording(path, workdir, recover):
+                yield
+        finally:
+            claim.release(workdir, path)  # (a new workdir's clone: claimed inside the journal's life)
 
 
 def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manifest,

@@ -629,6 +629,17 @@ def test_a_refused_run_leaves_its_claim_naming_no_journal(project, upstream, tmp
     assert (wd / ".git" / claim.FILE).read_text() == ""
 
 
+def test_a_new_workdirs_claim_names_no_journal_once_the_run_ended(project, upstream, tmp_path):
+    """Round 9d: the clone of a new workdir is claimed inside its journal's life, so after a
+    clean run the claim still named the removed journal (a sudo run's: the user's next run
+    was refused, "cannot be read")."""
+    from k3overlay import claim
+
+    wd = tmp_path / "wd"
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok
+    assert (wd / ".git" / claim.FILE).read_text() == ""
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
 def test_a_git_folder_of_another_users_is_refused_in_one_line_not_claimed(tmp_path):
     """Round 9b: a ``.git`` file naming a folder of root's that anyone can write in had the
