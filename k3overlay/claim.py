@@ -65,8 +65,8 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
     """Hold the claim in ``git_dir`` (``workdir``'s git folder) naming ``journal_path`` for the
     block, waiting while another run holds it; ``before`` runs once it is taken, before it is
     written. Where this run holds it already (its ``claimed``), the block just runs: a second
-    ``flock`` of the same file by this process would wait for itself. Emptied at the end
-    where the run left no journal. Raises UsageError for a claim file it cannot make."""
+    ``flock`` of the same file by this process would wait for itself. Emptied once the run's
+    journal is gone (``release``). Raises UsageError for a claim file it cannot make."""
     key, ours = os.path.realpath(git_dir), _ours()
     if key in ours:
         yield
@@ -83,15 +83,15 @@ def held(git_dir: Path, workdir: Path, journal_path: Path, say: Callable[[str], 
             yield
         finally:
             ours.discard(key)
-            if not os.path.lexists(journal_path):  # no step left for anyone (a refusal ends so too)
-                _write(fd, "")
 
 
 def release(workdir: Path, journal_path: Path) -> None:
-    """Empty ``workdir``'s claim where it still names ``journal_path`` and that journal is gone:
-    a new workdir's clone is claimed inside its journal's life (``job.fresh_clone``), so its
-    claim outlived the journal, and another user's next run (after a ``sudo`` run) was
-    refused, its journal unreadable. Left as it is where another run holds it now."""
+    """Empty ``workdir``'s claim where it still names ``journal_path`` and that journal is gone
+    (the run ended, clean or refused: no step left for anyone), once every claim of the run is
+    let go (``job.locked``: a new workdir's clone is claimed inside its journal's life, so its
+    claim outlives the journal). A claim left naming a removed journal of another user's (a
+    ``sudo`` run's) had the user's next run refused, that journal unreadable. Left as it is
+    where another run holds it now."""
     try:
         git_dir = git_folder(workdir)
         if git_dir is None or os.path.lexists(journal_path) or not os.path.lexists(git_dir / FILE):
