@@ -172,6 +172,9 @@ class ReleaseFiles:
             if isinstance(err, (DigestMismatchError, NoDigestsError)):
                 raise SourceError(f"{pkg.filename} from the package index does not match its "
                                   f"sha256") from err
+            if isinstance(err, OSError):  # writing: the cache's disk full, a quota, read-only
+                raise UsageError(f"cannot download {pkg.filename} into {target.parent}: "
+                                 f"{err.strerror or err}") from err
             raise
         os.replace(partial, target)
 

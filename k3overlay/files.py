@@ -36,6 +36,11 @@ from .regular import kind_of, open_regular, read_regular  # noqa: F401  (the too
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
+# What writing can fail with that is the disk's or the user's, never the data's: a full disk, a
+# quota, a read-only mount, a folder not ours to write.
+CANNOT_WRITE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
+                          errno.EPERM})
+
 
 def write_in_tree(root: Path, rel: str, data: bytes, *, executable: bool = False) -> None:
     """Write ``data`` to ``root/rel`` (a ``/``-separated path), following no link below ``root``.

@@ -32,7 +32,8 @@ from packaging.version import InvalidVersion, Version
 
 from . import git, untar
 from .downloads import ReleaseFiles
-from .errors import SourceError
+from .errors import SourceError, UsageError
+from .files import CANNOT_WRITE
 from .lock import held
 from .progress import step
 from .regular import own_folder
@@ -137,6 +138,8 @@ def unpack(sdist: Path, dest: Path) -> datetime:
     # EOFError: a truncated gzip; LZMAError: a damaged xz
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as err:
         shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in CANNOT_WRITE:  # this disk's, not the sdist's
+            raise UsageError(f"cannot unpack {sdist.name} into {dest.parent}: {err.strerror}") from err
         raise SourceError(f"cannot unpack {sdist.name}: {err}") from err
     newest = max((m.mtime for m in members), default=0)
     return datetime.fromtimestamp(newest, timezone.utc)

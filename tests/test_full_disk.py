@@ -12,16 +12,21 @@ import contextlib
 import hashlib
 import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
-from k3overlay import cli, errors, git, publish
+from k3overlay import cli, errors, git, publish, source
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock_path
+from k3overlay.project import ROOT, cache_dir
 
 from .conftest import g
 
+V = Version("0.1.0")
 NEW_FILES = 30
 FILE_BYTES = 40_000  # each; incompressible: checking them out needs 1.2 MB
 
@@ -236,3 +241,80 @@ def test_an_edit_made_while_the_run_went_on_survives_a_failed_switch(project, up
         {p: b for p, b in before["files"].items() if p != victim}
     assert [after[k] for k in ("refs", "head", "config")] == [before[k] for k in ("refs", "head", "config")]
     assert g(wd, "status", "--porcelain").split() == ["M", victim]
+
+
+# -- The cache on a full disk (found when CI's own machine filled up, stop 40): the release
+# wheel's download ended in a traceback; an sdist unpacked onto a full TMPDIR was blamed on the
+# package index, deleted from the cache and fetched again, then called broken (exit 6).
+
+def noise(nbytes: int) -> str:
+    """``nbytes`` of hex text that gzip and zlib shrink only to about half."""
+    return "".join(hashlib.sha256(str(n).encode()).hexdigest() for n in range(nbytes // 64))
+
+
+def release_file(kind: str, nbytes: int) -> tuple[str, bytes]:
+    from .test_mirror import sdist_bytes
+    from .wheels import wheel_bytes
+
+    files = {"vllm/a.py": "A = 1\n", "vllm/big.txt": noise(nbytes)}
+    if kind == "sdist":
+        return "vllm-0.1.0.tar.gz", sdist_bytes("0.1.0", files)
+    return "vllm-0.1.0-py3-none-any.whl", wheel_bytes("0.1.0", files)
+
+
+@pytest.mark.parametrize("kind", ["sdist", "wheel"])
+def test_a_download_into_a_full_cache_is_one_line_and_leaves_no_part(kind, fake_index, tmp_path,
+                                                                     monkeypatch):
+    name, data = release_file(kind, 4_000_000)
+    fake_index.publish(name, data)
+    with small_fs(tmp_path / "small", "1m") as fs:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(fs))
+        files = source.release_files()
+        pkg = files.sdist(V) if kind == "sdist" else files.wheel(V)
+        with pytest.raises(errors.OverlayError) as err:
+            files.fetch(pkg)
+        folder = fs / "vllm-k3-overlay" / f"{kind}s"
+        assert str(err.value) == f"cannot download {name} into {folder}: No space left on device"
+        assert err.value.exit_code == errors.USAGE
+        assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no partial file left
+
+
+def test_apply_into_a_full_cache_is_one_line_exit_2(fake_index, tmp_path):
+    """The case CI met, end to end (there the 314 MB wheel of ``--build-wheel``)."""
+    fake_index.publish("vllm-0.28.0.tar.gz", release_file("sdist", 4_000_000)[1])
+    with small_fs(tmp_path / "small", "1m") as fs:
+        env = {**os.environ, "XDG_CACHE_HOME": str(fs)}
+        proc = subprocess.run([sys.executable, str(ROOT / "apply.py"), "--check", "-q", "--workdir",
+                               str(tmp_path / "wd")], capture_output=True, text=True, env=env)
+    assert proc.returncode == errors.USAGE, proc.stderr
+    assert proc.stderr.splitlines() == [f"apply.py: error: cannot download vllm-0.28.0.tar.gz into "
+                                        f"{fs / 'vllm-k3-overlay' / 'sdists'}: No space left on device"]
+
+
+def test_an_sdist_unpacked_onto_a_full_tmpdir_is_not_blamed_on_the_index(fake_index, tmp_path,
+                                                                          monkeypatch):
+    name, data = release_file("sdist", 4_000_000)
+    fake_index.publish(name, data)
+    with small_fs(tmp_path / "small", "1m") as fs:
+        monkeypatch.setattr(tempfile, "tempdir", str(fs))
+        with pytest.raises(errors.OverlayError) as err:
+            source.default_mirror().ensure([V])
+        assert err.value.exit_code == errors.USAGE, err.value
+        assert str(err.value).startswith(f"cannot unpack {name} into {fs}/k3-sdist-")
+        assert str(err.value).endswith(": No space left on device")
+        assert list(fs.iterdir()) == []  # the half-unpacked tree is gone
+    assert fake_index.downloads[name] == 1  # the cached sdist is good: kept, not fetched again
+    assert (cache_dir() / "sdists" / name).read_bytes() == data
+
+
+def test_a_mirror_commit_into_a_full_cache_is_one_line(fake_index, tmp_path, monkeypatch):
+    name, data = release_file("sdist", 4_000_000)
+    fake_index.publish(name, data)
+    with small_fs(tmp_path / "small", "3m") as fs:  # room for the sdist, not for its git objects
+        monkeypatch.setenv("XDG_CACHE_HOME", str(fs))
+        with pytest.raises(errors.OverlayError) as err:
+            source.default_mirror().ensure([V])
+        assert err.value.exit_code == errors.USAGE and "\n" not in str(err.value), err.value
+        assert "No space left on device" in str(err.value), err.value
+        mirror = source.default_mirror()
+        assert mirror.releases() == []  # no tag for a half-written commit
