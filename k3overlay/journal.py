@@ -140,10 +140,13 @@ class Journal:
                 continue  # no line this tool writes
             if isinstance(entry.get("done"), str):
                 begun.pop(entry["done"], None)
-            elif entry.get("step") in STEPS and isinstance(entry.get("id"), str):
+            elif isinstance(entry.get("step"), str) and isinstance(entry.get("id"), str):
                 # its facts are checked by whoever undoes it; a path no file can have (a NUL) is
-                # refused by every call on a path: such an entry keeps only its step and id
-                begun[entry["id"]] = {"step": entry["step"], "id": entry["id"]} if _unusable(entry) else entry
+                # refused by every call on a path, and a step of another version of the tool is
+                # no step this one can undo: such an entry keeps only its step and id, and is
+                # still a step begun (said, and kept by ``--check`` for the run that knows it)
+                usable = entry["step"] in STEPS and not _unusable(entry)
+                begun[entry["id"]] = entry if usable else {"step": entry["step"], "id": entry["id"]}
         return list(reversed(begun.values()))
 
 

@@ -298,9 +298,13 @@ def recover(journal: journal_.Journal, say: Callable[[str], None], *, act: bool 
         if left:
             notes.append(f"it left {', '.join(left)} unfinished in {journal.workdir}: --check "
                          f"leaves that as it is (a run without --check finishes it)")
+        unread = len(unfinished) - len(entries)  # another version's, or another checkout's
+        if unread:
+            notes.append(f"{unread} step(s) of its journal {journal.path} were not read (another "
+                         f"version of the tool, or another checkout): --check keeps the journal")
         if notes:
             say(f"note: the last run was killed; {'; '.join(notes)}")
-        if not left:
+        if not left and not unread:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(journal.path)
         return

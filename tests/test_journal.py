@@ -121,3 +121,34 @@ def test_a_journal_entry_with_a_nul_is_set_aside_never_a_traceback(project, upst
         assert cli.main([*args, *extra]) == errors.OK
         said = capsys.readouterr().err
         assert "Traceback" not in said and ("could not be read" in said or extra), said
+
+
+@pytest.mark.parametrize("entry", [
+    {"step": "squash", "id": "1", "repo": "{wd}", "branch": "main"},  # a newer version's step
+    {"step": "publish", "id": "1", "repo": "{wd}"},                   # an older one's facts
+    {"step": "publish", "id": "1", "repo": "{wd}/../elsewhere", "branch": "main", "sha": "0" * 40,
+     "ref": "v1.1.0", "old_head": "x", "old_tip": None, "since": 0},  # another checkout's
+])
+def test_check_keeps_a_journal_it_could_not_act_on_for_the_run_that_can(project, upstream, tmp_path,
+                                                                       monkeypatch, capsys, entry):
+    """Round 9's open point: ``--check`` deleted, without a word, a journal none of whose
+    steps it could read; a step of a newer version of the tool was dropped unseen by both
+    ``--check`` and a normal run. ``--check`` now keeps it and says so; a normal run says
+    what it left alone, as for any step it cannot read."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    args = ["--vllm-repo", str(upstream), "--vllm-ref", "v1.1.0", "--workdir", str(wd)]
+    assert cli.main(args) == errors.OK
+    path = workdir_lock_path(wd).with_suffix(".journal")
+    entry = {k: v.format(wd=wd) if isinstance(v, str) else v for k, v in entry.items()}
+    path.write_text(json.dumps({**entry, "workdir": str(wd)}) + "\n")
+    kept = path.read_bytes()
+    capsys.readouterr()
+    assert cli.main([*args, "--check"]) == errors.OK
+    err = capsys.readouterr().err
+    assert "1 step(s) of its journal" in err and "--check keeps the journal" in err, err
+    assert path.read_bytes().startswith(kept)  # (then --check's own steps, each done)
+    assert cli.main(args) == errors.OK
+    err = capsys.readouterr().err
+    assert "1 step(s) of its journal" in err and "left alone" in err, err
+    assert not path.exists()
