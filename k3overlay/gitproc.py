@@ -34,16 +34,15 @@ import importlib
 import os
 import re
 import signal
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
 from .errors import OverlayError, UsageError
 from . import reaper
+from .gitconfig import git_true, refuse_unreadable_config, refuse_unreadable_repo_config
 from .interrupts import deferred
 from .redact import redact, url_without_credentials
-from .regular import kind_of
 
 
 def _gitpython():
@@ -333,67 +332,6 @@ def _users_environment() -> dict[str, str]:
             "LC_ALL": "C"}
 
 
-def refuse_unreadable_config() -> None:
-    """Raise UsageError (one line) if a file git reads the user's own config from
-    (``_config_files``) is there but is no file: a FIFO (git opens it and waits for a writer
-    forever: each read of their config then took 30 s, and was tried again folder after
-    folder), a device (``/dev/null`` is fine: git reads it as empty), a socket or a folder.
-    A link to a file is a file; a path that cannot be looked at is git's to skip or name."""
-    for name, path in _config_files():
-        try:  # (an empty variable names no file: git reads none)
-            info = os.stat(path)
-        except OSError:  # absent, or git says why itself: it waits on nothing it cannot open
-            continue
-        if stat.S_ISREG(info.st_mode) or _is_devnull(info):
-            continue
-        kind = kind_of(path, follow=True)
-        why = {"FIFO": "git would wait on it forever",
-               "device": "git would read it as config, or wait on it"}.get(kind, "git cannot read it")
-        raise UsageError(f"{name} {path} is a {kind}, not a file; {why}")
-
-
-def _is_devnull(info: os.stat_result) -> bool:
-    try:
-        null = os.stat(os.devnull)
-    except OSError:
-        return False
-    return stat.S_ISCHR(info.st_mode) and info.st_rdev == null.st_rdev
-
-
-def _config_files() -> list[tuple[str, str]]:
-    """(what names it, path) of each file git reads the user's config from at the top level
-    (``git help config``, FILES), in ``_users_environment``: the system file where not
-    ``GIT_CONFIG_NOSYSTEM`` (``GIT_CONFIG_SYSTEM``, else ``/etc/gitconfig``, where the git
-    of Linux distributions keeps it), then ``GIT_CONFIG_GLOBAL`` or, where it is not set,
-    ``$XDG_CONFIG_HOME/git/config`` (``~/.config/git/config``) and ``~/.gitconfig``.
-    (``GIT_CONFIG``, which ``git config`` would read alone, is not passed to it.)"""
-    env, files = os.environ, []
-    if not _git_true(env.get("GIT_CONFIG_NOSYSTEM", "")):
-        files.append(("GIT_CONFIG_SYSTEM", env["GIT_CONFIG_SYSTEM"]) if "GIT_CONFIG_SYSTEM" in env
-                     else ("the system config", "/etc/gitconfig"))
-    if "GIT_CONFIG_GLOBAL" in env:  # git reads it alone
-        return files + [("GIT_CONFIG_GLOBAL", env["GIT_CONFIG_GLOBAL"])]
-    home, xdg = env.get("HOME"), env.get("XDG_CONFIG_HOME")
-    if xdg:
-        files.append(("the global config ($XDG_CONFIG_HOME/git/config)", os.path.join(xdg, "git", "config")))
-    elif home:
-        files.append(("the global config", os.path.join(home, ".config", "git", "config")))
-    if home:
-        files.append(("the global config", os.path.join(home, ".gitconfig")))
-    return files
-
-
-def _git_true(value: str) -> bool:
-    """Whether git reads the variable's ``value`` as true (``git_env_bool``: a number other than 0)."""
-    value = value.strip().lower()
-    if value in ("true", "yes", "on"):
-        return True
-    try:
-        return int(value) != 0
-    except ValueError:
-        return False
-
-
 def _config_location() -> tuple[str, ...]:
     """What locates the user's own global and system config files (the key of ``_users_config``)."""
     return tuple(os.environ.get(k, "") for k in (
@@ -465,7 +403,7 @@ def _users_config(where: tuple[str, ...], cwd: str) -> tuple[tuple[str, str | No
     --system`` reads it all the same).
     """
     entries: list[tuple[str, str | None]] = []
-    nosystem = _git_true(os.environ.get("GIT_CONFIG_NOSYSTEM", ""))
+    nosystem = git_true(os.environ.get("GIT_CONFIG_NOSYSTEM", ""))
     for scope in ("--global",) if nosystem else ("--system", "--global"):  # global wins, as in git
         for folder in dict.fromkeys((cwd, os.path.abspath(os.sep))):
             with contextlib.suppress(OSError):
@@ -502,7 +440,9 @@ def environ(**extra: str) -> dict[str, str]:
 
 
 def open_repo(path: Path) -> Repo:
-    """Open the repository whose work tree is ``path``. Raises GitError if it is none."""
+    """Open the repository whose work tree is ``path``. Raises GitError if it is none,
+    UsageError if its config would stall git (``refuse_unreadable_repo_config``)."""
+    refuse_unreadable_repo_config(path)
     try:
         repo = Repo(path)
     except (InvalidGitRepositoryError, NoSuchPathError) as err:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3overlay import cli, errors, gitproc
+from k3overlay import cli, errors, gitconfig, gitproc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -294,6 +294,9 @@ def test_a_config_read_that_stalls_stops_the_run_once_not_folder_after_folder(pr
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))  # a file: only git finds the FIFO
     monkeypatch.setattr(gitproc, "_CONFIG_WAIT_S", 2)
     monkeypatch.setattr(gitproc, "_stalled", set())
+    # (an include of a FIFO is now refused before any read: this stands for what no look at the
+    # files finds, a stalled mount)
+    monkeypatch.setattr(gitconfig, "refuse_unreadable_includes", lambda name, config: None)
     stalled, run = [], subprocess.run
 
     def counted(*args, **kwargs):
@@ -310,3 +313,46 @@ def test_a_config_read_that_stalls_stops_the_run_once_not_folder_after_folder(pr
         "on a stalled mount? Fix that, or point GIT_CONFIG_GLOBAL at another file\n")
     assert len(stalled) == 1 and not (tmp_path / "wd").exists()
     assert not gitproc.user_has_identity()  # (asked by a report's next commands: no wait there either)
+
+
+CHECKOUT_CASES = {  # how the checkout's config reaches the FIFO (``{fifo}``), in git config lines
+    "include.path": "[include]\n\tpath = {fifo}\n",
+    "a relative include": "[include]\n\tpath = ../../fifo\n",
+    "includeIf gitdir": '[includeIf "gitdir:/nowhere/"]\n\tpath = {fifo}\n',
+    "an include of a file including it": "[include]\n\tpath = {tmp}/second\n",
+    "~/ from HOME": "[include]\n\tpath = ~/fifo\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKOUT_CASES))
+def test_a_checkout_whose_config_includes_a_fifo_is_refused_at_once(project, upstream, tmp_path, case):
+    """Round 9's open point: a checkout whose ``.git/config`` includes a FIFO (at any depth,
+    under any condition: git is not asked which apply) hung the run before it said a word,
+    GitPython's read of the config waiting for a writer forever; then each git there."""
+    wd = tmp_path / "wd"
+    subprocess.run(["git", "clone", "-q", str(upstream), str(wd)], check=True, capture_output=True)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "second").write_text(f"[include]\n\tpath = {tmp_path / 'fifo'}\n")
+    with open(wd / ".git" / "config", "a") as config:
+        config.write(CHECKOUT_CASES[case].format(fifo=tmp_path / "fifo", tmp=tmp_path))
+    before = (wd / ".git" / "config").read_bytes()
+    for extra in (["--check"], []):
+        proc = _apply(project.root, "-q", *extra, "--vllm-repo", str(upstream), "--workdir", str(wd),
+                      env={**os.environ, "HOME": str(tmp_path)}, timeout=20)
+        assert proc.returncode == errors.USAGE, proc.stderr
+        via = tmp_path / "second" if case.startswith("an include of a file") else wd / ".git" / "config"
+        assert proc.stderr == (f"apply.py: error: the config of {wd}, {via} includes "
+                               f"{tmp_path / 'fifo' if case != 'a relative include' else wd / '.git' / '../../fifo'}, "
+                               f"which is a FIFO, not a file; git would wait on it forever\n"), proc.stderr
+    assert (wd / ".git" / "config").read_bytes() == before
+
+
+def test_a_global_config_including_a_fifo_is_refused_at_once_not_after_30_s(project, upstream, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "gitconfig").write_text(f"[include]\n\tpath = {tmp_path / 'fifo'}\n")
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
+    proc = _apply(project.root, "-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"),
+                  env=env, timeout=20)
+    assert proc.returncode == errors.USAGE and proc.stderr == (
+        f"apply.py: error: GIT_CONFIG_GLOBAL {tmp_path / 'gitconfig'} includes {tmp_path / 'fifo'}, which is "
+        f"a FIFO, not a file; git would wait on it forever\n"), proc.stderr
