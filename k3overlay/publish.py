@@ -25,7 +25,9 @@ from pathlib import Path
 
 from . import git, journal
 from .errors import UsageError
+from .lock import held
 
+SWITCH_LOCK = "k3overlay-switch.lock"  # in the repository's common git folder
 TIP_KEY = "branch.{}.k3overlaytip"  # the sha we last wrote: proof we own the branch
 BASE_KEY = "branch.{}.k3overlaybase"  # the upstream ref the branch is built on (for --export)
 
@@ -39,11 +41,33 @@ def record(repo: git.Repo, branch: str, ref: str) -> None:
 def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
     """Point ``branch`` at ``sha``, check it out and ``record`` it (the checkout is clean).
 
-    Raises GitError (exit 2, one line: git's reason) when it cannot, after putting the
+    Raises UsageError, changing nothing, where ``branch`` is checked out in another worktree
+    (``refuse_checked_out_elsewhere``, checked again under the repository's ``switching``
+    lock); GitError (exit 2, one line: git's reason) when it cannot, after putting the
     checkout back as it was: branches, HEAD, index, files, config. If even that fails,
     UsageError says so, and the journal keeps the step: the next run finishes it.
     """
     top = Path(repo.working_tree_dir)
+    with switching(repo):
+        # again, now that no run in another worktree of the repository can switch: one may
+        # have checked the branch out there since this run's start-of-run check
+        refuse_checked_out_elsewhere(repo, branch)
+        _publish(repo, top, branch, sha, ref)
+
+
+@contextlib.contextmanager
+def switching(repo: git.Repo):
+    """Hold the switch lock of ``repo``'s common git folder for the block (waiting for it): a
+    check that a branch is checked out in no other worktree, and the switch to it, are one
+    step for every worktree of a repository. (Each checkout's own claim keeps runs on one
+    checkout apart; two runs on two worktrees of one repository both switched to the work
+    branch, and the user's next commit in one showed as a staged revert in the other.)"""
+    common = git.run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()
+    with held(Path(common) / SWITCH_LOCK):
+        yield
+
+
+def _publish(repo: git.Repo, top: Path, branch: str, sha: str, ref: str) -> None:
     before = _state(repo, branch, sha)
     with _recorded(repo, branch, sha, ref, before) as finished:
         try:
@@ -70,6 +94,30 @@ def publish(repo: git.Repo, branch: str, sha: str, ref: str) -> None:
                 raise git.GitError(f"{err} ({hint}); {top} was left as it was") from err
             raise  # git's own words: the checkout is as it was
         finished.append(True)
+
+
+def refuse_checked_out_elsewhere(repo: git.Repo, branch: str) -> None:
+    """UsageError if ``branch`` is checked out in another worktree of ``repo``: moving it
+    here would leave that worktree's index and files on the old commit (staged changes
+    nobody made)."""
+    here = Path(repo.working_tree_dir).resolve()
+    # The main worktree is listed first, under a path git may get wrong where the git folder
+    # is apart from the files (``clone --separate-git-dir``, a submodule: git 2.39 lists the
+    # git folder): where this checkout is the main one, that entry is this checkout.
+    common = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()).resolve()
+    main_here = Path(git.run(repo, "rev-parse", "--absolute-git-dir").strip()).resolve() == common
+    tree, index = None, -1
+    for line in git.run(repo, "worktree", "list", "--porcelain", "-z").split("\0"):
+        if line.startswith("worktree "):
+            tree, index = Path(line[len("worktree "):]), index + 1
+        elif line == f"branch refs/heads/{branch}" and tree is not None and tree.resolve() != here \
+                and not (index == 0 and main_here):
+            where = (f"the main worktree of {common} (git does not record where its files are)"
+                     if tree.resolve() == common else f"the worktree {tree}")
+            run_there = "in that worktree" if tree.resolve() == common else f"with --workdir {tree}"
+            raise UsageError(f"branch {branch} is checked out in {where}; moving it from here would "
+                             f"leave that worktree on the old files; run apply.py {run_there}, or "
+                             f"choose another with --branch")
 
 
 @contextlib.contextmanager

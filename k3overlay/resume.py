@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import git, safety
 from .errors import UsageError
-from .publish import record
+from .publish import record, switching
 
 
 class LeftAlone(UsageError):
@@ -53,15 +53,15 @@ def finish(facts: dict) -> str | None:
     said = f"it was switching {top} to {branch} ({sha[:12]})"
     if git.branch_tip(repo, branch) is None and _left_since(repo, branch, facts["since"]):
         return f"{said}: the user left {branch} and deleted it since; nothing of it is left to finish"
-    try:
-        switch = _may_switch(repo, facts)
-    except UsageError as err:
-        raise LeftAlone(err, f"{said}: left as it is") from err
-    if switch:
-        if git.current_branch(repo) != branch or git.branch_tip(repo, branch) != sha \
-                or git.is_dirty(repo):
+    with switching(repo):  # (the check and the switch one step in every worktree of the repository)
+        try:
+            switch = _may_switch(repo, facts)
+        except UsageError as err:
+            raise LeftAlone(err, f"{said}: left as it is") from err
+        if switch and (git.current_branch(repo) != branch or git.branch_tip(repo, branch) != sha
+                       or git.is_dirty(repo)):
             git.run(repo, "checkout", "--quiet", "--force", "--no-overwrite-ignore", "-B", branch, sha)
-    elif git.branch_tip(repo, branch) != sha:
+    if not switch and git.branch_tip(repo, branch) != sha:
         if git.resolve(repo, "HEAD") is None:  # (a new workdir's clone: the run taking it up switches it)
             return f"{said}: its new clone had nothing checked out yet; it is taken up as it is"
         return f"{said}: HEAD was moved since; nothing of it is left to finish"

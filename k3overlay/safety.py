@@ -13,7 +13,7 @@ from pathlib import Path
 from . import git
 from .errors import UsageError
 from .project import IDENTITY
-from .publish import BASE_KEY, TIP_KEY
+from .publish import BASE_KEY, TIP_KEY, refuse_checked_out_elsewhere  # noqa: F401  (a check of the switch's)
 
 
 def refuse_unsafe(repo: git.Repo, branch: str) -> None:
@@ -46,30 +46,6 @@ def dirty(repo: git.Repo) -> UsageError:
 def refuse_dirty(repo: git.Repo) -> None:
     if git.is_dirty(repo):
         raise dirty(repo)
-
-
-def refuse_checked_out_elsewhere(repo: git.Repo, branch: str) -> None:
-    """UsageError if ``branch`` is checked out in another worktree of ``repo``: moving it
-    here would leave that worktree's index and files on the old commit (staged changes
-    nobody made)."""
-    here = Path(repo.working_tree_dir).resolve()
-    # The main worktree is listed first, under a path git may get wrong where the git folder
-    # is apart from the files (``clone --separate-git-dir``, a submodule: git 2.39 lists the
-    # git folder): where this checkout is the main one, that entry is this checkout.
-    common = Path(git.run(repo, "rev-parse", "--path-format=absolute", "--git-common-dir").strip()).resolve()
-    main_here = Path(git.run(repo, "rev-parse", "--absolute-git-dir").strip()).resolve() == common
-    tree, index = None, -1
-    for line in git.run(repo, "worktree", "list", "--porcelain", "-z").split("\0"):
-        if line.startswith("worktree "):
-            tree, index = Path(line[len("worktree "):]), index + 1
-        elif line == f"branch refs/heads/{branch}" and tree is not None and tree.resolve() != here \
-                and not (index == 0 and main_here):
-            where = (f"the main worktree of {common} (git does not record where its files are)"
-                     if tree.resolve() == common else f"the worktree {tree}")
-            run_there = "in that worktree" if tree.resolve() == common else f"with --workdir {tree}"
-            raise UsageError(f"branch {branch} is checked out in {where}; moving it from here would "
-                             f"leave that worktree on the old files; run apply.py {run_there}, or "
-                             f"choose another with --branch")
 
 
 def refuse_foreign_branch(repo: git.Repo, branch: str, allowed: tuple[str, ...] = ()) -> None:

@@ -699,3 +699,57 @@ def test_a_claims_journal_this_user_cannot_look_at_is_refused_not_taken_for_ende
     monkeypatch.setattr(claim.os, "lstat", lstat)
     with pytest.raises(errors_.UsageError, match=r"which cannot be read \(Permission denied\): not acted on"):
         claim._recover_elsewhere(hidden, wd, lambda _: None)
+
+
+# -- Round 10: two runs at once on two worktrees of one repository (each claimed in its own git
+# folder) both switched to the work branch: one branch checked out in two worktrees, and the
+# user's next commit in one showed as a staged revert in the other (committing there undid it).
+
+
+def two_worktrees(upstream: Path, tmp_path: Path) -> tuple[Path, Path]:
+    main, linked = tmp_path / "main", tmp_path / "linked"
+    g(tmp_path, "clone", "-q", str(upstream), str(main))
+    g(main, "worktree", "add", "-q", "--detach", str(linked), "v1.0.0")
+    return main, linked
+
+
+def test_a_branch_another_worktrees_run_switched_to_meanwhile_is_refused_not_checked_out_twice(
+        project, upstream, tmp_path, monkeypatch):
+    from k3overlay import errors, job
+
+    main, linked = two_worktrees(upstream, tmp_path)
+    real = job.publish
+
+    def another_run_switched_first(repo, branch, sha, ref):  # after this run's start-of-run check
+        g(main, "checkout", "-q", "-B", branch, "v1.0.0")
+        real(repo, branch, sha, ref)
+
+    monkeypatch.setattr(job, "publish", another_run_switched_first)
+    head = g(linked, "rev-parse", "HEAD")
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=linked, branch="k3"))
+    assert str(err.value).startswith(f"branch k3 is checked out in the worktree {main}; ")
+    assert g(linked, "rev-parse", "HEAD") == head and g(linked, "status", "--porcelain") == ""
+    assert g(main, "symbolic-ref", "HEAD").strip() == "refs/heads/k3"
+
+
+def test_a_switch_waits_for_one_in_another_worktree_of_the_repository(project, upstream, tmp_path):
+    import fcntl
+
+    from k3overlay.publish import SWITCH_LOCK
+
+    main, linked = two_worktrees(upstream, tmp_path)
+    fd = os.open(main / ".git" / SWITCH_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the main worktree's run, switching
+    reports: list = []
+    other = threading.Thread(target=lambda: reports.append(
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=linked, branch="k3"))))
+    other.start()
+    other.join(3.0)
+    try:
+        assert other.is_alive() and g(linked, "rev-parse", "--abbrev-ref", "HEAD").strip() == "HEAD"
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    other.join(30)
+    assert reports and reports[0].ok and g(linked, "symbolic-ref", "HEAD").strip() == "refs/heads/k3"
