@@ -116,7 +116,7 @@ def _main(argv: list[str] | None) -> int:
         job_done()  # cleaned up: a reader gone (`--help | true`, `| head -1`) ends it quietly
         streams.end_if_reader_gone()
         tell(f"apply.py: interrupted; {_left_as_it_was(args)}")
-        return 130
+        return errors.INTERRUPTED
 
 
 def _left_as_it_was(args: argparse.Namespace | None) -> str:
@@ -175,18 +175,15 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             report = run_apply(project, opts)
         if upstream:
             report.notes.insert(0, upstream.note())
+        if report.error_code == errors.INTERRUPTED:  # while switching: finished, then stopped
+            return _interrupted(report, report.error + (", no wheel was written" if wheel_opts else ""),
+                                json_to)
         if wheel_opts and report.ok:
             try:
                 report.wheel = _build_wheel(project, report, wheel_opts)
             except KeyboardInterrupt:  # after publishing: say so (the wheel lands only when whole)
-                job_done()
-                report.error = (f"interrupted; branch {report.branch} was published, no wheel "
-                                f"was written")
-                report.error_code = 130
-                if json_to:  # what was published is reported all the same
-                    _json_report(report, json_to)
-                tell(f"apply.py: {report.error}")
-                return 130
+                return _interrupted(report, f"interrupted; branch {report.branch} was published, no "
+                                            f"wheel was written", json_to)
         job_done()
         return _finish(report, args)
     except errors.OverlayError as err:
@@ -205,6 +202,17 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
+
+
+def _interrupted(report: Report, said: str, json_to: Path | None) -> int:
+    """End a run stopped by a signal after it published: one line, the JSON report of what was
+    done all the same, exit 130."""
+    job_done()
+    report.error, report.error_code = said, errors.INTERRUPTED
+    if json_to:
+        _json_report(report, json_to)
+    tell(f"apply.py: {said}")
+    return errors.INTERRUPTED
 
 
 def _finish(report: Report, args: argparse.Namespace) -> int:
@@ -376,4 +384,7 @@ def _export(project: Project, workdir: Path) -> int:
     tell("overlay.json re-recorded at " + result.base, to=sys.stdout)
     if result.range_diff:
         tell("\ngit range-diff, old series vs new:\n" + result.range_diff.rstrip(), to=sys.stdout)
+    if result.interrupted:
+        tell("apply.py: interrupted while writing the export: it was finished first")
+        return errors.INTERRUPTED
     return errors.OK

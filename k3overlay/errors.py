@@ -11,6 +11,7 @@ DRIFT = 4  # upstream changed a file the overlay replaces
 VERIFY = 5  # the patched tree failed verification, or a built wheel failed its checks
 SOURCE = 6  # the vLLM source could not be fetched (index, network, git remote)
 ENVIRONMENT = 7  # a test environment could not be built, or tests failed for reasons outside the tree
+INTERRUPTED = 130  # Ctrl-C, SIGTERM, SIGHUP (128 + SIGINT, as a shell reports it)
 
 
 class OverlayError(Exception):

@@ -36,6 +36,7 @@ class ExportResult:
     patches: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     range_diff: str = ""
+    interrupted: bool = False  # a signal came while writing: the writing was finished first
 
 
 def export(project: Project, workdir: Path) -> ExportResult:
@@ -105,7 +106,7 @@ def _export(project: Project, workdir: Path) -> ExportResult:
                for path, content in overlay.items()}
     writes[_rel(project, project.manifest_path)] = (
         manifest_mod.dumps(manifest_mod.Manifest(base_ref, files)), False)
-    with deferred(then_raise=False):  # Ctrl-C waits: half an export is worse than a second's wait
+    with deferred(then_raise=False) as received:  # Ctrl-C waits: half an export is worse than a second's wait
         # (killed while staging: nothing in overlay/; while renaming: the next run finishes)
         remove = tuple(_rel(project, old) for old in project.patches_dir.glob("*.patch")
                        if old.name not in patch_files)
@@ -113,6 +114,7 @@ def _export(project: Project, workdir: Path) -> ExportResult:
             write_all_in_tree(project.root, writes, staging=STAGING, remove=remove,
                               unchanged={rel: start.get(rel) for rel in (*writes, *remove)})
         record(repo, branch, base_ref)  # the branch is in patches/ now: apply may rebuild it
+    result.interrupted = bool(received)
     result.patches = [p.name for p in new_patches]
     kept = {p.subject for p in new_patches}
     result.dropped = [p.name for p in old_patches if p.subject not in kept]

@@ -170,9 +170,10 @@ def _apply_locked(project: Project, opts: Options, manifest: manifest_mod.Manife
         elif result_sha:
             with deferred(then_raise=False) as received:  # the last step: finish it, then stop
                 _publish(repo, branch, result_sha, report)
-            if received:
-                report.notes.append("interrupted while switching the checkout: the switch was "
-                                    "finished first")
+            if received:  # stopped after all: no wheel is built after it, the exit is 130
+                report.error = (f"interrupted while switching the checkout: the switch was finished "
+                                f"first, branch {branch} is published")
+                report.error_code = errors.INTERRUPTED
 
 
 @contextlib.contextmanager

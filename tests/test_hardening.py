@@ -613,3 +613,58 @@ def test_what_a_file_of_a_crlf_checkout_holds_is_read_as_its_own_git_reads_it(tm
     paths = ["crlf.txt", "lf.txt"]
     assert git.work_tree_entries(git.open_repo(repo), paths) == {
         p: ("100644", g(repo, "rev-parse", f"HEAD:{p}").strip()) for p in paths}
+
+
+# -- Round 10: a Ctrl-C, SIGTERM or SIGHUP that came while the checkout was switched (or an
+# export written) was held until the step was done, then dropped: `--build-wheel` built and
+# wrote the whole wheel, and the run exited 0; the export exited 0 without a word of it.
+
+
+@pytest.mark.parametrize("wheel", [False, True])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_switching_finishes_the_switch_then_stops(project, upstream, tmp_path, monkeypatch,
+                                                                capsys, sig, wheel):
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd, out = tmp_path / "wd", tmp_path / "r.json"
+    switch, built = git.set_branch, []
+
+    def switched_then_signalled(*args):
+        switch(*args)
+        os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(git, "set_branch", switched_then_signalled)
+    monkeypatch.setattr(cli, "_build_wheel", lambda *args: built.append(args))
+    extra = ["--build-wheel", "--wheel-dir", str(tmp_path / "wheels")] if wheel else []
+    code = cli.main(["--vllm-repo", str(upstream), "--workdir", str(wd), "--json", str(out), *extra])
+    assert code == errors.INTERRUPTED and built == []
+    said = "interrupted while switching the checkout: the switch was finished first, branch " \
+           "k3-overlay/9.9.9 is published" + (", no wheel was written" if wheel else "")
+    assert capsys.readouterr().err.splitlines()[-1] == f"apply.py: {said}"
+    report = json.loads(out.read_text())
+    assert report["error"] == said and report["ok"] is False
+    assert g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/k3-overlay/9.9.9"  # finished, recorded:
+    monkeypatch.undo()
+    assert run_apply(project, Options(vllm_repo=str(upstream), workdir=wd)).ok  # a rerun goes on
+
+
+def test_a_signal_while_an_export_writes_finishes_it_then_stops(project, upstream, tmp_path, monkeypatch,
+                                                                capsys):
+    from k3overlay import export as export_mod
+
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    apply(project, upstream, wd)
+    (wd / "pkg/model.txt").write_text((wd / "pkg/model.txt").read_text() + "line 13\n")
+    g(wd, "commit", "-qam", "model: line 13\n\nUpstream-Status: Pending")
+    write_all = export_mod.write_all_in_tree
+
+    def written_then_ctrl_c(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # held: the writing goes on whole
+        write_all(*args, **kwargs)
+
+    monkeypatch.setattr(export_mod, "write_all_in_tree", written_then_ctrl_c)
+    assert cli.main(["--export", "--workdir", str(wd)]) == errors.INTERRUPTED
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == "apply.py: interrupted while writing the export: it was finished first"
+    assert "0002-model-line-13.patch" in captured.out
+    assert (project.patches_dir / "series").read_text().splitlines()[-1] == "0002-model-line-13.patch"
