@@ -79,6 +79,7 @@ from .gitpatch import (  # noqa: F401
     _am,
     mailinfo,
     diff_of,
+    links_made,
     patch_paths,
     paths_touched,
     apply_errors,

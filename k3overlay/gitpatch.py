@@ -125,6 +125,27 @@ def paths_touched(patch: Path) -> set[str]:
     return paths
 
 
+def links_made(patch: Path) -> set[str]:
+    """The paths mailbox ``patch`` makes symbolic links (``create mode 120000`` in ``git apply
+    --summary``), read as ``paths_touched`` reads its paths. GitError if git cannot read it."""
+    with diff_of(patch) as diff:
+        status, out, err = _execute(["apply", "--summary", str(diff)], cwd=diff.parent,
+                                    env={"GIT_CEILING_DIRECTORIES": str(diff.parent.parent)})
+    if status != 0:
+        raise GitError(f"git apply cannot read {patch.name}: {first_line(_text(err))}")
+    made = (line.strip().partition(" 120000 ")[2] for line in _text(out).splitlines()
+            if line.strip().startswith("create mode 120000 "))
+    return {_unquoted(name) for name in made if name}
+
+
+def _unquoted(name: str) -> str:
+    """A path as git prints it: C-quoted (``"a\\tb"``, octal bytes) where core.quotePath wants it."""
+    if not (len(name) > 1 and name.startswith('"') and name.endswith('"')):
+        return name
+    raw = name[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape")
+    return raw.encode("latin-1", "surrogateescape").decode("utf-8", "surrogateescape")
+
+
 def apply_errors(repo: Repo, patch: Path) -> str:
     """What ``git apply --check`` says against the work tree: empty when ``patch`` applies,
     else git's reasons (``error: patch failed: PATH:LINE`` ...)."""

@@ -68,7 +68,7 @@ def run_apply(project: Project, opts: Options) -> Report:
 def _run_apply(project: Project, opts: Options) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    refuse_patches_on_overlay(patches, manifest)
+    refuse_unsafe_patches(patches, manifest)
     ref = opts.ref or manifest.base
     branch = work_branch(project, opts)
     workdir = (opts.workdir or project.default_workdir).resolve()
@@ -80,21 +80,47 @@ def _run_apply(project: Project, opts: Options) -> Report:
     return report
 
 
-def refuse_patches_on_overlay(patches: list[series_mod.Patch], manifest: manifest_mod.Manifest) -> None:
+def refuse_unsafe_patches(patches: list[series_mod.Patch], manifest: manifest_mod.Manifest) -> None:
     """UsageError, before any work, if a patch changes (or renames, or deletes) an overlay file's
     path: the overlay is laid whole after the patches, so the patch's change was lost while
     the report said "applied", and ``--export``, which takes a commit touching only overlay
-    files for the overlay's own, then dropped the patch from the series."""
+    files for the overlay's own, then dropped the patch from the series. Or if it writes
+    where no patch may (``_forbidden``): git refuses such a path, and the run used to call
+    it a conflict and tell the user to ``git add`` it."""
     overlay = {f.path for f in manifest.files}
     for patch in patches:
         try:
-            hit = sorted(git.paths_touched(patch.path) & overlay)
+            touched, links = git.paths_touched(patch.path), git.links_made(patch.path)
         except git.GitError as err:
             raise UsageError(str(err)) from err
+        for path in sorted(touched):
+            why = _forbidden(path, links)
+            if why:
+                raise UsageError(f"{patch.name} writes {path!r}, {why}: git refuses it, and no patch of "
+                                 f"the series may; take it out of the patch")
+        hit = sorted(touched & overlay)
         if hit:
             raise UsageError(f"{patch.name} changes {hit[0]}, an overlay file: the overlay is laid whole "
                              f"over the patch's change, which would be lost (and --export would drop the "
                              f"patch); make that change in overlay/{hit[0]} instead")
+
+
+def _forbidden(path: str, links: set[str]) -> str | None:
+    """Why a patch may not write ``path`` (relative to the tree's top), or None: absolute, out of
+    the tree (``..``), inside a git folder (``.git`` in any case, with the trailing dots and
+    spaces and the 8.3 name ``git~1`` that some file systems drop or map to it), or below a
+    link the same patch makes."""
+    parts = path.split("/")
+    if path.startswith("/"):
+        return "an absolute path"
+    if ".." in parts:
+        return "a path out of the tree"
+    if any(part.lower().rstrip(". ") == ".git" or part.lower() == "git~1" for part in parts):
+        return "a path inside a git folder"
+    through = next((link for link in sorted(links) if path.startswith(link + "/")), None)
+    if through:
+        return f"a path through {through}, a symbolic link the patch makes"
+    return None
 
 
 def overlay_folders(manifest: manifest_mod.Manifest) -> set[str]:

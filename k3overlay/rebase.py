@@ -39,7 +39,7 @@ from .job import (
     publish,
     record,
     refuse_merge_attributes,
-    refuse_patches_on_overlay,
+    refuse_unsafe_patches,
     refuse_unsafe,
     verify_change,
     work_branch,
@@ -72,7 +72,7 @@ def _run_rebase(project: Project, refs: list[str], vllm_repo: str | None, stages
                 wheels: WheelOptions | None) -> list[Report]:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    refuse_patches_on_overlay(patches, manifest)
+    refuse_unsafe_patches(patches, manifest)
     origin = source.locate(vllm_repo, [manifest.base])
     scratch = Path(tempfile.mkdtemp(prefix="k3-rebase-"))
     try:
@@ -140,7 +140,7 @@ def rebase_to(project: Project, opts: Options) -> Report:
 def _rebase_to(project: Project, opts: Options, workdir: Path) -> Report:
     manifest = manifest_mod.load(project.manifest_path, project.overlay_dir)
     patches = series_mod.load(project.patches_dir)
-    refuse_patches_on_overlay(patches, manifest)
+    refuse_unsafe_patches(patches, manifest)
     branch = work_branch(project, opts)
     report = Report(project.version, manifest.base, opts.ref, branch=branch, workdir=str(workdir),
                     **next_args(opts))

@@ -711,9 +711,12 @@ def test_a_patch_writing_into_dot_git_or_out_of_the_tree_is_named(project, upstr
         series.write("0002-evil.patch\n")
     wd = tmp_path / "wd"
     g(tmp_path, "clone", "-q", str(upstream), str(wd))
-    report = run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=check))
-    assert report.exit_code == 3 and [p.status for p in report.patches] == ["applied", "conflict"]
-    assert report.patches[1].hunks == [f"error: invalid path '{path}'"]
+    head = g(wd, "rev-parse", "HEAD")
+    with pytest.raises(errors.UsageError, match=f"^0002-evil.patch writes {path!r}, a path (inside a git "
+                                                f"folder|out of the tree): git refuses it"):
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=wd, check=check))
+    # (round 10: it used to be a conflict, exit 3, whose next lines said `git add -- PATH`)
+    assert g(wd, "rev-parse", "HEAD") == head and g(wd, "status", "--porcelain") == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "project", "wd"]
     assert not (wd / ".git/hooks/post-checkout").exists() and not marker.exists()
 
@@ -729,3 +732,39 @@ def test_a_conflict_without_3way_names_only_the_files_whose_hunks_fail():
     assert _named(paths, hunks) == ["vllm/model_executor/layers/mla.py"]
     assert _named(paths, ["error: vllm/models/kimi_k3/nvidia/mtp.py: does not exist in index"]) == [paths[1]]
     assert _named(paths, ["something git said"]) == paths  # nothing named: every file, as before
+
+
+HOSTILE_DIFFS = {  # a patch's diff writing where no patch may, and the path the refusal names
+    "into .git": (".git/hooks/post-checkout", "a path inside a git folder"),
+    "into .GIT.": ("pkg/.GIT./config", "a path inside a git folder"),
+    "into git~1": ("GIT~1/hooks/x", "a path inside a git folder"),
+    "out of the tree": ("../outside.txt", "a path out of the tree"),
+    "through a link it makes": ("pkg/evil/x.py", "a path through pkg/evil, a symbolic link the patch makes"),
+}
+
+
+def _hostile_patch(path: str) -> str:
+    link = ("diff --git a/pkg/evil b/pkg/evil\nnew file mode 120000\n--- /dev/null\n+++ b/pkg/evil\n"
+            "@@ -0,0 +1 @@\n+/etc\n\\ No newline at end of file\n") if path.startswith("pkg/evil/") else ""
+    return ("From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nFrom: t <t@x>\n"
+            "Date: Sun, 29 Nov 2026 23:55:00 +0000\nSubject: [PATCH] hostile\n\nUpstream-Status: Pending\n"
+            f"---\n{link}diff --git a/{path} b/{path}\nnew file mode 100755\n--- /dev/null\n+++ b/{path}\n"
+            "@@ -0,0 +1,2 @@\n+#!/bin/sh\n+touch pwned\n--\n2.39.0\n\n")
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_DIFFS))
+@pytest.mark.parametrize("mode", ["apply", "--rebase-to"])
+def test_a_patch_writing_in_git_out_of_the_tree_or_through_its_link_is_bad_input(project, upstream, tmp_path,
+                                                                                 kind, mode):
+    """Round 10: such a patch was reported as an ordinary conflict (exit 3) after the run had
+    cloned and applied the series, and its next lines told the maintainer to
+    ``git add -- .git/hooks/post-checkout``. git refuses the path; it is refused before any work."""
+    path, why = HOSTILE_DIFFS[kind]
+    (project.patches_dir / "0002-hostile.patch").write_text(_hostile_patch(path))
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n0002-hostile.patch\n")
+    opts = Options(vllm_repo=str(upstream), workdir=tmp_path / "wd", ref="v1.1.0")
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, opts) if mode == "apply" else rebase_to(project, opts)
+    assert str(err.value) == (f"0002-hostile.patch writes {path!r}, {why}: git refuses it, and no patch "
+                              f"of the series may; take it out of the patch")
+    assert not (tmp_path / "wd").exists() and not (tmp_path / "outside.txt").exists()
