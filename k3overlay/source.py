@@ -7,6 +7,7 @@ vLLM's published sdists (see ``mirror``).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -119,7 +120,7 @@ def locate(vllm_repo: str | None, refs: list[str]) -> str:
         check_ref(ref)
     chosen = vllm_repo or os.environ.get("VLLM_REPO")
     if chosen:
-        check_source(chosen)
+        check_source(chosen, "--vllm-repo" if vllm_repo else "$VLLM_REPO")
         return _absolute(chosen)
     mirror = default_mirror()
     mirror.ensure(v for v in (release_of(split_ref(ref)[0]) for ref in refs) if v is not None)
@@ -132,19 +133,22 @@ _HELPER = re.compile(r"^([A-Za-z0-9][A-Za-z0-9+.\-]*)::")
 _SCHEMES = {"https", "ssh", "git+ssh", "ssh+git", "git", "file"}
 
 
-def check_source(source: str) -> None:
+def check_source(source: str, what: str = "--vllm-repo") -> None:
     """Refuse, before git runs, a vLLM source that is not an https, ssh or git URL, an
     scp-like ``host:path``, a ``file://`` URL or a local folder or bundle (UsageError).
 
     Refused: a leading ``-`` (git would read an option), control characters, any
     ``<transport>::`` helper (``ext::`` runs a command, ``fd::0`` waits on a descriptor), any
     other scheme (``http://`` sends credentials in the clear; ``foo://`` runs a
-    git-remote-foo), and a local path that is a FIFO, a device or a socket (git would wait
-    on it as a bundle). Git refuses the same transports on its own (``TRANSPORTS``), also
-    after a ``url.*.insteadOf`` rewrite.
+    git-remote-foo), user info git would read otherwise than meant (``redact.userinfo_problem``:
+    a password holding ``@ / ? #`` unescaped, which must be written ``%40 %2F %3F %23``), and
+    a local path that is a FIFO, a device or a socket (git would wait on it as a bundle). Git
+    refuses the same transports on its own (``TRANSPORTS``), also after a ``url.*.insteadOf``
+    rewrite. Each refusal names ``what`` (``--vllm-repo``, ``$VLLM_REPO``) and quotes the
+    source with its user info masked, before it is escaped (``!r``), so no escape hides it.
     """
     redact.remember(source)  # its user info is masked from here on, whatever it holds
-    bad = f"--vllm-repo {source!r}"
+    bad = f"{what} {redact.redact(source)!r}"
     if source.startswith("-") or not source.isprintable():
         raise UsageError(f"{bad} is not a URL or a path (it starts with '-' or holds a control "
                          f"character)")
@@ -155,6 +159,9 @@ def check_source(source: str) -> None:
     if scheme and scheme[1].lower() not in _SCHEMES:
         raise UsageError(f"{bad}: the '{scheme[1]}' transport is not allowed; give an https, ssh "
                          f"or git URL or a local path")
+    problem = redact.userinfo_problem(source)
+    if problem:
+        raise UsageError(f"{bad}: {problem}")
     path = local_path(source)
     if path is None:
         return  # a remote; git reaches it (scp-like host:path is ssh)
@@ -297,6 +304,11 @@ def clone(origin: str, workdir: Path, *, mark: str | None = None,
                 try:
                     os.replace(scratch / "vllm", workdir)  # an empty folder there is replaced too
                 except OSError as err:
+                    if err.errno in (errno.ENOTEMPTY, errno.EEXIST) and workdir.is_dir():
+                        # another run (under another cache: this one's lock is not its) put its
+                        # clone there first; what it does with it now is its own
+                        raise UsageError(f"{workdir} was made by another run while this one cloned "
+                                         f"it: run again") from err
                     raise UsageError(f"cannot put the clone at --workdir {workdir}: "
                                      f"{err.strerror}") from err
             finally:

@@ -333,3 +333,126 @@ def test_apply_with_a_percent_encoded_token_name_leaks_nothing(project, tmp_path
     out, err = capsys.readouterr()
     assert code == errors.SOURCE and "?tok%65n=***" in err
     assert SECRET not in out + err and _leaks(tmp_path) == []
+
+
+# Round 10: a source whose password holds a space and a control character (or an scp-like one
+# holding a line feed) was refused with the source quoted by ``!r``: its escapes (``\x07``,
+# ``\n`` as text) matched no remembered form and the space ended the URL, so the password
+# reached the error line and --json's ``error``.
+ESCAPED = [f"{SECRET} Tok\x07", f"{SECRET}\tTok \x1b", f"pa ss\u2028{SECRET}", f"a\xa0{SECRET} \x01",
+           f"it's {SECRET}\x7f", f"{SECRET} \\ \x85"]
+
+
+@pytest.mark.parametrize("password", ESCAPED)
+@pytest.mark.parametrize("given", ["--vllm-repo", "$VLLM_REPO"])
+@pytest.mark.parametrize("shape, shown", [
+    ("https://user:{pw}@127.0.0.1:1/x.git", "'https://***@127.0.0.1:1/x.git'"),
+    ("https://{pw}@127.0.0.1:1/x.git", "'https://***@127.0.0.1:1/x.git'"),
+    ("user:{pw}@host:path", "'user:***@host:path'"),
+    ("-https://user:{pw}@127.0.0.1:1/x.git", "'-https://***@127.0.0.1:1/x.git'"),
+    ("ssh://git:{pw}@h/x.git", "'ssh://git:***@h/x.git'"),
+])
+def test_a_refusal_quoting_the_source_masks_its_escaped_password(project, tmp_path, monkeypatch, capsys,
+                                                                 password, given, shape, shown):
+    import k3overlay.redact as redact_mod
+
+    monkeypatch.setattr(redact_mod, "_REMEMBERED", {})  # what another test's source left
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    url = shape.format(pw=password)
+    args = ["--workdir", str(tmp_path / "wd"), "--json", str(tmp_path / "r.json")]
+    if given == "--vllm-repo":
+        args.append(f"--vllm-repo={url}")  # (a leading - is a value, not an option)
+    else:
+        monkeypatch.setenv("VLLM_REPO", url)
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    error = json.loads((tmp_path / "r.json").read_text())["error"]
+    assert code == errors.USAGE and len(err.splitlines()) == 1, err
+    assert SECRET not in out + err + error and _leaks(tmp_path) == []
+    assert f"error: {given} {shown} is not a URL or a path" in err and error.startswith(f"{given} {shown}")
+
+
+@pytest.mark.parametrize("password", ESCAPED + [f"p/a?s#s@{SECRET}\x1b", f"{SECRET}%0A"])
+def test_every_escaped_form_of_a_remembered_password_is_masked(password, monkeypatch):
+    import k3overlay.redact as redact_mod
+    from k3overlay.printable import printable
+
+    monkeypatch.setattr(redact_mod, "_REMEMBERED", {})
+    for url in (f"https://user:{password}@h/x", f"alice:{password}@host:o/r.git"):
+        redact_mod.remember(url)
+        for shown in (url, repr(url), ascii(url), repr(url + '"'), json.dumps(url),
+                      json.dumps(url, ensure_ascii=False), url.encode("unicode_escape").decode(),
+                      printable(url), repr(url.replace("%0A", "\n"))):
+            assert SECRET not in redact(f"error: {shown} refused"), shown
+
+
+@pytest.mark.parametrize("url", ["file:///srv/at@dir/mirror.git", "https://host/a/b.git@other.example/x",
+                                 "ssh://git@host/a/b@v2.git", "ssh://git@host:22/a@b", "file://localhost/s@t/x",
+                                 "git://host/o/r.git@v1", "https://bücher.example/a@b"])
+def test_an_at_in_a_source_path_is_no_user_info(url, monkeypatch):
+    # round 10: user info was everything up to the URL's last @; git reads it from the
+    # authority only (up to the first / after scheme://): the path was shown as masked
+    # credentials ("file://***@dir/…") and stored as the host (remote.origin.url
+    # "file://dir/mirror.git", "https://other.example/x": a later fetch went elsewhere)
+    import k3overlay.redact as redact_mod
+
+    monkeypatch.setattr(redact_mod, "_REMEMBERED", {})
+    redact_mod.remember(url)
+    assert url_without_credentials(url) == url
+    assert redact(f"cloning {url} into /w") == f"cloning {url} into /w"
+    assert redact_mod.userinfo_problem(url) is None
+
+
+@pytest.mark.parametrize("url, stored", [
+    (f"alice:{SECRET}@host:o/r.git", "alice:***@host:o/r.git"),
+    (f"alice:p@{SECRET}@host:o/r.git", "alice:***@host:o/r.git"),
+    (f"alice:{SECRET}@host:o/r@v2.git", "alice:***@host:o/r@v2.git"),
+])
+def test_the_reported_form_of_an_scp_like_source_masks_its_password(url, stored, monkeypatch):
+    # the rebase job's reports name the source through ``url_without_credentials`` (before the
+    # source is checked, a bad ref refused first): an scp-like source's password was kept
+    import k3overlay.redact as redact_mod
+
+    assert url_without_credentials(url) == stored
+    monkeypatch.setattr(redact_mod, "_REMEMBERED", {})
+    redact_mod.remember(url)
+    assert SECRET not in redact(f"fatal: '{url}' does not appear to be a git repository")
+
+
+# What git (curl) does with each, tried with ``git ls-remote`` against a local server:
+# ``user:p@ss@h`` "URL using bad/illegal format" (and git's own message showed ``ss@h``);
+# ``user:pa/ss@h`` host ``user``, port ``pa``: bad format; ``user:p?ss@h``, ``user:p#ss@h``:
+# bad format; ``h:8443/a@b`` is host h (a password ``8443/a`` for user ``h`` reads the same).
+UNTELLABLE = {
+    "an @ in the password": ("https://user:p@{s}@127.0.0.1:{port}/x.git", "%40"),
+    "a / in the password": ("https://user:Ab/cd+{s}@127.0.0.1:{port}/x.git", "%2F"),
+    "a ? in the password": ("https://user:p?{s}@127.0.0.1:{port}/x.git", "%3F"),
+    "a # in the password": ("https://user:p#{s}@127.0.0.1:{port}/x.git", "%23"),
+    "an @ and a / in the password": ("https://user:p@a/{s}@127.0.0.1:{port}/x.git", "%40 and %2F"),
+    "a password of digits and /": ("https://user:12/{s}@127.0.0.1:{port}/x.git", "%2F"),
+    "a token holding ?": ("https://tok?{s}@127.0.0.1:{port}/x.git", "%3F"),
+    "an ssh password holding /": ("ssh://git:p/{s}@127.0.0.1:{port}/x.git", "%2F"),
+    "an @ in the path after user info": ("https://user:{s}@127.0.0.1:{port}/x@y.git", "%40"),
+    "a port and an @ in the path": ("https://127.0.0.1:{port}/{s}@x.git", "%40"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNTELLABLE))
+@pytest.mark.parametrize("given", ["--vllm-repo", "$VLLM_REPO"])
+def test_user_info_git_would_read_otherwise_is_refused_in_one_line(project, tmp_path, monkeypatch, capsys,
+                                                                  case, given):
+    shape, escape = UNTELLABLE[case]
+    url = shape.format(s=SECRET, port=_closed_port())
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    args = ["--workdir", str(tmp_path / "wd"), "--json", str(tmp_path / "r.json")]
+    if given == "--vllm-repo":
+        args += ["--vllm-repo", url]
+    else:
+        monkeypatch.setenv("VLLM_REPO", url)
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    error = json.loads((tmp_path / "r.json").read_text())["error"]
+    assert code == errors.USAGE and len(err.splitlines()) == 1, err
+    assert f"error: {given} '{url[:6]}" in err and "***@" in err and escape in err, err
+    assert SECRET not in out + err + error and _leaks(tmp_path) == []
+    assert not (tmp_path / "wd").exists()

@@ -356,3 +356,33 @@ def test_a_global_config_including_a_fifo_is_refused_at_once_not_after_30_s(proj
     assert proc.returncode == errors.USAGE and proc.stderr == (
         f"apply.py: error: GIT_CONFIG_GLOBAL {tmp_path / 'gitconfig'} includes {tmp_path / 'fifo'}, which is "
         f"a FIFO, not a file; git would wait on it forever\n"), proc.stderr
+
+
+@pytest.mark.parametrize("shape", ["file://{at}/up.git", "file://localhost{at}/up.git",
+                                   "https://vllm.invalid/a/up.git@other.invalid/x"])
+def test_an_at_in_the_source_path_is_kept_in_the_stored_origin(project, upstream, tmp_path, monkeypatch,
+                                                              capsys, shape):
+    """Round 10: the user info of a source was taken as everything up to its last @, so a
+    folder named ``at@dir`` was shown as masked credentials ("cloning file://***@dir/…") and
+    the checkout's ``remote.origin.url`` became ``file://dir/up.git`` (a later ``git fetch
+    origin`` failed), and ``https://host/a.git@other/x`` was stored as ``https://other/x``
+    (the user's next fetch went to another host). git reads user info from the authority
+    only (up to the first / after ``scheme://``): the tool now reads it so too."""
+    from .test_redact import _user_git_config
+
+    at = tmp_path / "at@dir"
+    at.mkdir()
+    subprocess.run(["git", "clone", "-q", "--bare", str(upstream), str(at / "up.git")], check=True,
+                   capture_output=True)
+    url = shape.format(at=at)
+    _user_git_config(tmp_path, monkeypatch, f'[url "{at / "up.git"}"]\n\tinsteadOf = {url}\n'
+                     if url.startswith("https") else "")
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd = tmp_path / "wd"
+    assert cli.main(["--vllm-repo", url, "--vllm-ref", "v1.1.0", "--workdir", str(wd)]) == errors.OK
+    err = capsys.readouterr().err
+    assert f"cloning {url} into" in err and "***" not in err, err
+    assert gitproc.run(gitproc.open_repo(wd), "config", "remote.origin.url").strip() == url
+    fetch = subprocess.run(["git", "-C", str(wd), "fetch", "-q", "origin", "v1.2.0"], capture_output=True,
+                           text=True)
+    assert fetch.returncode == 0, fetch.stderr
