@@ -753,3 +753,24 @@ def test_a_switch_waits_for_one_in_another_worktree_of_the_repository(project, u
         os.close(fd)
     other.join(30)
     assert reports and reports[0].ok and g(linked, "symbolic-ref", "HEAD").strip() == "refs/heads/k3"
+
+
+def test_a_new_workdir_another_cache_run_placed_first_is_said_so(project, upstream, tmp_path, monkeypatch):
+    """Round 10: two runs into one new ``--workdir`` under two caches (their locks apart) each
+    cloned beside it; the one that placed its clone second ended "cannot put the clone at
+    --workdir X: Directory not empty", as if the folder were the user's doing."""
+    from k3overlay import errors, git
+
+    wd, clone = tmp_path / "wd", git.clone
+
+    def the_other_run_placed_first(origin, dest):
+        repo = clone(origin, dest)
+        g(tmp_path, "clone", "-q", str(upstream), str(wd))  # the other cache's run, meanwhile
+        return repo
+
+    monkeypatch.setattr(git, "clone", the_other_run_placed_first)
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=wd))
+    assert str(err.value) == f"{wd} was made by another run while this one cloned it: run again"
+    assert g(wd, "status", "--porcelain") == "" and g(wd, "rev-parse", "--abbrev-ref", "HEAD").strip() == "main"
+    assert [p.name for p in tmp_path.iterdir() if ".k3-clone-" in p.name] == []  # its own clone: gone
