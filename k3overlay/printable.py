@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import re
 
-from .redact import map_strings, redact
-
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -22,9 +20,3 @@ def printable(text: str) -> str:
     if not isinstance(text, str):
         return text
     return _UNPRINTABLE.sub(lambda m: m[0].encode("unicode_escape").decode("ascii"), text)
-
-
-def for_terminal(value):
-    """``value`` (a string, or a report: any structure ``map_strings`` walks) redacted, then
-    made printable: what ``write_human``, progress and the error lines print."""
-    return map_strings(value, lambda text: printable(redact(text)))

@@ -37,6 +37,8 @@ import sys
 import traceback
 import urllib.parse
 
+from .printable import printable
+
 MASK = "***"
 
 # scheme://userinfo@ — as curl reads ``user:p@ss@host``, greedy up to the last @ before the
@@ -168,8 +170,6 @@ def _shown_forms(literal: str) -> set[str]:
     ``\\u2028``, ``\\xa0``, ``\\\\``, ``\\'``); as a shell quotes it (``'"'"'``); percent-
     encoded as requests does (``%20``). A message quoting the source with ``!r`` showed the
     password of ``https://user:pa ss\\x07@host`` (the escapes matched no remembered text)."""
-    from .printable import printable  # (printable imports this module)
-
     forms = {literal, printable(literal), literal.replace("'", "'\"'\"'"),
              json.dumps(literal)[1:-1], json.dumps(literal, ensure_ascii=False)[1:-1]}
     for errors in ("surrogateescape", "surrogatepass"):  # (argv's undecodable bytes, any other)
@@ -353,3 +353,9 @@ def excepthook(kind, value, tb) -> None:
     not print itself, and its messages may quote a URL with a password; it goes through
     ``redact`` too."""
     sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))
+
+
+def for_terminal(value):
+    """``value`` (a string, or a report: any structure ``map_strings`` walks) redacted, then
+    made printable (``printable``): what ``write_human``, progress and the error lines print."""
+    return map_strings(value, lambda text: printable(redact(text)))

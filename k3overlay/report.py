@@ -25,9 +25,8 @@ from .files import stream_target, write_atomically
 from .gitproc import user_has_identity
 from .manifest import CONFLICT as FILE_CONFLICT
 from .manifest import DRIFT, FileResult
-from .printable import for_terminal
 from .project import MAINTAINER
-from .redact import scrub
+from .redact import for_terminal, scrub
 from .series import CONFLICT as PATCH_CONFLICT
 from .series import PatchResult, conflict_regions
 from .stages import Section, TestRun
