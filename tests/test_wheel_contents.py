@@ -133,7 +133,22 @@ def zip64_ends(path: Path, *, saturate: bool, gap: bytes = b"", classic_size: in
 
 EVIL_PTH = b"import os; os.system('touch /tmp/pwned')\n"
 # name -> (how to make the wheel in a folder, a regex the one-line refusal matches)
+def _lying_hash(good: Path, name: str) -> bytes:
+    """The RECORD of wheel ``good`` with ``name``'s hash that of other bytes."""
+    with zipfile.ZipFile(good) as archive:
+        record = archive.read(next(n for n in archive.namelist() if n.endswith("/RECORD")))
+    lines = [line if not line.startswith(name.encode() + b",") else
+             record_of([(name, b"# not these bytes\n")]).splitlines()[0] for line in record.splitlines()]
+    return b"\n".join(lines) + b"\n"
+
+
 HOSTILE = {
+    # round 10: a lie of RECORD's found only when the repack read the entry was exit 6
+    "RECORD lies about a module's hash": (lambda d: craft(d, record=_lying_hash(craft(d / "good"), "vllm/a.py")),
+                                          r"entry 'vllm/a.py': Hash mismatch for file 'vllm/a.py'"),
+    "RECORD lies about a dist-info file's hash": (
+        lambda d: craft(d, record=_lying_hash(craft(d / "good"), f"{INFO}/top_level.txt")),
+        rf"entry '{INFO}/top_level.txt': Hash mismatch"),
     "symlink": (lambda d: craft(d, [("vllm/evil_link.py", b"/etc/passwd", 0o120777)]),
                 r"entry 'vllm/evil_link.py' is a symbolic link \(mode 120777\)"),
     "top-level .pth": (lambda d: craft(d, [("zzz_evil.pth", EVIL_PTH, REG)]),
