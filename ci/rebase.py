@@ -61,7 +61,7 @@ try:  # Ctrl-C while starting up (the imports take a while): one line, like anyw
     from pathlib import Path
     from types import SimpleNamespace
 
-    from k3overlay import errors, git, progress, streams
+    from k3overlay import errors, git, progress, scratch, streams
     from k3overlay.cli import INTERNAL, OneLineParser, job_done, report_console, stop_like_ctrl_c, tell
     from k3overlay.files import refuse_one_file_twice, stream_target
     from k3overlay.outputs import refuse_aliases, refuse_unresolvable
@@ -148,7 +148,8 @@ class JobStages:
             return
         got = SimpleNamespace(gpu=None, ab=None)  # what ``stage.attach`` fills
         if self.gpu:
-            stage.attach(got, stage.run_here(target.built, meta), tree_sha)
+            with scratch.machine_tmpdir():  # its lock, one per GPU machine, is in TMPDIR
+                stage.attach(got, stage.run_here(target.built, meta), tree_sha)
         elif target.ref not in self.gpu_results:
             got.gpu = {"env_error": f"no GPU results for {target.ref} in --gpu-results"}
         else:
@@ -235,8 +236,11 @@ def _main(argv: list[str] | None) -> int:
         return err.exit_code
     refs = args.onto  # as given, until _targets translates them
     try:
-        refs, notes, refused_refs = _targets(args.onto, args.vllm_repo)
-        reports = _run(args, refs, notes, refused_refs)
+        # every temporary file of the job and of its children (git, pip, the test tiers) in one
+        # folder of its own, removed at the end; a killed job's, by the next run (k3overlay.scratch)
+        with scratch.per_run():
+            refs, notes, refused_refs = _targets(args.onto, args.vllm_repo)
+            reports = _run(args, refs, notes, refused_refs)
     except errors.OverlayError as err:  # the job stopped: each ref's report says why
         tell(f"rebase.py: error: {err}")
         reports = _stopped(refs, str(err), err.exit_code)

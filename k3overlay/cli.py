@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from . import errors, git, progress, releases, source, streams
+from . import errors, git, progress, releases, scratch, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
 from .job import Options, run_apply
@@ -135,6 +135,7 @@ def _left_as_it_was(args: argparse.Namespace | None) -> str:
 def _run(project: Project, args: argparse.Namespace) -> int:
     json_to = None  # where an error report may go: not before --json is known not to be our data
     report = None  # the job's report, once it has one: a bug after publishing still reports it
+    temporary = contextlib.ExitStack()  # the run's folder for temporary files, however it ends
     try:
         refuse_unresolvable(_paths_given(project, args))  # first: every check below resolves them
         if args.json:
@@ -142,6 +143,9 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             refuse_one_file_twice([(args.release_wheel, "--release-wheel"), (args.json, "--json")])
         _refuse_outputs_over_inputs(project, args)
         json_to = args.json
+        # every temporary file of the run and of its children (git, pip) in one folder of its
+        # own, removed at the end; a killed run's, by the next run (``scratch``)
+        temporary.enter_context(scratch.per_run())
         if args.export and (args.json or args.branch or args.vllm_ref or args.vllm_repo
                             or args.allow_drift):
             raise errors.UsageError("--export takes only --workdir (it reads the checked-out "
@@ -202,6 +206,8 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
+    finally:
+        temporary.close()
 
 
 def _interrupted(report: Report, said: str, json_to: Path | None) -> int:

@@ -33,9 +33,9 @@ import hashlib
 import os
 import pwd
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -268,51 +268,116 @@ def writable(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
 
 
-STALE_AFTER_S = 60  # a folder younger than this may belong to a run that has not locked it yet
+STALE_AFTER_S = 60  # a folder without owner.lock younger than this may be one being made now
+OWNER = "owner.lock"
+_NEW_OWNER = "new-owner.lock"  # owner.lock until it is locked: every owner.lock seen is locked once
 
 
 @contextlib.contextmanager
-def owned_scratch(parent: Path, prefix: str) -> Iterator[Path]:
-    """A fresh folder ``parent/<prefix>XXXX`` for the block, removed after (not cut short by
-    Ctrl-C). It holds ``owner.lock``, locked while the block runs: a folder a killed run
-    left (its lock free, the kernel dropped it) is removed by the next call for the same
-    ``parent`` and ``prefix``; a live run's is left alone. Raises OSError as ``mkdtemp``."""
-    remove_stale(parent, prefix)
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+def owned_scratch(parent: Path, prefix: str, *, moved_by: str = "--wheel-dir",
+                  sweep_first: bool = True) -> Iterator[Path]:
+    """A fresh folder ``parent/<prefix>XXXXXXXX`` (0700) for the block, removed after (not cut
+    short by Ctrl-C). It holds ``owner.lock``, locked while the block runs, a copy of the lock
+    with the watchdog (``reaper``): a folder a killed run left is free once that run's children
+    are gone, and is removed (``remove_stale``) by the next call for the same ``parent`` and
+    ``prefix``, as it starts (``sweep_first``) and as it ends; a live run's is left alone.
+    Raises OSError as ``mkdtemp``; UsageError if the lock cannot be taken (a file system
+    without locks: point ``moved_by`` at a local disk)."""
+    if sweep_first:
+        remove_stale(parent, prefix)
+    folder, fd = _made_owned(parent, prefix, moved_by)
+    key = str(folder / OWNER)
     try:
-        fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            flock(fd, folder / "owner.lock", fcntl.LOCK_EX, moved_by="--wheel-dir")
-            yield folder
-        finally:
-            os.close(fd)
+        reaper.hold(key, fd)
+        yield folder
     finally:
         with deferred():
+            try:
+                shutil.rmtree(folder, ignore_errors=True)  # still locked: no sweep races it
+                fcntl.flock(fd, fcntl.LOCK_UN)  # every copy: the watchdog's too
+            finally:
+                os.close(fd)
+                reaper.drop(key)
+            remove_stale(parent, prefix)  # what a killed run left meanwhile (its lock was held till now)
+
+
+def _made_owned(parent: Path, prefix: str, moved_by: str) -> tuple[Path, int]:
+    """A new folder ``parent/<prefix>XXXXXXXX`` and the descriptor of its ``owner.lock``, locked
+    before it has that name (made as ``new-owner.lock``, locked, then renamed): no sweep ever
+    finds it unlocked while its run lives, however young the folder."""
+    for _ in range(100):
+        folder = parent / (prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(folder, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, "no free name", str(parent / prefix))
+    try:
+        inside = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(_NEW_OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=inside)
+            try:
+                flock(fd, folder / OWNER, fcntl.LOCK_EX, moved_by=moved_by)
+                os.rename(_NEW_OWNER, OWNER, src_dir_fd=inside, dst_dir_fd=inside)
+            except BaseException:
+                os.close(fd)
+                raise
+        finally:
+            os.close(inside)
+    except BaseException:
+        with deferred():
             shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder, fd
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:
-    """Remove each ``parent/<prefix>*`` folder whose ``owner.lock`` nobody holds and that is
-    older than ``STALE_AFTER_S``; a folder without one is not ours and is left. Returns them."""
+    """Remove each ``parent/<prefix>*`` folder of this user's whose ``owner.lock`` nobody holds
+    (the lock alone says whether its run is alive: ``owned_scratch`` locks it before it has
+    that name), and one older than ``STALE_AFTER_S`` holding nothing but a ``new-owner.lock``
+    (a run killed as it made it). A link, another user's folder, a folder this user cannot
+    lock and one without either file (never ours) are left. Returns those removed."""
     removed = []
     for folder in sorted(parent.glob(glob_escape(prefix) + "*")):
         try:
-            if folder.is_symlink() or not folder.is_dir() or \
-                    time.time() - folder.stat().st_mtime < STALE_AFTER_S:
-                continue
-            fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            info = os.lstat(folder)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                continue  # a link is never followed; another user's is theirs
+            fd = os.open(folder / OWNER, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if _half_made(folder):
+                with deferred():
+                    shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+            continue
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # a live run's
+        else:
+            with deferred():
+                shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
         finally:
             os.close(fd)
-        with deferred():
-            shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
     return removed
+
+
+def _half_made(folder: Path) -> bool:
+    """Whether ``folder`` (no ``owner.lock`` in it) is one a run was killed making: nothing in it
+    but ``new-owner.lock`` (or nothing at all), and older than ``STALE_AFTER_S``."""
+    try:
+        return set(os.listdir(folder)) <= {_NEW_OWNER} and \
+            time.time() - os.lstat(folder).st_mtime >= STALE_AFTER_S
+    except OSError:
+        return False
 
 
 def glob_escape(text: str) -> str:

@@ -1,4 +1,4 @@
-"""No git child outlives the tool: a watchdog process stops what a killed run left running.
+"""No child outlives the tool: a watchdog process stops what a killed run left running.
 
 Git children run in sessions of their own (no terminal, so nothing can prompt), so
 neither a terminal's hang-up nor the kernel stops them when the tool dies: a
@@ -19,15 +19,24 @@ explicitly (``flock(LOCK_UN)`` releases every copy), then the watchdog drops its
 
 The one window left: the tool killed between starting a git child and announcing it
 (a few microseconds, no git work done yet by then).
+
+Children other than git that start children of their own (pip: ``--build-wheel``'s install
+check, ``--wheel-build vllm``'s build) run through ``run``: in a session of their own too,
+each announcing itself between fork and exec (while it holds a copy of the tool's end of the
+socket, so not even that window is left), and stopped with what they started on an interrupt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+from .interrupts import deferred
 
 # The watchdog, run as ``python -I -S -c``: stdin is its end of the socket (SOCK_SEQPACKET:
 # one message per announcement; a lock comes as an attached descriptor).
@@ -141,3 +150,78 @@ def hold(key: str, fd: int) -> None:
 def drop(key: str) -> None:
     """The watchdog closes its copy of lock ``key`` (unlock it first: ``flock(LOCK_UN)``)."""
     _send(f"U {key}")
+
+
+def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, **kwargs)`` (stdin ``/dev/null`` unless given) for a child
+    that starts children of its own (pip, the build backend it runs, a compiler): it leads a
+    session of its own, announced to the watchdog by the child itself before it execs, so a
+    killed tool's watchdog stops it and all it started; withdrawn once it has ended. On an
+    interrupt (Ctrl-C, SIGTERM: ``subprocess.run`` kills the child itself) what it started is
+    killed too before the interrupt goes on."""
+    channel = _started()
+    told, tell = os.pipe()  # the child's pid (its group), from the child itself
+
+    def announce() -> None:  # in the child, between fork and exec: no import, no lock
+        pid = b"%d" % os.getpid()
+        os.write(tell, pid)
+        if channel is not None:
+            with contextlib.suppress(OSError):
+                channel.send(b"+ " + pid, socket.MSG_NOSIGNAL)
+
+    kwargs.setdefault("stdin", None if "input" in kwargs else subprocess.DEVNULL)
+    group = 0
+    try:
+        return subprocess.run(command, start_new_session=True, preexec_fn=announce, **kwargs)
+    except BaseException:
+        group = _told(told)
+        if group:
+            with deferred(then_raise=False):  # what it started (it is gone: run killed it)
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGKILL)
+                _wait_gone(group)
+        raise
+    finally:
+        group = group or _told(told)
+        if group:
+            forget(group)
+        os.close(told)
+        os.close(tell)
+
+
+def _wait_gone(group: int, wait_s: float = 5) -> None:
+    """Wait (``wait_s`` at most) until no process of ``group`` is left but zombies."""
+    deadline = time.monotonic() + wait_s
+    while _members(group) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _members(group: int) -> int:
+    """How many processes of ``group`` are not zombies (as the watchdog counts them)."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        try:
+            os.killpg(group, 0)
+            return 1
+        except OSError:
+            return 0
+    found = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != b"Z":
+            found += 1
+    return found
+
+
+def _told(fd: int) -> int:
+    """The pid the child wrote into pipe ``fd`` (once: the first call reads it), else 0."""
+    os.set_blocking(fd, False)
+    try:
+        return int(os.read(fd, 32) or 0)
+    except (OSError, ValueError):
+        return 0

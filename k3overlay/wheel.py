@@ -42,7 +42,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 from wheel.wheelfile import WheelError, WheelFile
 
-from . import git, releases, source, untar, wheelcheck
+from . import git, reaper, releases, source, untar, wheelcheck
 from .downloads import ReleaseFiles, file_sha256
 from .wheelrelease import PACKAGE, RECORD_PATH, check_release, readable  # noqa: F401  (tests read it here)
 from .wheelrelease import opened as _opened
@@ -480,7 +480,7 @@ def torch_in(python: str) -> tuple[str, str | None] | None:
     """``(torch.__version__, torch.version.cuda)`` of interpreter ``python``, None without torch."""
     probe = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))"
     try:
-        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        proc = reaper.run([python, "-c", probe], capture_output=True, text=True)
     except OSError:
         return None
     if proc.returncode != 0:
@@ -528,7 +528,8 @@ def _vllm_build(repo: git.Repo, result_sha: str, p: Plan, tmp: Path) -> Path:
     command = [sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps",
                "--no-build-isolation", "--wheel-dir", str(out), str(export)]
     with step("vLLM's precompiled build (pip wheel, VLLM_USE_PRECOMPILED=1)"), open(log, "w") as f:
-        code = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        # (through the watchdog: a killed tool's build is stopped, not left compiling)
+        code = reaper.run(command, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     built = sorted(out.glob("vllm-*.whl")) if out.is_dir() else []
     if code != 0 or len(built) != 1:
         kept = tmp.parent / "vllm-build.log"  # the wheel folder: tmp goes away

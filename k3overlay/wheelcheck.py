@@ -24,7 +24,6 @@ import ast
 import csv
 import hashlib
 import io
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -36,7 +35,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 from wheel.wheelfile import WheelError, WheelFile
 
-from . import wheelentries
+from . import reaper, wheelentries
 from .errors import BuildError
 from .progress import ByteBar
 
@@ -161,9 +160,10 @@ def _version_py(built: Path, version: Version) -> list[str]:
 
 
 def _install(built: Path) -> list[str]:
-    """``pip install --no-deps --target`` into a temporary folder; [] if it worked."""
+    """``pip install --no-deps --target`` into a temporary folder; [] if it worked. Pip runs
+    through the watchdog (``reaper.run``): a killed tool's pip is stopped, not left installing."""
     with tempfile.TemporaryDirectory(prefix="k3-wheel-install-") as target:
-        proc = subprocess.run(
+        proc = reaper.run(
             [sys.executable, "-m", "pip", "install", "--isolated", "--no-deps", "--no-index",
              "--no-compile", "--disable-pip-version-check", "--quiet", "--target", target, str(built)],
             capture_output=True, text=True)
