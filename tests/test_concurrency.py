@@ -217,6 +217,15 @@ def long_series(project, upstream, tmp_path):
     return project
 
 
+def applied(tmp: Path) -> int:
+    """The files the series wrote so far in the run's temporary worktree (in its own folder under
+    TMPDIR ``tmp``, ``scratch``); 0 while a folder on the way comes or goes."""
+    try:
+        return len(list(tmp.glob("k3overlay-*/run-*/k3-worktree-*/tree/gen/*")))
+    except FileNotFoundError:
+        return 0
+
+
 @pytest.mark.parametrize("check", [True, False])
 def test_interrupt_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstream, tmp_path,
                                                               tmpdir_env, check):
@@ -226,7 +235,7 @@ def test_interrupt_mid_am_leaves_the_checkout_and_no_worktree(long_series, upstr
     run = spawn(long_series, tmpdir_env, "-q", "--vllm-repo", str(upstream), "--workdir", str(wd),
                 *(["--check"] if check else []))
     tmp = tmp_path / "t"
-    wait_for(lambda: len(list(tmp.glob("k3-worktree-*/tree/gen/*"))) >= 3, what="patches to apply")
+    wait_for(lambda: applied(tmp) >= 3, what="patches to apply")
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     expected = "the checkout was left as it was" if check else \

@@ -33,8 +33,9 @@ def _hostile_release(mirror_repo, tmp_path):
     for victim in victims:
         victim.write_text(PRECIOUS)
     (up / LLG).symlink_to(victims[0])
-    # from <tmp>/t/k3-worktree-*/tree/vllm/models/kimi_k3/nvidia/ seven levels up is tmp_path
-    (up / SM90).symlink_to("../../../../../../../victim-rel.py")
+    # from <tmp>/t/k3overlay-<uid>/run-*/k3-worktree-*/tree/vllm/models/kimi_k3/nvidia/ (the run's
+    # own folder in TMPDIR, ``scratch``) nine levels up is tmp_path
+    (up / SM90).symlink_to("../" * 9 + "victim-rel.py")
     (up / TABLES).mkdir()
     (up / TABLES / "README").write_text("upstream made this a folder\n")
     (up / "vllm" / "k3_dangling.py").symlink_to("does/not/exist.py")
