@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from .errors import UsageError
-from .gitfolder import config_files, git_folder
+from .gitfolder import config_files, git_files, git_folder
 from .regular import kind_of
 
 INCLUDES_WAIT_S = 30  # one ``git config --file`` read of a single file (a slow network home)
@@ -44,6 +44,9 @@ def refuse_unreadable_repo_config(top: Path) -> None:
     own read of it, would wait on a FIFO forever (a checkout's ``.git/config`` with
     ``include.path`` naming one hung the run before it said a word)."""
     folder = git_folder(top)
+    for path in git_files(folder) if folder is not None else []:
+        if not path.is_file():  # HEAD, packed-refs: git opens them at every start, a FIFO too
+            raise UsageError(f"{path}, a file of the git folder of {top}, is {_no_file(path)}")
     for path in config_files(folder) if folder is not None else []:
         name = f"the config of {top},"
         if not path.is_file():
@@ -64,7 +67,8 @@ def refuse_unreadable_includes(name: str, config: Path) -> None:
     while left:
         current, depth = left.pop()
         for included in _includes_of(current):
-            path = Path(os.path.expanduser(included) if included.startswith("~/")
+            # (``~/`` and ``~USER/`` as git expands them; else from the including file's folder)
+            path = Path(os.path.expanduser(included) if included.startswith("~")
                         else current.parent / included)
             try:
                 info = os.stat(path)

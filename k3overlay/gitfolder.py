@@ -77,3 +77,15 @@ def config_files(folder: Path) -> list[Path]:
         common = folder / os.fsdecode(named)
     found = [common / "config", folder / "config.worktree"]
     return [path for path in dict.fromkeys(found) if os.path.lexists(path)]
+
+
+def git_files(folder: Path) -> list[Path]:
+    """The files other than config that git (and GitPython) read in the git folder ``folder``
+    before any command's own work, where they are there: ``HEAD``, ``commondir`` and the
+    common folder's ``packed-refs``. (``git_folder`` took only a ``HEAD`` that is a file.)"""
+    common = folder
+    named = _head_of(folder / "commondir").rstrip(b"\r\n")
+    if named:
+        common = folder / os.fsdecode(named)
+    found = [folder / "HEAD", folder / "commondir", common / "packed-refs"]
+    return [path for path in dict.fromkeys(found) if os.path.lexists(path)]

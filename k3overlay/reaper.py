@@ -53,7 +53,7 @@ while True:
         break
     if not data:
         break  # the tool is gone, however it ended
-    op, _, arg = data.decode().partition(" ")
+    op, _, arg = data.decode("utf-8", "surrogateescape").partition(" ")
     if op == "+":
         groups.add(int(arg))
     elif op == "-":
@@ -128,7 +128,8 @@ def _send(message: str, fds: list[int] | None = None) -> None:
     if channel is None:
         return
     with contextlib.suppress(OSError):  # a watchdog gone: no SIGPIPE (the tool reads it as ^C)
-        socket.send_fds(channel, [message.encode()], fds or [], socket.MSG_NOSIGNAL)
+        # (os.fsencode: a lock's path may hold bytes that are no UTF-8, a TMPDIR's name say)
+        socket.send_fds(channel, [os.fsencode(message)], fds or [], socket.MSG_NOSIGNAL)
 
 
 def watch(group: int) -> None:

@@ -381,3 +381,19 @@ def test_an_interrupt_stops_what_a_childs_child_started(tmp_path):
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_tmpdir_whose_name_is_no_utf8_is_used_not_a_traceback(project, upstream, tmp_path):
+    """Round 10b: a TMPDIR named with a byte that is no UTF-8 ended every run in a traceback
+    (UnicodeEncodeError telling the watchdog of the run folder's lock); XDG_CACHE_HOME too."""
+    odd = os.fsencode(tmp_path) + b"/\xff"
+    os.makedirs(odd)
+    env = {**os.environb, b"TMPDIR": odd, b"XDG_CACHE_HOME": odd + b"/cache"}
+    code = ("import sys; from pathlib import Path; from k3overlay import cli, project\n"
+            "cli.Project = lambda: project.Project(Path(sys.argv[1]))\n"
+            "sys.exit(cli.main(sys.argv[2:]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(project.root), "-q", "--vllm-repo", str(upstream),
+                           "--workdir", str(tmp_path / "wd")], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).parent.parent))
+    assert proc.returncode == errors.OK and "Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(odd) == [b"cache"]  # its run folder gone with it

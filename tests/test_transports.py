@@ -321,6 +321,7 @@ CHECKOUT_CASES = {  # how the checkout's config reaches the FIFO (``{fifo}``), i
     "includeIf gitdir": '[includeIf "gitdir:/nowhere/"]\n\tpath = {fifo}\n',
     "an include of a file including it": "[include]\n\tpath = {tmp}/second\n",
     "~/ from HOME": "[include]\n\tpath = ~/fifo\n",
+    "~USER/ from their home": "[include]\n\tpath = ~{user}/{home_rel}/fifo\n",  # (round 10b: a hang)
 }
 
 
@@ -333,16 +334,22 @@ def test_a_checkout_whose_config_includes_a_fifo_is_refused_at_once(project, ups
     subprocess.run(["git", "clone", "-q", str(upstream), str(wd)], check=True, capture_output=True)
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "second").write_text(f"[include]\n\tpath = {tmp_path / 'fifo'}\n")
+    import pwd
+
+    user = pwd.getpwuid(os.geteuid())
+    home_rel = os.path.relpath(tmp_path, user.pw_dir)
     with open(wd / ".git" / "config", "a") as config:
-        config.write(CHECKOUT_CASES[case].format(fifo=tmp_path / "fifo", tmp=tmp_path))
+        config.write(CHECKOUT_CASES[case].format(fifo=tmp_path / "fifo", tmp=tmp_path, user=user.pw_name,
+                                                 home_rel=home_rel))
     before = (wd / ".git" / "config").read_bytes()
     for extra in (["--check"], []):
         proc = _apply(project.root, "-q", *extra, "--vllm-repo", str(upstream), "--workdir", str(wd),
                       env={**os.environ, "HOME": str(tmp_path)}, timeout=20)
         assert proc.returncode == errors.USAGE, proc.stderr
         via = tmp_path / "second" if case.startswith("an include of a file") else wd / ".git" / "config"
-        assert proc.stderr == (f"apply.py: error: the config of {wd}, {via} includes "
-                               f"{tmp_path / 'fifo' if case != 'a relative include' else wd / '.git' / '../../fifo'}, "
+        shown = {"a relative include": wd / ".git" / "../../fifo",
+                 "~USER/ from their home": Path(user.pw_dir) / home_rel / "fifo"}.get(case, tmp_path / "fifo")
+        assert proc.stderr == (f"apply.py: error: the config of {wd}, {via} includes {shown}, "
                                f"which is a FIFO, not a file; git would wait on it forever\n"), proc.stderr
     assert (wd / ".git" / "config").read_bytes() == before
 
@@ -386,3 +393,16 @@ def test_an_at_in_the_source_path_is_kept_in_the_stored_origin(project, upstream
     fetch = subprocess.run(["git", "-C", str(wd), "fetch", "-q", "origin", "v1.2.0"], capture_output=True,
                            text=True)
     assert fetch.returncode == 0, fetch.stderr
+
+
+@pytest.mark.parametrize("name", ["HEAD", "packed-refs", "commondir"])
+def test_a_git_folder_file_git_reads_at_start_that_is_a_fifo_is_refused_at_once(project, upstream, tmp_path, name):
+    """Round 10b: ``.git/packed-refs`` (or ``HEAD``, ``commondir``) a FIFO hung the run, silently."""
+    wd = tmp_path / "wd"
+    subprocess.run(["git", "clone", "-q", str(upstream), str(wd)], check=True, capture_output=True)
+    (wd / ".git" / name).unlink(missing_ok=True)
+    os.mkfifo(wd / ".git" / name)
+    proc = _apply(project.root, "-q", "--check", "--vllm-repo", str(upstream), "--workdir", str(wd), timeout=20)
+    assert proc.returncode == errors.USAGE and proc.stderr == (
+        f"apply.py: error: {wd / '.git' / name}, a file of the git folder of {wd}, is a FIFO, not a file; git "
+        f"would wait on it forever\n"), proc.stderr
