@@ -15,6 +15,7 @@ from rich.console import Console
 from . import errors, git, progress, releases, scratch, source, streams
 from .export import export
 from .files import refuse_one_file_twice, stream_target
+from .interrupts import deferred
 from .job import Options, run_apply
 from .outputs import inside, refuse_aliases, refuse_unresolvable, same
 from .printable import printable
@@ -206,8 +207,25 @@ def _run(project: Project, args: argparse.Namespace) -> int:
             with contextlib.suppress(Exception):
                 write_json(report, json_to)
         raise
+    except KeyboardInterrupt:  # (one line by _main) a report file asked for is this run's, not the last's
+        if json_to:
+            report = report or refused(project, args.rebase_to or args.vllm_ref, "", errors.INTERRUPTED)
+            report.error = f"interrupted; {_left_as_it_was(args)}"
+            report.error_code = errors.INTERRUPTED
+            with contextlib.suppress(Exception):
+                write_json(report, json_to)
+        raise
     finally:
-        temporary.close()
+        # The run is over (its report said): a signal now waits for the temporary folders to go,
+        # and is said as what it is, never as "interrupted; … left as it was".
+        try:
+            with deferred(then_raise=False) as late:
+                temporary.close()
+        except KeyboardInterrupt:  # (held by a removal's own ``deferred``, raised once it was done)
+            late = [True]
+        if late:
+            streams.end_if_reader_gone()  # (SIGPIPE: the reader gone ends it quietly, as anywhere)
+            tell("apply.py: interrupted as the run ended: its temporary files were removed first")
 
 
 def _interrupted(report: Report, said: str, json_to: Path | None) -> int:

@@ -75,8 +75,15 @@ def _run_apply(project: Project, opts: Options) -> Report:
     report = Report(project.version, manifest.base, ref, branch=branch, workdir=str(workdir),
                     allow_drift=opts.allow_drift, **next_args(opts))
 
-    with locked(workdir, check=opts.check, overlay_dir=project.overlay_dir):
-        _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
+    try:
+        with locked(workdir, check=opts.check, overlay_dir=project.overlay_dir):
+            _apply_locked(project, opts, manifest, patches, ref, branch, workdir, report)
+    except KeyboardInterrupt:
+        if not report.published:
+            raise  # (nothing of the checkout changed: said so by the CLI)
+        # after the switch (as the run let go of its locks): what was done is said, not undone
+        report.error = f"interrupted after the switch: branch {branch} is published"
+        report.error_code = errors.INTERRUPTED
     return report
 
 

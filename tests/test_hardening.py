@@ -668,3 +668,72 @@ def test_a_signal_while_an_export_writes_finishes_it_then_stops(project, upstrea
     assert captured.err.splitlines()[-1] == "apply.py: interrupted while writing the export: it was finished first"
     assert "0002-model-line-13.patch" in captured.out
     assert (project.patches_dir / "series").read_text().splitlines()[-1] == "0002-model-line-13.patch"
+
+
+# -- Round 10b: a signal just before or after the switch, or as the run ended, was said as
+# "the checkout's branches, HEAD and files were left as they were" (after the switch: false),
+# and a --json report of an earlier run was left as if it were this one's.
+
+
+def test_an_interrupt_before_the_switch_writes_this_runs_report_file(project, upstream, tmp_path, monkeypatch,
+                                                                    capsys):
+    from k3overlay import source
+
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    out = tmp_path / "r.json"
+    out.write_text('{"ok": true, "workdir": "an earlier run\'s"}')
+    real = source.locate
+
+    def located_then_interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt  # (a signal's effect: the suite may run with SIGINT ignored)
+
+    monkeypatch.setattr(source, "locate", located_then_interrupted)
+    assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 130
+    said = "interrupted; the checkout's branches, HEAD and files were left as they were"
+    assert capsys.readouterr().err.splitlines()[-1] == f"apply.py: {said}"
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["error"] == said
+
+
+def test_an_interrupt_as_the_run_lets_go_after_the_switch_says_it_was_published(project, upstream, tmp_path,
+                                                                                monkeypatch, capsys):
+    from k3overlay import claim
+
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    wd, out = tmp_path / "wd", tmp_path / "r.json"
+    real = claim.release
+
+    def released_then_interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(claim, "release", released_then_interrupted)
+    assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(wd), "--json", str(out)]) == 130
+    said = "interrupted after the switch: branch k3-overlay/9.9.9 is published"
+    assert capsys.readouterr().err.splitlines()[-1] == f"apply.py: {said}"
+    assert json.loads(out.read_text())["error"] == said
+    assert g(wd, "symbolic-ref", "HEAD").strip() == "refs/heads/k3-overlay/9.9.9"
+
+
+def test_an_interrupt_as_the_temporary_files_go_at_the_end_is_said_as_such(project, upstream, tmp_path,
+                                                                          monkeypatch, capsys):
+    import contextlib
+
+    from k3overlay import scratch
+
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    real = scratch.per_run
+
+    @contextlib.contextmanager
+    def interrupted_as_it_ends():
+        with real() as folder:
+            yield folder
+        raise KeyboardInterrupt  # (a removal's own deferred raises it once it is done)
+
+    monkeypatch.setattr(scratch, "per_run", interrupted_as_it_ends)
+    out = tmp_path / "r.json"
+    assert cli.main(["--vllm-repo", str(upstream), "--workdir", str(tmp_path / "wd"), "--json", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "apply.py: interrupted as the run ended: its temporary files were removed first"
+    assert not any("left as they were" in line for line in err) and json.loads(out.read_text())["ok"] is True
