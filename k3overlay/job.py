@@ -94,10 +94,11 @@ def refuse_unsafe_patches(patches: list[series_mod.Patch], manifest: manifest_mo
     files for the overlay's own, then dropped the patch from the series. Or if it writes
     where no patch may (``_forbidden``): git refuses such a path, and the run used to call
     it a conflict and tell the user to ``git add`` it."""
-    overlay = {f.path for f in manifest.files}
-    for patch in patches:
+    overlay, links = {f.path for f in manifest.files}, set()
+    for patch in patches:  # (in series order: a link an earlier patch makes counts for the later)
         try:
-            touched, links = git.paths_touched(patch.path), git.links_made(patch.path)
+            touched = git.paths_touched(patch.path)
+            links |= git.links_made(patch.path)
         except git.GitError as err:
             raise UsageError(str(err)) from err
         for path in sorted(touched):
@@ -122,12 +123,25 @@ def _forbidden(path: str, links: set[str]) -> str | None:
         return "an absolute path"
     if ".." in parts:
         return "a path out of the tree"
-    if any(part.lower().rstrip(". ") == ".git" or part.lower() == "git~1" for part in parts):
+    if "." in parts or "" in parts:
+        return "a path with a '.' or an empty part"
+    if any(_as_a_file_system_may_read(part) in (".git", "git~1") for part in parts):
         return "a path inside a git folder"
     through = next((link for link in sorted(links) if path.startswith(link + "/")), None)
     if through:
         return f"a path through {through}, a symbolic link the patch makes"
     return None
+
+
+# What HFS+ ignores in a name (git's is_hfs_dotgit): zero-width joiners, marks, BiDi controls.
+_IGNORED = dict.fromkeys([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x206A, 0x2070),
+                          0xFEFF])
+
+
+def _as_a_file_system_may_read(part: str) -> str:
+    """``part`` as NTFS or HFS+ may read it: lower case, no ignorable characters, no ``:stream``
+    (NTFS's alternate data streams, ``.git::$INDEX_ALLOCATION``), no trailing dots or spaces."""
+    return part.translate(_IGNORED).lower().split(":", 1)[0].rstrip(". ")
 
 
 def overlay_folders(manifest: manifest_mod.Manifest) -> set[str]:

@@ -740,6 +740,10 @@ HOSTILE_DIFFS = {  # a patch's diff writing where no patch may, and the path the
     "into git~1": ("GIT~1/hooks/x", "a path inside a git folder"),
     "out of the tree": ("../outside.txt", "a path out of the tree"),
     "through a link it makes": ("pkg/evil/x.py", "a path through pkg/evil, a symbolic link the patch makes"),
+    # round 10b: an NTFS stream, an HFS+-ignored character, a '.' part
+    "into .git::$INDEX_ALLOCATION": (".git::$INDEX_ALLOCATION/hooks/x", "a path inside a git folder"),
+    "into .g\u200cit": (".g\u200cit/hooks/x", "a path inside a git folder"),
+    "a '.' part": ("pkg/./x.py", "a path with a '.' or an empty part"),
 }
 
 
@@ -768,3 +772,17 @@ def test_a_patch_writing_in_git_out_of_the_tree_or_through_its_link_is_bad_input
     assert str(err.value) == (f"0002-hostile.patch writes {path!r}, {why}: git refuses it, and no patch "
                               f"of the series may; take it out of the patch")
     assert not (tmp_path / "wd").exists() and not (tmp_path / "outside.txt").exists()
+
+
+def test_a_link_an_earlier_patch_makes_is_no_way_for_a_later_one(project, upstream, tmp_path):
+    """Round 10b: a link made by one patch and written through by the next was a conflict."""
+    link = _hostile_patch("pkg/evil/x.py")
+    head, _, rest = link.partition("diff --git a/pkg/evil/x.py")
+    (project.patches_dir / "0002-link.patch").write_text(head + "--\n2.39.0\n\n")
+    (project.patches_dir / "0003-through.patch").write_text(
+        head.split("---\n", 1)[0].replace("Subject: [PATCH] hostile", "Subject: [PATCH] through it")
+        + "---\ndiff --git a/pkg/evil/x.py" + rest)
+    (project.patches_dir / "series").write_text("0001-model-line-4.patch\n0002-link.patch\n0003-through.patch\n")
+    with pytest.raises(errors.UsageError) as err:
+        run_apply(project, Options(vllm_repo=str(upstream), workdir=tmp_path / "wd"))
+    assert str(err.value).startswith("0003-through.patch writes 'pkg/evil/x.py', a path through pkg/evil, ")
