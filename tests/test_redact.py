@@ -342,9 +342,24 @@ def test_apply_with_a_percent_encoded_token_name_leaks_nothing(project, tmp_path
 ESCAPED = [f"{SECRET} Tok\x07", f"{SECRET}\tTok \x1b", f"pa ss\u2028{SECRET}", f"a\xa0{SECRET} \x01",
            f"it's {SECRET}\x7f", f"{SECRET} \\ \x85"]
 
+def _run_with_source(project, tmp_path, monkeypatch, capsys, given: str, url: str):
+    """apply.py with ``url`` as ``given`` (``--vllm-repo`` or ``$VLLM_REPO``) and ``--json``:
+    (exit code, stdout, stderr, the JSON report's ``error``)."""
+    monkeypatch.setattr(cli, "Project", lambda: project)
+    args = ["--workdir", str(tmp_path / "wd"), "--json", str(tmp_path / "r.json")]
+    if given == "--vllm-repo":
+        args.append(f"--vllm-repo={url}")  # (a leading - is a value, not an option)
+    else:
+        monkeypatch.setenv("VLLM_REPO", url)
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err, json.loads((tmp_path / "r.json").read_text())["error"]
+
+
 
 @pytest.mark.parametrize("password", ESCAPED)
 @pytest.mark.parametrize("given", ["--vllm-repo", "$VLLM_REPO"])
+
 @pytest.mark.parametrize("shape, shown", [
     ("https://user:{pw}@127.0.0.1:1/x.git", "'https://***@127.0.0.1:1/x.git'"),
     ("https://{pw}@127.0.0.1:1/x.git", "'https://***@127.0.0.1:1/x.git'"),
@@ -357,16 +372,8 @@ def test_a_refusal_quoting_the_source_masks_its_escaped_password(project, tmp_pa
     import k3overlay.redact as redact_mod
 
     monkeypatch.setattr(redact_mod, "_REMEMBERED", {})  # what another test's source left
-    monkeypatch.setattr(cli, "Project", lambda: project)
     url = shape.format(pw=password)
-    args = ["--workdir", str(tmp_path / "wd"), "--json", str(tmp_path / "r.json")]
-    if given == "--vllm-repo":
-        args.append(f"--vllm-repo={url}")  # (a leading - is a value, not an option)
-    else:
-        monkeypatch.setenv("VLLM_REPO", url)
-    code = cli.main(args)
-    out, err = capsys.readouterr()
-    error = json.loads((tmp_path / "r.json").read_text())["error"]
+    code, out, err, error = _run_with_source(project, tmp_path, monkeypatch, capsys, given, url)
     assert code == errors.USAGE and len(err.splitlines()) == 1, err
     assert SECRET not in out + err + error and _leaks(tmp_path) == []
     assert f"error: {given} {shown} is not a URL or a path" in err and error.startswith(f"{given} {shown}")
@@ -443,15 +450,7 @@ def test_user_info_git_would_read_otherwise_is_refused_in_one_line(project, tmp_
                                                                   case, given):
     shape, escape = UNTELLABLE[case]
     url = shape.format(s=SECRET, port=_closed_port())
-    monkeypatch.setattr(cli, "Project", lambda: project)
-    args = ["--workdir", str(tmp_path / "wd"), "--json", str(tmp_path / "r.json")]
-    if given == "--vllm-repo":
-        args += ["--vllm-repo", url]
-    else:
-        monkeypatch.setenv("VLLM_REPO", url)
-    code = cli.main(args)
-    out, err = capsys.readouterr()
-    error = json.loads((tmp_path / "r.json").read_text())["error"]
+    code, out, err, error = _run_with_source(project, tmp_path, monkeypatch, capsys, given, url)
     assert code == errors.USAGE and len(err.splitlines()) == 1, err
     assert f"error: {given} '{url[:6]}" in err and "***@" in err and escape in err, err
     assert SECRET not in out + err + error and _leaks(tmp_path) == []
