@@ -259,3 +259,17 @@ def fake_index(monkeypatch):
     yield index
     server.shutdown()
     server.server_close()
+
+
+def killed_in_owned_scratch(parent: Path, prefix: str, name: str, data: bytes) -> None:
+    """A process SIGKILLed inside ``lock.owned_scratch(parent, prefix)`` after writing ``data``
+    to ``name`` there: the folder a killed run leaves, its lock free."""
+    killed = subprocess.run([sys.executable, "-c",
+                             "import os, signal, sys; from pathlib import Path\n"
+                             "from k3overlay.lock import owned_scratch\n"
+                             "with owned_scratch(Path(sys.argv[1]), sys.argv[2]) as tmp:\n"
+                             "    (tmp / sys.argv[3]).write_bytes(bytes.fromhex(sys.argv[4]))\n"
+                             "    os.kill(os.getpid(), signal.SIGKILL)\n",
+                             str(parent), prefix, name, data.hex()],
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert killed.returncode == -signal.SIGKILL

@@ -20,7 +20,7 @@ from k3overlay import claim, errors, job, journal, lock, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
-from .conftest import as_in_a_terminal, g
+from .conftest import as_in_a_terminal, g, killed_in_owned_scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
@@ -800,13 +800,7 @@ def test_a_killed_wheel_builds_scratch_folder_is_removed_by_the_next_build(tmp_p
 
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    proc = subprocess.run([sys.executable, "-c",
-                           "import os, signal, sys; from pathlib import Path\n"
-                           "from k3overlay.lock import owned_scratch\n"
-                           "with owned_scratch(Path(sys.argv[1]), '.k3-wheel-') as tmp:\n"
-                           "    (tmp / 'vllm-half.whl').write_bytes(b'PK' * 1000)\n"
-                           "    os.kill(os.getpid(), signal.SIGKILL)\n", str(wheels)], cwd=ROOT)
-    assert proc.returncode == -signal.SIGKILL
+    killed_in_owned_scratch(wheels, ".k3-wheel-", "vllm-half.whl", b"PK" * 1000)
     [left] = list(wheels.iterdir())
     old = time.time() - STALE_AFTER_S - 1
     os.utime(left, (old, old))

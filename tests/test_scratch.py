@@ -23,7 +23,7 @@ import pytest
 from k3overlay import cli, errors, scratch
 from k3overlay.lock import owned_scratch, remove_stale, workdir_lock
 
-from .conftest import as_in_a_terminal
+from .conftest import as_in_a_terminal, killed_in_owned_scratch
 from .test_wheel import setup, vupstream  # noqa: F401  (fixtures: a project, its release wheel)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,13 +213,7 @@ def test_stale_folders_go_at_once_a_live_ones_links_and_other_users_stay(tmp_pat
     next call, however young (it waited a minute before); a live one's never."""
     parent = tmp_path / "p"
     parent.mkdir()
-    killed = subprocess.run([sys.executable, "-c",
-                             "import os, signal, sys; from pathlib import Path\n"
-                             "from k3overlay.lock import owned_scratch\n"
-                             "with owned_scratch(Path(sys.argv[1]), 'run-') as tmp:\n"
-                             "    (tmp / 'half').write_bytes(b'x' * 100)\n"
-                             "    os.kill(os.getpid(), signal.SIGKILL)\n", str(parent)], cwd=ROOT)
-    assert killed.returncode == -signal.SIGKILL
+    killed_in_owned_scratch(parent, "run-", "half", b"x" * 100)
     [dead] = list(parent.iterdir())
     victim = tmp_path / "victim"  # a link to a folder whose owner.lock is free: never followed
     victim.mkdir()
