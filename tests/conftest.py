@@ -273,3 +273,12 @@ def killed_in_owned_scratch(parent: Path, prefix: str, name: str, data: bytes) -
                              str(parent), prefix, name, data.hex()],
                             cwd=Path(__file__).resolve().parent.parent)
     assert killed.returncode == -signal.SIGKILL
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (is there and no zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

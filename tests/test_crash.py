@@ -20,7 +20,7 @@ from k3overlay import claim, errors, job, journal, lock, recovery
 from k3overlay.job import Options, run_apply
 from k3overlay.lock import workdir_lock, workdir_lock_path
 
-from .conftest import as_in_a_terminal, g, killed_in_owned_scratch
+from .conftest import alive, as_in_a_terminal, g, killed_in_owned_scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ("import sys; from pathlib import Path; from k3overlay import cli; "
@@ -766,14 +766,6 @@ with workdir_lock(Path(sys.argv[1]), say=print):
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see processes")
 def test_no_git_child_outlives_a_killed_tool_and_its_lock_waits_for_them(tmp_path, env):
     """A git child, and what git started (here a shell alias running ``sleep``), in a session
@@ -786,11 +778,11 @@ def test_no_git_child_outlives_a_killed_tool_and_its_lock_waits_for_them(tmp_pat
         assert time.monotonic() < deadline and tool.poll() is None
         time.sleep(0.02)
     grandchild = int((work / "started").read_text())  # the shell, exec'd into sleep
-    assert _alive(grandchild)
+    assert alive(grandchild)
     tool.kill()
     tool.wait()
     with workdir_lock(work, say=lambda _: None):  # the next run: its lock waits for them
-        assert not _alive(grandchild)
+        assert not alive(grandchild)
 
 
 def test_a_killed_wheel_builds_scratch_folder_is_removed_by_the_next_build(tmp_path):

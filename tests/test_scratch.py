@@ -23,7 +23,7 @@ import pytest
 from k3overlay import cli, errors, scratch
 from k3overlay.lock import owned_scratch, remove_stale, workdir_lock
 
-from .conftest import as_in_a_terminal, killed_in_owned_scratch
+from .conftest import alive, as_in_a_terminal, killed_in_owned_scratch
 from .test_wheel import setup, vupstream  # noqa: F401  (fixtures: a project, its release wheel)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,14 +84,6 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # -- a killed run's temporary folders are removed by the next run -----------------------------
@@ -320,14 +312,14 @@ def test_the_wheel_checks_pip_does_not_outlive_a_killed_build_and_leaves_nothing
         wait_for(lambda: mark.exists() or tool.poll() is not None, "the wheel check's pip")
         assert tool.poll() is None, tool.communicate()
         pids = [int(word) for word in mark.read_text().split()]
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         tool.kill()  # SIGKILL: the tool alone, as the OOM killer does
         tool.communicate()
-        wait_for(lambda: not any(_alive(pid) for pid in pids), "pip and its child to be stopped", 10)
+        wait_for(lambda: not any(alive(pid) for pid in pids), "pip and its child to be stopped", 10)
     finally:
         tool.kill()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert [p for p in everything(tmp) if "k3-wheel-install-" in p]  # what it left
     again = run_tool(project, tmp, *args)  # with pip itself
@@ -368,12 +360,12 @@ def test_an_interrupt_stops_what_a_childs_child_started(tmp_path):
         pids = [int(word) for word in mark.read_text().split()]
         child.send_signal(signal.SIGTERM)
         assert child.stdout.readline() == "stopped\n"
-        assert not any(_alive(pid) for pid in pids)  # gone before the interrupt went on
+        assert not any(alive(pid) for pid in pids)  # gone before the interrupt went on
     finally:
         child.kill()
         child.communicate()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
