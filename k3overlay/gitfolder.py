@@ -71,21 +71,23 @@ def config_files(folder: Path) -> list[Path]:
     the common folder's ``config`` (a linked worktree's ``commondir`` names it) and the
     worktree's own ``config.worktree`` (read where ``extensions.worktreeConfig`` is on: listed
     where it is there). Absent ones are left out."""
-    common = folder
-    named = _head_of(folder / "commondir").rstrip(b"\r\n")
-    if named:
-        common = folder / os.fsdecode(named)
-    found = [common / "config", folder / "config.worktree"]
-    return [path for path in dict.fromkeys(found) if os.path.lexists(path)]
+    return _there([_common(folder) / "config", folder / "config.worktree"])
 
 
 def git_files(folder: Path) -> list[Path]:
     """The files other than config that git (and GitPython) read in the git folder ``folder``
     before any command's own work, where they are there: ``HEAD``, ``commondir`` and the
     common folder's ``packed-refs``. (``git_folder`` took only a ``HEAD`` that is a file.)"""
-    common = folder
+    return _there([folder / "HEAD", folder / "commondir", _common(folder) / "packed-refs"])
+
+
+def _common(folder: Path) -> Path:
+    """The common git folder of git folder ``folder``: the one its ``commondir`` names (a
+    linked worktree's), else itself."""
     named = _head_of(folder / "commondir").rstrip(b"\r\n")
-    if named:
-        common = folder / os.fsdecode(named)
-    found = [folder / "HEAD", folder / "commondir", common / "packed-refs"]
-    return [path for path in dict.fromkeys(found) if os.path.lexists(path)]
+    return folder / os.fsdecode(named) if named else folder
+
+
+def _there(paths: list[Path]) -> list[Path]:
+    """``paths`` that are there (a dangling link too: it is git's to read), each once."""
+    return [path for path in dict.fromkeys(paths) if os.path.lexists(path)]
