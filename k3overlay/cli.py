@@ -200,20 +200,13 @@ def _run(project: Project, args: argparse.Namespace) -> int:
                 write_json(report, json_to)
         return err.exit_code
     except Exception as err:  # a bug of ours: the report asked for still says so, then the traceback
-        if json_to:  # (after publishing, with what the job did: the wheel build, the reports)
-            report = report or refused(project, args.rebase_to or args.vllm_ref, "", INTERNAL)
-            report.error = f"internal error (a bug of apply.py): {type(err).__name__}: {err}"
-            report.error_code = INTERNAL
-            with contextlib.suppress(Exception):
-                write_json(report, json_to)
+        # (after publishing, with what the job did: the wheel build, the reports)
+        _stopped_report(report, project, args, json_to,
+                        f"internal error (a bug of apply.py): {type(err).__name__}: {err}", INTERNAL)
         raise
     except KeyboardInterrupt:  # (one line by _main) a report file asked for is this run's, not the last's
-        if json_to:
-            report = report or refused(project, args.rebase_to or args.vllm_ref, "", errors.INTERRUPTED)
-            report.error = f"interrupted; {_left_as_it_was(args)}"
-            report.error_code = errors.INTERRUPTED
-            with contextlib.suppress(Exception):
-                write_json(report, json_to)
+        _stopped_report(report, project, args, json_to, f"interrupted; {_left_as_it_was(args)}",
+                        errors.INTERRUPTED)
         raise
     finally:
         # The run is over (its report said): a signal now waits for the temporary folders to go,
@@ -226,6 +219,19 @@ def _run(project: Project, args: argparse.Namespace) -> int:
         if late:
             streams.end_if_reader_gone()  # (SIGPIPE: the reader gone ends it quietly, as anywhere)
             tell("apply.py: interrupted as the run ended: its temporary files were removed first")
+
+
+def _stopped_report(report: Report | None, project: Project, args: argparse.Namespace,
+                    json_to: Path | None, error: str, code: int) -> None:
+    """Write ``--json`` (where asked) for a run something stopped before its end: what it did
+    (``report``, or a refusal's), ``error`` and ``code``; a write error is not raised over
+    what stopped it."""
+    if not json_to:
+        return
+    report = report or refused(project, args.rebase_to or args.vllm_ref, "", code)
+    report.error, report.error_code = error, code
+    with contextlib.suppress(Exception):
+        write_json(report, json_to)
 
 
 def _interrupted(report: Report, said: str, json_to: Path | None) -> int:
